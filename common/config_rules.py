@@ -1,0 +1,180 @@
+"""Cross-field rules of the Tether config: the cycle invariant, derived values, staleness.
+
+Each rule either derives a value the user left out (recorded in the returned set, so
+``tether config explain`` can say "derived") or refuses the config with a ``ConfigError`` whose
+message shows the user's numbers and how to fix them. A user's explicit setting is never changed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from common.config import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import TetherConfig
+
+EQUATION = "prompts_per_cycle × responses_per_prompt × passes_per_cycle = train_batch_size × train_steps_per_cycle"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _invariant_fixes(p: int, r: int, e: int, b: int, s: int) -> list[str]:
+    """Two concrete ways to balance the equation, each changing one side only."""
+    fixes: list[str] = []
+    produced = p * r * e
+    if produced % s == 0:
+        fixes.append(f"set train_batch_size = {produced // s} (keeps train_steps_per_cycle = {s}: {p} × {r} × {e} = {produced // s} × {s})")
+    elif produced % b == 0:
+        fixes.append(f"set train_steps_per_cycle = {produced // b} (keeps train_batch_size = {b}: {p} × {r} × {e} = {b} × {produced // b})")
+    consumed = b * s
+    if consumed % (r * e) == 0:
+        fixes.append(
+            f"set prompts_per_cycle = {consumed // (r * e)} (keeps train_batch_size × train_steps_per_cycle = {b} × {s} = {consumed})"
+        )
+    if len(fixes) < 2:
+        near = min(_divisors(produced), key=lambda d: (abs(d - b), d))
+        fixes.append(
+            f"set train_batch_size = {near} and train_steps_per_cycle = {produced // near} ({p} × {r} × {e} = {near} × {produced // near})"
+        )
+    return fixes[:2]
+
+
+def _resolve_batch(cfg: TetherConfig, derived: set[str]) -> tuple[int, int]:
+    run = cfg.run
+    p, r, e = run.prompts_per_cycle, run.responses_per_prompt, run.passes_per_cycle
+    produced = p * r * e
+    b, s = run.train_batch_size, run.train_steps_per_cycle
+    if b is None and s is None:
+        s = 1
+        derived.add("run.train_steps_per_cycle")
+    if b is None:
+        assert s is not None
+        if produced % s:
+            raise ConfigError(
+                f"run.train_batch_size cannot be derived: {p} × {r} × {e} = {produced} responses per cycle "
+                f"do not split into train_steps_per_cycle = {s} equal optimizer steps. "
+                f"Choose train_steps_per_cycle from the divisors of {produced} "
+                f"({', '.join(map(str, _divisors(produced)[:12]))}…) or set train_batch_size yourself."
+            )
+        b = produced // s
+        derived.add("run.train_batch_size")
+    elif s is None:
+        if produced % b:
+            near = min(_divisors(produced), key=lambda d: (abs(d - b), d))
+            raise ConfigError(
+                f"run.train_steps_per_cycle cannot be derived: {p} × {r} × {e} = {produced} responses per cycle "
+                f"are not a whole number of optimizer steps of train_batch_size = {b}. "
+                f"Fix: set train_batch_size = {near} ({produced // near} steps per cycle), or set prompts_per_cycle "
+                f"so that prompts_per_cycle × {r} × {e} is a multiple of {b}."
+            )
+        s = produced // b
+        derived.add("run.train_steps_per_cycle")
+    if produced != b * s:
+        fixes = _invariant_fixes(p, r, e, b, s)
+        raise ConfigError(
+            "The cycle settings do not balance: responses generated per cycle must equal responses "
+            f"consumed per cycle ({EQUATION}). With your numbers: {p} × {r} × {e} = {produced}, but "
+            f"{b} × {s} = {b * s}. Fix it one of two ways: {fixes[0]}; or {fixes[1]}."
+        )
+    run.train_batch_size, run.train_steps_per_cycle = b, s
+    return b, s
+
+
+def _check_passes(cfg: TetherConfig, b: int) -> None:
+    per_pass = cfg.run.prompts_per_cycle * cfg.run.responses_per_prompt
+    if cfg.run.passes_per_cycle > 1 and per_pass % b:
+        raise ConfigError(
+            f"run.passes_per_cycle = {cfg.run.passes_per_cycle} needs every pass over a cycle's "
+            f"{per_pass} responses to be whole optimizer steps, but train_batch_size = {b} does not "
+            f"divide {per_pass}. Fix: choose train_batch_size from {_divisors(per_pass)}."
+        )
+
+
+def _resolve_micro_batches(cfg: TetherConfig, b: int, derived: set[str]) -> None:
+    world = cfg.dp_world_size
+    ln = cfg.learner
+    if b % world:
+        raise ConfigError(
+            f"run.train_batch_size = {b} responses cannot be shared evenly by {world} learner ranks "
+            f"(learner.nnodes × learner.nproc_per_node = {ln.nnodes} × {ln.nproc_per_node}). "
+            f"Fix: make train_batch_size a multiple of {world}, or change the number of learner ranks."
+        )
+    per_rank = b // world
+    if ln.micro_batch_size is not None and ln.max_tokens_per_micro_batch is not None:
+        raise ConfigError(
+            "learner.micro_batch_size and learner.max_tokens_per_micro_batch are both set: micro-batches "
+            "are cut either by count or by a token budget. Fix: remove one of them."
+        )
+    if ln.max_tokens_per_micro_batch is not None:
+        longest = cfg.run.max_prompt_tokens + cfg.run.max_response_tokens
+        if ln.max_tokens_per_micro_batch < longest:
+            raise ConfigError(
+                f"learner.max_tokens_per_micro_batch = {ln.max_tokens_per_micro_batch} is smaller than the "
+                f"longest possible sequence (run.max_prompt_tokens + run.max_response_tokens = {longest}); "
+                f"such a sequence could never be trained. Fix: set it to at least {longest}."
+            )
+        return
+    if ln.micro_batch_size is None:
+        ln.micro_batch_size = max(d for d in _divisors(per_rank) if d <= 8)
+        derived.add("learner.micro_batch_size")
+    if per_rank % ln.micro_batch_size:
+        raise ConfigError(
+            f"learner.micro_batch_size = {ln.micro_batch_size} does not divide the per-rank share of an "
+            f"optimizer step: train_batch_size {b} / {world} ranks = {per_rank} responses per rank. "
+            f"Fix: choose micro_batch_size from {_divisors(per_rank)} (gradient accumulation is derived "
+            f"as {per_rank} / micro_batch_size), or use learner.max_tokens_per_micro_batch."
+        )
+
+
+def _resolve_staleness(cfg: TetherConfig, s: int, derived: set[str]) -> None:
+    run = cfg.run
+    pub = cfg.learner.publish_every_steps
+    if pub is not None and s % pub:
+        raise ConfigError(
+            f"learner.publish_every_steps = {pub} does not divide run.train_steps_per_cycle = {s}: the "
+            f"weights a cycle starts from would never be published. Fix: choose publish_every_steps "
+            f"from {_divisors(s)}."
+        )
+    if run.max_staleness is None:
+        run.max_staleness = 2 * s - 1
+        derived.add("run.max_staleness")
+    elif run.max_staleness < s - 1:
+        raise ConfigError(
+            f"run.max_staleness = {run.max_staleness} is below train_steps_per_cycle − 1 = {s - 1}. A cycle's "
+            f"data is generated by one policy version v and trained in {s} optimizer steps, the last of "
+            f"which turns version v + {s - 1} into v + {s}; that step would find every trajectory "
+            f"{s - 1} steps stale and drop it. Fix: set max_staleness ≥ {s - 1} ({s - 1} = fully "
+            f"synchronous; {2 * s - 1} lets generation overlap one cycle of training)."
+        )
+
+
+def _check_misc(cfg: TetherConfig) -> None:
+    if cfg.bus.socket_timeout_s * 1000 <= cfg.bus.block_ms:
+        raise ConfigError(
+            f"bus.socket_timeout_s = {cfg.bus.socket_timeout_s} s must exceed bus.block_ms = "
+            f"{cfg.bus.block_ms} ms, or every blocking stream read would time out (redis-py's default "
+            f"socket timeout is 5 s). Fix: raise socket_timeout_s or lower block_ms."
+        )
+    if cfg.learner.kl_in_reward and cfg.learner.kl_coef == 0:
+        raise ConfigError(
+            "learner.kl_in_reward = true has no effect while learner.kl_coef = 0. Fix: set kl_coef > 0 "
+            "(e.g. 0.001) or remove kl_in_reward."
+        )
+    if len(cfg.learner.adam_betas) != 2 or not all(0 <= x < 1 for x in cfg.learner.adam_betas):
+        raise ConfigError(f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    if cfg.scorer.solver_samples > 1 and cfg.scorer.mode != "solver":
+        raise ConfigError("scorer.solver_samples > 1 only applies to scorer.mode = \"solver\". Fix: set mode = \"solver\" or solver_samples = 1.")
+
+
+def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
+    """Validate and fill in derived values; returns the dotted names that were derived."""
+    derived: set[str] = set()
+    b, s = _resolve_batch(cfg, derived)
+    _check_passes(cfg, b)
+    _resolve_micro_batches(cfg, b, derived)
+    _resolve_staleness(cfg, s, derived)
+    _check_misc(cfg)
+    return derived

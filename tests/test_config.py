@@ -1,0 +1,183 @@
+"""The config schema, its sources and precedence, and every cross-field rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, TetherConfig
+from common.config_load import load_config
+
+
+def cfg_of(**flags):
+    return load_config(flags={f"run.{k}": v for k, v in flags.items()}, env={}).config
+
+
+def test_defaults_are_valid_and_balanced():
+    c = TetherConfig()
+    r = c.run
+    assert r.prompts_per_cycle * r.responses_per_prompt * r.passes_per_cycle == r.train_batch_size * r.train_steps_per_cycle
+
+
+def test_train_batch_size_is_derived_from_steps():
+    c = cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_steps_per_cycle=2)
+    assert c.run.train_batch_size == 60
+    assert "run.train_batch_size" in c.derived
+
+
+def test_steps_are_derived_from_batch_size():
+    c = cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_batch_size=40)
+    assert c.run.train_steps_per_cycle == 3
+    assert "run.train_steps_per_cycle" in c.derived
+
+
+def test_passes_multiply_consumed_responses():
+    c = cfg_of(prompts_per_cycle=8, responses_per_prompt=4, passes_per_cycle=2, train_batch_size=16)
+    assert c.run.train_steps_per_cycle == 4
+
+
+def test_invariant_violation_shows_equation_and_two_fixes():
+    with pytest.raises(ConfigError) as e:
+        cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_batch_size=96, train_steps_per_cycle=1)
+    msg = str(e.value)
+    assert "30 × 4 × 1 = 120" in msg and "96 × 1 = 96" in msg
+    assert "set train_batch_size = 120" in msg
+    assert "set prompts_per_cycle = 24" in msg
+
+
+def test_underivable_steps_refused():
+    with pytest.raises(ConfigError, match="not a whole number of optimizer steps"):
+        cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_batch_size=96)
+
+
+def test_underivable_batch_refused():
+    with pytest.raises(ConfigError, match="do not split into train_steps_per_cycle = 7"):
+        cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_steps_per_cycle=7)
+
+
+def test_passes_need_whole_steps_per_pass():
+    with pytest.raises(ConfigError, match="passes_per_cycle = 2"):
+        cfg_of(prompts_per_cycle=3, responses_per_prompt=4, passes_per_cycle=2, train_batch_size=8)
+
+
+def test_micro_batch_must_divide_per_rank_share():
+    with pytest.raises(ConfigError, match="does not divide the per-rank share") as e:
+        load_config(
+            flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4},
+            overrides=["learner.nproc_per_node=2", "learner.micro_batch_size=5"],
+            env={},
+        )
+    assert "32 / 2 ranks = 16" in str(e.value)
+
+
+def test_batch_must_split_over_ranks():
+    with pytest.raises(ConfigError, match="cannot be shared evenly by 3 learner ranks"):
+        load_config(flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4}, overrides=["learner.nproc_per_node=3"], env={})
+
+
+def test_grad_accumulation_is_derived():
+    c = load_config(flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4}, overrides=["learner.nproc_per_node=2", "learner.micro_batch_size=4"], env={}).config
+    assert c.grad_accumulation_steps == 4  # 32 / 2 ranks / 4
+
+
+def test_count_and_token_budget_are_exclusive():
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(overrides=["learner.micro_batch_size=4", "learner.max_tokens_per_micro_batch=4096"], env={})
+
+
+def test_token_budget_must_fit_longest_sequence():
+    with pytest.raises(ConfigError, match="at least 384"):
+        load_config(overrides=["learner.max_tokens_per_micro_batch=100"], env={})
+
+
+def test_staleness_below_steps_minus_one_is_explained():
+    with pytest.raises(ConfigError) as e:
+        cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=2)
+    assert "max_staleness ≥ 3" in str(e.value)
+
+
+def test_staleness_boundary_is_accepted_and_default_overlaps_one_cycle():
+    assert cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=3).run.max_staleness == 3
+    assert cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4).run.max_staleness == 7
+
+
+def test_publish_every_must_divide_steps():
+    with pytest.raises(ConfigError, match="publish_every_steps = 3"):
+        load_config(flags={"run.train_steps_per_cycle": 4}, overrides=["learner.publish_every_steps=3"], env={})
+
+
+def test_socket_timeout_must_exceed_block():
+    with pytest.raises(ConfigError, match="socket_timeout_s"):
+        load_config(overrides=["bus.block_ms=10000", "bus.socket_timeout_s=5"], env={})
+
+
+def test_unknown_key_suggests(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[learner]\nlearning_rate = 1e-6\n")
+    with pytest.raises(ConfigError, match="unknown setting 'learner.learning_rate'"):
+        load_config(config_file=f, env={})
+    with pytest.raises(ConfigError, match="Did you mean 'prompts_per_cycle'"):
+        load_config(overrides=["run.prompt_per_cycle=3"], env={})
+    with pytest.raises(ConfigError, match="Did you mean 'learner'"):
+        load_config(overrides=["lerner.lr=3"], env={})
+
+
+def test_bad_type_names_setting_and_source():
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"TETHER_LEARNER__LR": "fast"})
+    assert "learner.lr = 'fast' (environment TETHER_LEARNER__LR)" in str(e.value)
+
+
+def test_precedence_defaults_file_env_flags_set(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[learner]\nlr = 1e-5\nweight_decay = 0.1\ngrad_clip = 0.5\n[run]\nseed = 7\n")
+    env = {"TETHER_LEARNER__WEIGHT_DECAY": "0.2", "TETHER_LEARNER__GRAD_CLIP": "0.3"}
+    lo = load_config(config_file=f, env=env, flags={"run.seed": 9}, overrides=["learner.grad_clip=0.4"])
+    c = lo.config
+    assert c.learner.lr == 1e-5  # file over default
+    assert c.learner.weight_decay == 0.2  # env over file
+    assert c.run.seed == 9  # flag over file
+    assert c.learner.grad_clip == 0.4  # --set over env
+    assert lo.sources["learner.weight_decay"] == "environment TETHER_LEARNER__WEIGHT_DECAY"
+
+
+def test_cycle_knobs_in_any_table_and_top_level(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("prompts_per_cycle = 6\n[learner]\ntrain_batch_size = 12\nlr = 1e-6\n[generator]\nresponses_per_prompt = 4\n")
+    c = load_config(config_file=f, env={}).config
+    assert (c.run.prompts_per_cycle, c.run.responses_per_prompt, c.run.train_batch_size, c.run.train_steps_per_cycle) == (6, 4, 12, 2)
+
+
+def test_conflicting_copies_of_a_knob_refused(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("prompts_per_cycle = 6\n[run]\nprompts_per_cycle = 8\n")
+    with pytest.raises(ConfigError, match="given twice with different values"):
+        load_config(config_file=f, env={})
+
+
+def test_non_cycle_top_level_key_refused(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("lr = 1e-6\n")
+    with pytest.raises(ConfigError, match="must sit in a section"):
+        load_config(config_file=f, env={})
+
+
+def test_slime_aliases_warn_once_and_map(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[run]\nrollout_batch_size = 8\nn_samples_per_prompt = 4\nglobal_batch_size = 16\n")
+    lo = load_config(config_file=f, env={}, flags={"run.num_rollout": 3})
+    assert lo.config.run.prompts_per_cycle == 8 and lo.config.run.train_steps_per_cycle == 2
+    assert lo.config.run.num_cycles == 3
+    assert len(lo.warnings) == 4
+    assert any("'rollout_batch_size'" in w and "prompts_per_cycle" in w for w in lo.warnings)
+
+
+def test_invalid_toml_names_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[run\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(config_file=f, env={})
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(config_file="/nonexistent/tether.toml", env={})
