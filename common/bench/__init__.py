@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each measures Tether's path and a bare baseline in the same run."""

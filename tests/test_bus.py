@@ -1,0 +1,207 @@
+"""Bus against a real server: delivery, dedupe, dead letters, back-pressure, trimming, inspect."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from common import wire
+from common.bus import Bus, BusSettings
+from common.bus_inspect import format_inspect, inspect_bus
+from common.redis_server import EmbeddedRedis
+from common.wire import PromptMsg
+from tests.conftest import test_server_binary
+from tests.test_wire import make_group
+
+
+def new_bus(server, **overrides) -> Bus:
+    run = overrides.pop("run", "t" + uuid.uuid4().hex[:8])
+    kw = dict(url=server.url, run=run, block_ms=100, socket_timeout_s=5, reconnect_max_s=10)
+    return Bus(BusSettings(**(kw | overrides)), service="test")
+
+
+def prompt(i: int) -> PromptMsg:
+    return PromptMsg(prompt_id=f"p{i}", cycle=0, index=i, text=f"question {i}")
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_publish_read_commit_in_run_namespace(redis_server) -> None:
+    bus = new_bus(redis_server)
+    consumer = bus.consumer("prompts", "gen", "c1")
+    ids = [bus.publish("prompts", prompt(i)) for i in range(5)]
+    assert bus.redis.xlen(f"{bus.settings.run}:prompts") == 5
+    assert bus.backlog("prompts", "gen") == (5, 0)
+    got = consumer.read(3)
+    assert [d.entry_id for d in got] == ids[:3] and [d.deliveries for d in got] == [1, 1, 1]
+    assert [d.msg.prompt_id for d in got] == ["p0", "p1", "p2"]
+    assert bus.backlog("prompts", "gen") == (2, 3)
+    group = make_group()
+    assert consumer.commit(got, publish=[("groups", group)], dedupe_ids=["g0"]) == 1
+    assert bus.backlog("prompts", "gen") == (2, 0)
+    back = bus.consumer("groups", "scorer", "s1").read(10)
+    assert len(back) == 1 and back[0].msg.group_id == "g0"
+    np.testing.assert_array_equal(back[0].msg.prompt_token_ids, group.prompt_token_ids)
+    assert consumer.is_done("g0") and not consumer.is_done("g1")
+
+
+def test_commit_publishes_once_when_two_consumers_process_the_same_entries(redis_server) -> None:
+    bus = new_bus(redis_server, claim_idle_ms=50)
+    slow, fast = bus.consumer("in", "w", "slow"), bus.consumer("in", "w", "fast")
+    for i in range(4):
+        bus.publish("in", prompt(i))
+    taken = slow.read(4)
+    time.sleep(0.1)  # "slow" stays silent longer than claim_idle_ms: its entries get claimed
+    claimed = fast.read(4)
+    assert [d.entry_id for d in claimed] == [d.entry_id for d in taken]
+    assert all(d.deliveries == 2 for d in claimed)
+    assert metric("tether_bus_claimed_messages_total", stream="in", group="w") >= 4
+    out = lambda batch: [("out", prompt(int(d.msg.prompt_id[1:]))) for d in batch]  # noqa: E731
+    ids = lambda batch: [d.msg.prompt_id for d in batch]  # noqa: E731
+    assert fast.commit(claimed, publish=out(claimed), dedupe_ids=ids(claimed)) == 4
+    assert slow.commit(taken, publish=out(taken), dedupe_ids=ids(taken)) == 0
+    entries = bus.redis.xrange(f"{bus.settings.run}:out")
+    assert len(entries) == 4
+    assert bus.backlog("in", "w") == (0, 0)
+
+
+def test_restarted_consumer_drains_its_own_pending_first(redis_server) -> None:
+    bus = new_bus(redis_server)
+    first = bus.consumer("in", "w", "c")
+    for i in range(6):
+        bus.publish("in", prompt(i))
+    assert len(first.read(3)) == 3  # then "crashes" without acking
+    again = bus.consumer("in", "w", "c")
+    pending = again.read(10)
+    assert [d.msg.prompt_id for d in pending] == ["p0", "p1", "p2"]
+    assert [d.deliveries for d in pending] == [2, 2, 2]
+    assert [d.msg.prompt_id for d in again.read(10)] == ["p3", "p4", "p5"]
+
+
+def test_poison_messages_are_dead_lettered_and_good_ones_flow(redis_server) -> None:
+    bus = new_bus(redis_server, max_message_bytes=4096, max_deliveries=2)
+    consumer = bus.consumer("in", "w", "c")
+    good = wire.encode(make_group())
+    nan_group = make_group()
+    nan_group.samples[0].behaviour_logprobs[1] = np.nan
+    bad_version = msgpack.unpackb(good, raw=False) | {"v": 99}
+    poison = {
+        "undecodable": b"\xc1\xc1\xc1",
+        "bad_version": msgpack.packb(bad_version, use_bin_type=True),
+        "oversize": good + b"\x00" * 5000,
+        "bad_value": wire.encode(nan_group),
+        "bad_kind": msgpack.packb({"v": 1, "kind": "mystery"}),
+    }
+    for payload in poison.values():
+        bus.publish_raw("in", {b"m": payload})
+    bus.publish_raw("in", {b"other": b"no payload field"})
+    bus.publish("in", prompt(1))
+    got = consumer.read(20)
+    assert [d.msg.prompt_id for d in got] == ["p1"]
+    consumer.ack(got)
+    # An entry that keeps crashing its consumer: delivered 3 times > max_deliveries=2.
+    bus.publish("in", prompt(2))
+    for _ in range(2):
+        assert len(bus.consumer("in", "w", "c").read(5)) == 1  # read, never acked: "crash"
+    assert bus.consumer("in", "w", "c").read(5) == []
+    dead = bus.redis.xrange(f"{bus.settings.run}:dead")
+    reasons = [f[b"reason"].decode() for _, f in dead]
+    assert reasons == [*poison, "undecodable", "max_deliveries"]
+    assert dead[0][1][b"raw"] == b"\xc1\xc1\xc1" and dead[0][1][b"stream"] == b"in"
+    assert len(dead[2][1][b"raw"]) == 4096  # raw bytes kept, truncated
+    assert bus.backlog("in", "w") == (0, 0)  # every poison entry was acked at the source
+    assert metric("tether_bus_dead_letters_total", stream="in", group="w", reason="oversize") >= 1
+
+
+def test_producer_blocks_at_max_backlog_and_trim_keeps_unacked(redis_server) -> None:
+    bus = new_bus(redis_server, max_backlog=5)
+    key = f"{bus.settings.run}:in"
+    bus.ensure_group("in", "w")
+    done = threading.Event()
+
+    def produce() -> None:
+        for i in range(12):
+            bus.publish("in", prompt(i), wait_for=["w"])
+        done.set()
+
+    threading.Thread(target=produce, daemon=True).start()
+    time.sleep(0.5)  # the consumer is stopped: the producer must stall at the bound
+    assert not done.is_set() and bus.redis.xlen(key) == 5 and bus.backlog("in", "w") == (5, 0)
+    with pytest.raises(TimeoutError):
+        bus.wait_for_capacity("in", "w", timeout_s=0.1)
+    assert metric("tether_bus_backpressure_wait_seconds_total", stream="in", group="w") > 0.2
+    assert bus.trim_acked("in") == 0  # nothing acknowledged, nothing trimmed
+    consumer = bus.consumer("in", "w", "c")
+    batch = consumer.read(3)
+    consumer.ack(batch[:2])  # p0, p1 acked; p2 pending
+    time.sleep(0.3)
+    assert bus.trim_acked("in") == 2
+    first = bus.redis.xrange(key, count=1)[0][0].decode()
+    assert first == batch[2].entry_id  # the pending entry survived the trim
+    seen = [d.msg.prompt_id for d in batch]
+    while len(seen) < 12:
+        more = consumer.read(4)
+        consumer.ack(more)
+        seen += [d.msg.prompt_id for d in more]
+        assert sum(bus.backlog("in", "w")) <= 5
+    assert done.wait(5) and seen == [f"p{i}" for i in range(12)]
+
+
+def test_trim_respects_the_slowest_group(redis_server) -> None:
+    bus = new_bus(redis_server)
+    fast, slow = bus.consumer("in", "fast", "a"), bus.consumer("in", "slow", "b")
+    for i in range(4):
+        bus.publish("in", prompt(i))
+    fast.ack(fast.read(4))
+    slow.ack(slow.read(1))
+    assert bus.trim_acked("in") == 1
+    assert [d.msg.prompt_id for d in slow.read(10)] == ["p1", "p2", "p3"]
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="socket_timeout_s"):
+        BusSettings(block_ms=10_000, socket_timeout_s=5)
+    with pytest.raises(ValueError, match="scheme"):
+        BusSettings(url="http://localhost:6379")
+    with pytest.raises(ValueError, match="run"):
+        BusSettings(run="a:b")
+    with pytest.raises(ValueError, match="max_backlog"):
+        BusSettings(max_backlog=0)
+
+
+def test_password_is_required_and_used(tmp_path) -> None:
+    with EmbeddedRedis(tmp_path, password="s3cret pw", binary=test_server_binary()) as server:
+        assert ":s3cret%20pw@" in server.url
+        bus = new_bus(server)
+        bus.publish("in", prompt(0))
+        anonymous = Bus(BusSettings(url=server.url.replace(":s3cret%20pw@", ""), socket_timeout_s=5),
+                        service="test")  # fmt: skip
+        with pytest.raises((ValueError, redis.ResponseError)):
+            anonymous.publish("in", prompt(1))
+
+
+def test_inspect_reports_streams_groups_and_dead_letters(redis_server) -> None:
+    bus = new_bus(redis_server)
+    consumer = bus.consumer("in", "w", "c")
+    for i in range(3):
+        bus.publish("in", prompt(i))
+    bus.publish_raw("in", {b"m": b"\xc1"})
+    consumer.read(2)
+    d = inspect_bus(bus.settings)
+    assert d["streams"][0] == {
+        "stream": "in", "length": 4, "groups": [{"name": "w", "lag": 2, "pending": 2, "consumers": 1}]
+    }  # fmt: skip
+    consumer.read(5)
+    d = inspect_bus(bus.settings)
+    assert d["dead_letters"] == 1 and d["recent_dead"][0]["reason"] == "undecodable"
+    text = format_inspect(d)
+    assert "undecodable" in text and "in" in text and "dead letters: 1" in text
