@@ -1,0 +1,128 @@
+"""Advantage estimators against values worked out by hand (arithmetic in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from services.learner.advantages import (
+    compute_advantages,
+    equal_reward_group_mask,
+    token_rewards_with_kl,
+    whiten_tokens,
+)
+
+# Two groups, interleaved and with non-contiguous ids:
+#   group 7: rewards 1, 0, 0, 0  (mean 0.25)
+#   group 3: rewards 2, 4        (mean 3)
+#   group 9: reward 5            (a group of one)
+REWARDS = torch.tensor([1.0, 2.0, 0.0, 0.0, 4.0, 0.0, 5.0])
+GROUPS = torch.tensor([7, 3, 7, 7, 3, 7, 9])
+S3 = math.sqrt(3.0)
+
+
+def test_grpo_population_std():
+    # group 7: population var = (0.75^2 + 3 * 0.25^2) / 4 = 0.1875, std = sqrt(3)/4
+    #   A = 0.75 / (sqrt(3)/4) = sqrt(3);  -0.25 / (sqrt(3)/4) = -1/sqrt(3)
+    # group 3: var = (1 + 1) / 2 = 1 -> A = -1, +1.   group 9: 0 / (0 + eps) = 0
+    adv = compute_advantages(REWARDS, GROUPS, estimator="grpo", eps=1e-6)
+    want = torch.tensor([S3, -1.0, -1 / S3, -1 / S3, 1.0, -1 / S3, 0.0])
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grpo_unbiased_std_matches_bessel_corrected_numbers():
+    # group 7: unbiased var = 0.75 / 3 = 0.25, std 0.5 -> A = 1.5, -0.5
+    # group 3: unbiased var = 2 / 1 = 2, std sqrt(2) -> A = -1/sqrt(2), +1/sqrt(2)
+    # group 9: size one -> std taken as 1, A = 0
+    adv = compute_advantages(REWARDS, GROUPS, estimator="grpo", unbiased_std=True, eps=0.0)
+    h = 1 / math.sqrt(2.0)
+    want = torch.tensor([1.5, -h, -0.5, -0.5, h, -0.5, 0.0])
+    torch.testing.assert_close(adv, want)
+
+
+def test_grpo_without_std_and_drgrpo_subtract_the_group_mean_only():
+    want = torch.tensor([0.75, -1.0, -0.25, -0.25, 1.0, -0.25, 0.0])
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, estimator="grpo", norm_by_std=False), want
+    )
+    # Dr. GRPO never divides by the std, whatever norm_by_std says.
+    torch.testing.assert_close(
+        compute_advantages(REWARDS, GROUPS, estimator="drgrpo", norm_by_std=True), want
+    )
+
+
+def test_rloo_leave_one_out_baseline():
+    # group 7: 1 - mean(0,0,0) = 1;  0 - mean(1,0,0) = -1/3
+    # group 3: 2 - 4 = -2;  4 - 2 = 2.   group 9 (size one): 0
+    adv = compute_advantages(REWARDS, GROUPS, estimator="rloo")
+    want = torch.tensor([1.0, -2.0, -1 / 3, -1 / 3, 2.0, -1 / 3, 0.0])
+    torch.testing.assert_close(adv, want)
+
+
+def test_reinforce_pp_whitens_over_the_batch_ignoring_groups():
+    # rewards 0, 2, 4, 6: mean 3, population var (9 + 1 + 1 + 9) / 4 = 5
+    r = torch.tensor([0.0, 2.0, 4.0, 6.0])
+    adv = compute_advantages(r, torch.tensor([0, 0, 1, 1]), estimator="reinforce_pp", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([-3.0, -1.0, 1.0, 3.0]) / math.sqrt(5.0))
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean_then_whitens():
+    # groups (0, 2) and (4, 10): centred -1, 1, -3, 3; batch mean 0, var (1+1+9+9)/4 = 5
+    r = torch.tensor([0.0, 2.0, 4.0, 10.0])
+    g = torch.tensor([0, 0, 1, 1])
+    adv = compute_advantages(r, g, estimator="reinforce_pp_baseline", eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, -3.0, 3.0]) / math.sqrt(5.0))
+
+
+def test_estimator_errors_name_the_fix():
+    with pytest.raises(ValueError, match="rloo"):
+        compute_advantages(REWARDS, GROUPS, estimator="ppo")
+    with pytest.raises(ValueError, match="group_index shape"):
+        compute_advantages(REWARDS, GROUPS[:3], estimator="grpo")
+    with pytest.raises(ValueError, match="integer"):
+        compute_advantages(REWARDS, GROUPS.float(), estimator="grpo")
+
+
+def test_token_rewards_with_kl_and_returns():
+    kl = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.5, 0.2, 0.4, 0.9], [1.0, 1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 0]])
+    seq = torch.tensor([1.0, -1.0, 5.0])
+    rewards, returns = token_rewards_with_kl(seq, kl, mask, kl_coef=0.5)
+    # row 0: -0.5 * kl = -0.05, -0.1, -0.15 (+1 on the last valid token) -> 0.85; pad 0
+    #   returns (gamma 1): 0.7, 0.75, 0.85, 0
+    # row 1: position 0 is prompt; -0.1, -0.2 - 1 = -1.2 -> returns 0, -1.3, -1.2, 0
+    # row 2: no valid token -> all zero (its sequence reward has nowhere to go)
+    torch.testing.assert_close(
+        rewards,
+        torch.tensor([[-0.05, -0.1, 0.85, 0.0], [0.0, -0.1, -1.2, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+    )
+    torch.testing.assert_close(
+        returns,
+        torch.tensor([[0.7, 0.75, 0.85, 0.0], [0.0, -1.3, -1.2, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+    )
+    # gamma 0.5, row 0: G2 = 0.85; G1 = -0.1 + 0.5 * 0.85 = 0.325; G0 = -0.05 + 0.5 * 0.325
+    _, disc = token_rewards_with_kl(seq, kl, mask, kl_coef=0.5, gamma=0.5)
+    torch.testing.assert_close(disc[0], torch.tensor([0.1125, 0.325, 0.85, 0.0]))
+
+
+def test_whiten_tokens_uses_valid_tokens_only():
+    # valid 1, 2, 3: mean 2, population std sqrt(2/3); the masked 100 is ignored and zeroed
+    v = torch.tensor([[1.0, 2.0], [3.0, 100.0]])
+    m = torch.tensor([[1, 1], [1, 0]])
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(
+        whiten_tokens(v, m, eps=0.0), torch.tensor([[-1 / s, 0.0], [1 / s, 0.0]])
+    )
+
+
+def test_equal_reward_groups_are_filtered_and_counted():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 2.0, 2.0, 2.0])
+    g = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3])
+    keep, n_filtered = equal_reward_group_mask(r, g)
+    # group 0 all 1, group 2 a single sample, group 3 all 2: filtered; group 1 kept
+    assert keep.tolist() == [False, False, True, True, False, False, False, False]
+    assert n_filtered == 3
+    keep, n_filtered = equal_reward_group_mask(
+        torch.tensor([0.0, 0.05]), torch.tensor([4, 4]), atol=0.1
+    )
+    assert keep.tolist() == [False, False] and n_filtered == 1
