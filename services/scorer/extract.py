@@ -1,0 +1,154 @@
+"""Final-answer extraction from a model response (rule rewards, step 1 of 2).
+
+`extract_answer` turns a free-form response into the short answer string that the grader
+(`grader_pool.GraderPool`, math-verify) compares with the ground truth. Strategies are tried in
+the order given by ``fallbacks``; the first that finds something wins:
+
+- ``"boxed"``: the LAST complete ``\\boxed{...}`` or ``\\fbox{...}`` (braces balanced, nesting
+  allowed, ``\\{``/``\\}`` escapes ignored). ``\\boxed 5`` (no braces) is accepted too. A
+  truncated box (unbalanced braces, typical of an over-long response) is skipped.
+- ``"answer_is"``: the last "the (final) answer is X" / "Answer: X", up to the end of the line.
+- ``"gsm8k"``: the last "#### X" line (GSM8K's convention).
+- ``"last_number"``: the last number in the text (``-12``, ``3.5``, ``1,234``, ``7/8``).
+
+Pure Python and cheap: it runs in the scorer's main process, never in a grading worker.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STRATEGIES = ("boxed", "answer_is", "gsm8k", "last_number")
+DEFAULT_FALLBACKS = ("boxed", "answer_is", "last_number")
+# Responses are capped before scanning so that a multi-megabyte garbage response costs O(cap).
+MAX_SCAN_CHARS = 200_000
+MAX_BOX_CANDIDATES = 32
+
+_BOX_START = re.compile(r"\\(boxed|fbox)(?![A-Za-z])(\s*)")
+_ANSWER_IS = re.compile(
+    r"(?:final\s+answer|answer)\s*(?:is\s*[:=]?|[:=])\s*([^\n]+)",
+    re.IGNORECASE,
+)
+_GSM8K = re.compile(r"####\s*([^\n]+)")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# Control characters other than tab/newline carry no answer and confuse the regexes.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """``answer`` is None when nothing was found; ``method`` names the strategy that matched,
+    or why nothing did: ``"empty"`` (blank response) or ``"no_answer"``."""
+
+    answer: str | None
+    method: str
+
+
+def extract_answer(
+    text: str | bytes | None, *, fallbacks: tuple[str, ...] = DEFAULT_FALLBACKS
+) -> Extraction:
+    """Extract the final answer of ``text``. Bytes are decoded as UTF-8 with invalid sequences
+    replaced (U+FFFD), so garbled responses are scored rather than crashing the scorer."""
+    unknown = [name for name in fallbacks if name not in STRATEGIES]
+    if unknown:
+        raise ValueError(
+            f"unknown answer-extraction fallback(s) {unknown}; choose from {list(STRATEGIES)} "
+            "(setting: scorer answer fallbacks)"
+        )
+    clean = _normalise_text(text)
+    if not clean.strip():
+        return Extraction(None, "empty")
+    for name in fallbacks:
+        answer = _STRATEGY_FNS[name](clean)
+        if answer:
+            return Extraction(answer, name)
+    return Extraction(None, "no_answer")
+
+
+def _normalise_text(text: str | bytes | None) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", errors="replace")
+    elif not isinstance(text, str):
+        raise TypeError(f"response text must be str or bytes, got {type(text).__name__}")
+    # Lone surrogates (e.g. from a surrogateescape decode) cannot be encoded to UTF-8 later on.
+    text = text.encode("utf-8", errors="replace").decode("utf-8")
+    if len(text) > MAX_SCAN_CHARS:
+        # The answer is at the end of a response; keep the tail.
+        text = text[-MAX_SCAN_CHARS:]
+    return _CONTROL.sub("", text)
+
+
+def find_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}``/``\\fbox{...}`` in ``text``, or None."""
+    matches = list(_BOX_START.finditer(text))
+    # Last box first; a bounded number of candidates keeps adversarial text linear-time.
+    for match in reversed(matches[-MAX_BOX_CANDIDATES:]):
+        start = match.end()
+        if start < len(text) and text[start] == "{":
+            content = _balanced(text, start)
+        elif match.group(2):
+            # "\boxed 5": one token, up to whitespace or "$".
+            token = re.match(r"[^\s$]+", text[start:])
+            content = token.group(0) if token else None
+        else:
+            content = None  # a box at the very end of the text
+        if content is not None and content.strip():
+            return content.strip()
+    return None
+
+
+def _balanced(text: str, open_at: int) -> str | None:
+    """Text between the brace at ``open_at`` and its matching close, or None if unbalanced."""
+    depth = 0
+    i = open_at
+    while i < len(text):
+        char = text[i]
+        if char == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+            i += 2  # escaped brace, e.g. the set \{1, 2\}
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_at + 1 : i]
+        i += 1
+    return None
+
+
+def _clean_tail(raw: str) -> str | None:
+    # Up to the end of the sentence ("3.5" keeps its point), minus markdown emphasis.
+    answer = re.split(r"\.(?=\s|$)", raw, maxsplit=1)[0]
+    answer = answer.strip().strip("*_ ").strip()
+    if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
+        answer = answer.strip("$").strip()
+    if answer.startswith("\\(") and answer.endswith("\\)"):
+        answer = answer[2:-2].strip()
+    boxed = find_boxed(answer)
+    return boxed or answer or None
+
+
+def _find_answer_is(text: str) -> str | None:
+    matches = _ANSWER_IS.findall(text)
+    return _clean_tail(matches[-1]) if matches else None
+
+
+def _find_gsm8k(text: str) -> str | None:
+    matches = _GSM8K.findall(text)
+    return _clean_tail(matches[-1]) if matches else None
+
+
+def _find_last_number(text: str) -> str | None:
+    matches = _NUMBER.findall(text)
+    return matches[-1] if matches else None
+
+
+_STRATEGY_FNS = {
+    "boxed": find_boxed,
+    "answer_is": _find_answer_is,
+    "gsm8k": _find_gsm8k,
+    "last_number": _find_last_number,
+}
