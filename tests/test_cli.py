@@ -13,7 +13,11 @@ from common.config_load import load_config
 
 def tether(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "common.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
 
 
@@ -24,7 +28,18 @@ def test_config_check_ok():
 
 
 def test_config_check_violation_exit_2_one_paragraph_no_traceback():
-    r = tether("config", "check", "--prompts-per-cycle", "30", "--responses-per-prompt", "4", "--train-batch-size", "96", "--train-steps-per-cycle", "1")
+    r = tether(
+        "config",
+        "check",
+        "--prompts-per-cycle",
+        "30",
+        "--responses-per-prompt",
+        "4",
+        "--train-batch-size",
+        "96",
+        "--train-steps-per-cycle",
+        "1",
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     err_lines = [ln for ln in r.stderr.splitlines() if "configuration error" in ln]
@@ -43,9 +58,25 @@ def test_deprecated_flag_warns_with_new_name():
 
 
 def test_explain_walks_a_cycle():
-    r = tether("config", "explain", "--prompts-per-cycle", "30", "--responses-per-prompt", "4", "--train-steps-per-cycle", "2")
+    r = tether(
+        "config",
+        "explain",
+        "--prompts-per-cycle",
+        "30",
+        "--responses-per-prompt",
+        "4",
+        "--train-steps-per-cycle",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
-    for text in ("30 prompts", "120 responses", "2 optimizer step(s)", "60 responses", "gradient accumulation", "max_staleness = 3"):
+    for text in (
+        "30 prompts",
+        "120 responses",
+        "2 optimizer step(s)",
+        "60 responses",
+        "gradient accumulation",
+        "max_staleness = 3",
+    ):
         assert text in r.stdout
 
 
@@ -79,3 +110,23 @@ def test_bad_config_file_exit_2(tmp_path):
     f.write_text("[learner]\nlr = -1\n")
     r = tether("learner", "--config", str(f), "--dry-run")
     assert r.returncode == 2 and "learner.lr = -1" in r.stderr
+
+
+def test_import_seed_001_exits_2_with_fixes():
+    r = tether("config", "import", "--from", "verl", "tests/fixtures/import/verl_seed001_solver_grpo.sh")
+    assert r.returncode == 2
+    assert "120" in r.stderr and "96" in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "peer,fixture",
+    [("openrlhf", "openrlhf_rloo_ray_job.sh"), ("slime", "slime_glm_old_names.sh"), ("verl", "verl_ppo_trainer.yaml"), ("roll", "roll_rlvr_megatron.yaml")],
+)
+def test_imported_toml_passes_config_check(peer, fixture, tmp_path):
+    r = tether("config", "import", "--from", peer, f"tests/fixtures/import/{fixture}")
+    assert r.returncode == 0, r.stderr
+    assert "→" in r.stderr or "->" in r.stderr  # the mapping table
+    f = tmp_path / "imported.toml"
+    f.write_text(r.stdout)
+    check = tether("config", "check", "--config", str(f))
+    assert check.returncode == 0, check.stderr

@@ -1,0 +1,345 @@
+"""`tether config import`: peer launch scripts and YAML configs mapped onto Tether's keys."""
+
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from common.config_import import import_peer_config, render_mapping_table, render_toml
+
+FIXTURES = Path(__file__).parent / "fixtures" / "import"
+ALL = [
+    ("verl", "verl_seed001_solver_grpo.sh"),
+    ("verl", "verl_gsm8k_variables.sh"),
+    ("verl", "verl_ppo_trainer.yaml"),
+    ("openrlhf", "openrlhf_rloo_ray_job.sh"),
+    ("openrlhf", "openrlhf_gae_uneven.sh"),
+    ("slime", "slime_glm_old_names.sh"),
+    ("roll", "roll_rlvr_megatron.yaml"),
+    ("roll", "roll_fsdp2_uneven.yaml"),
+]
+
+
+def load(peer, name, **variables):
+    return import_peer_config(peer, FIXTURES / name, variables=variables)
+
+
+def unmapped_keys(result):
+    return {key for key, _, _ in result.unmapped}
+
+
+def assert_invariant(t):
+    run = t["run"]
+    generated = run["prompts_per_cycle"] * run["responses_per_prompt"] * run["passes_per_cycle"]
+    assert generated == run["train_batch_size"] * run["train_steps_per_cycle"]
+
+
+# --------------------------------------------------------------------------- verl
+
+
+def test_verl_seed001_uneven_minibatch_is_a_problem_with_two_fixes():
+    r = load("verl", "verl_seed001_solver_grpo.sh")
+    assert len(r.problems) == 1
+    msg = r.problems[0].message
+    assert "120" in msg and "96" in msg
+    # what verl does with the remainder: 3 ranks x 40 responses, cut 32 + 8, two unequal steps
+    assert "32 + 8" in msg and "24 left over" in msg
+    assert "train_batch_size = 120 with train_steps_per_cycle = 1" in msg
+    assert "train_batch_size = 60 with train_steps_per_cycle = 2" in msg
+    assert "prompts_per_cycle = 24 (1 step) or 48 (2 steps)" in msg
+    run = r.tether["run"]
+    assert (run["prompts_per_cycle"], run["responses_per_prompt"], run["train_batch_size"]) == (
+        30,
+        4,
+        96,
+    )
+    assert "train_steps_per_cycle" not in run  # no valid step count exists
+    assert run["num_cycles"] == 300 and run["max_prompt_tokens"] == 3072
+
+
+def test_verl_seed001_common_keys():
+    r = load("verl", "verl_seed001_solver_grpo.sh")
+    t = r.tether
+    assert t["run"]["model"] == "Qwen/Qwen2.5-3B-Instruct"
+    assert t["data"]["train_path"] == "data/numinamath30k/train.parquet"  # ${DATA_DIR:-...} default
+    assert t["data"]["overlong_prompt_policy"] == "drop"
+    assert t["learner"]["micro_batch_size"] == 8
+    assert t["learner"]["lr"] == 1e-6
+    assert (t["learner"]["kl_coef"], t["learner"]["kl_type"]) == (0.001, "k3")
+    assert t["learner"]["kl_in_reward"] is False
+    assert t["learner"]["advantage_estimator"] == "grpo"
+    assert t["generator"] == {
+        "tensor_parallel_size": 1,
+        "gpus_per_replica": 1,
+        "replicas": 3,
+        "gpu_memory_utilization": 0.4,
+    }
+    assert t["scorer"] == {"mode": "solver", "solver_model": "Qwen/Qwen2.5-3B-Instruct"}
+    # both KL forms were on in verl; Tether keeps one and says which was dropped
+    assert "algorithm.use_kl_in_reward" in unmapped_keys(r)
+    assert r.unknown_variables == []  # "$@" and the tee log name are not part of the mapping
+
+
+def test_verl_script_unknown_variables_are_reported_not_guessed():
+    r = load("verl", "verl_gsm8k_variables.sh")
+    assert r.unknown_variables == ["HOME", "N_GPUS", "NNODES"]
+    assert {"trainer.n_gpus_per_node", "trainer.nnodes", "data.train_files"} <= unmapped_keys(r)
+    assert "nproc_per_node" not in r.tether["learner"]
+    assert "replicas" not in r.tether["generator"]
+    assert r.problems == []
+
+
+def test_verl_script_with_variables_given():
+    r = load("verl", "verl_gsm8k_variables.sh", N_GPUS="8", NNODES="2", HOME="/data")
+    assert r.unknown_variables == []
+    t = r.tether
+    assert (t["learner"]["nproc_per_node"], t["learner"]["nnodes"]) == (8, 2)
+    assert t["generator"]["replicas"] == 8  # 16 GPUs / rollout TP 2 (the ${ROLLOUT_TP:-2} default)
+    assert t["data"]["train_path"] == "/data/data/gsm8k/train.parquet"
+    # 512 prompts x 8 = 4096 responses; mini-batch 128 prompts = 1024 responses; 2 epochs
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (1024, 8)
+    assert t["run"]["passes_per_cycle"] == 2 and t["run"]["max_staleness"] == 7
+    assert_invariant(t)
+    # dynamic batch size wins over the micro-batch count, as in verl
+    assert t["learner"]["max_tokens_per_micro_batch"] == 24000
+    assert "micro_batch_size" not in t["learner"]
+    # grpo without std normalisation is Dr.GRPO; verl's warm-up counts cycles (x 8 steps)
+    assert t["learner"]["advantage_estimator"] == "drgrpo"
+    assert t["learner"]["norm_adv_by_std"] is False
+    assert t["learner"]["warmup_steps"] == 80
+    assert t["learner"]["eval_every_steps"] == 40
+    assert (t["learner"]["clip_low"], t["learner"]["clip_high"]) == (0.2, 0.28)
+    assert t["generator"]["eval_temperature"] == 0.6
+    assert "actor_rollout_ref.actor.loss_agg_mode" in unmapped_keys(r)  # seq-mean-token-sum-norm
+
+
+def test_verl_yaml_tree():
+    r = load("verl", "verl_ppo_trainer.yaml")
+    assert r.problems == []
+    t = r.tether
+    assert (t["run"]["prompts_per_cycle"], t["run"]["responses_per_prompt"]) == (256, 8)
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (512, 4)
+    assert_invariant(t)
+    assert t["run"]["name"] == "math-rloo"  # ${oc.env:RUN_NAME,math-rloo} default
+    assert t["learner"]["advantage_estimator"] == "rloo"
+    assert (t["learner"]["kl_type"], t["learner"]["kl_in_reward"]) == ("k2", False)  # mse loss
+    assert t["learner"]["lr"] == 1e-6  # YAML's "1e-6" is a string to PyYAML
+    assert t["learner"]["dual_clip"] == 3.0
+    assert t["generator"]["eval_temperature"] == 0.0  # do_sample false: greedy validation
+    assert t["generator"]["replicas"] == 8  # 2 nodes x 8 GPUs / TP 2
+    assert t["learner"]["checkpoint_every_steps"] == 80 and t["learner"]["eval_every_steps"] == 40
+    assert t["data"]["overlong_prompt_policy"] == "error"
+    assert load("verl", "verl_ppo_trainer.yaml", RUN_NAME="r7").tether["run"]["name"] == "r7"
+
+
+def test_verl_default_estimator_gae_needs_a_critic(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo data.train_batch_size=8 \\\n"
+        "  actor_rollout_ref.rollout.n=2 actor_rollout_ref.actor.ppo_mini_batch_size=4\n"
+    )
+    r = import_peer_config("verl", script)
+    assert (
+        len(r.problems) == 1
+        and "gae" in r.problems[0].message
+        and "critic" in r.problems[0].message
+    )
+    assert (r.tether["run"]["train_batch_size"], r.tether["run"]["train_steps_per_cycle"]) == (8, 2)
+
+
+# --------------------------------------------------------------------------- OpenRLHF
+
+
+def test_openrlhf_ray_job_submit():
+    r = load("openrlhf", "openrlhf_rloo_ray_job.sh")
+    assert r.problems == []
+    t = r.tether
+    # 32 prompts x 4 = 128 responses; --train_batch_size counts responses: 32 -> 4 steps
+    assert (t["run"]["prompts_per_cycle"], t["run"]["responses_per_prompt"]) == (32, 4)
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (32, 4)
+    assert_invariant(t)
+    assert t["learner"]["micro_batch_size"] == 1
+    assert (t["learner"]["clip_low"], t["learner"]["clip_high"]) == (0.2, 0.28)
+    assert (t["learner"]["kl_type"], t["learner"]["kl_in_reward"]) == ("k3", False)
+    assert t["learner"]["advantage_estimator"] == "rloo"
+    assert t["learner"]["lr"] == 5e-7  # given as --actor_learning_rate=5e-7
+    assert t["learner"]["checkpoint_every_steps"] == 40  # --save_steps counts cycles
+    assert t["generator"] == {
+        "replicas": 2,
+        "tensor_parallel_size": 4,
+        "gpus_per_replica": 4,
+        "gpu_memory_utilization": 0.5,
+        "temperature": 1.0,
+    }
+    assert (t["data"]["prompt_key"], t["data"]["answer_key"]) == ("context_messages", "answer")
+    assert {"--colocate_all_models", "--packing_samples", "--num_episodes"} <= unmapped_keys(r)
+    assert "--runtime-env-json" not in str(r.unmapped)  # ray's own flags are not OpenRLHF's
+    assert r.unknown_variables == ["WANDB_API_KEY"]
+
+
+def test_openrlhf_uneven_and_gae_problems():
+    r = load("openrlhf", "openrlhf_gae_uneven.sh")
+    messages = [p.message for p in r.problems]
+    assert len(messages) == 2
+    assert "96" in messages[0] and "64" in messages[0] and "DeepSpeed" in messages[0]
+    assert "train_batch_size = 96 with train_steps_per_cycle = 1" in messages[0]
+    assert "gae" in messages[1]
+    why = dict((k, w) for k, _, w in r.unmapped)["--async_train"]
+    assert "max_staleness" in why
+
+
+# --------------------------------------------------------------------------- slime
+
+
+def test_slime_old_names_in_bash_arrays():
+    r = load("slime", "slime_glm_old_names.sh")
+    assert r.problems == [] and r.unknown_variables == []
+    t = r.tether
+    assert t["run"]["prompts_per_cycle"] == 32 and t["run"]["responses_per_prompt"] == 8
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (256, 1)
+    assert t["run"]["num_cycles"] == 3000 and t["run"]["max_response_tokens"] == 8192
+    assert t["run"]["model"] == "/root/Qwen3-4B"
+    assert t["data"]["eval_path"] == "/root/aime-2024/aime-2024.jsonl"
+    assert t["learner"]["nproc_per_node"] == 8  # ${NUM_GPUS} from the script
+    assert (t["learner"]["clip_low"], t["learner"]["clip_high"]) == (0.2, 0.28)
+    assert (t["learner"]["kl_type"], t["learner"]["kl_in_reward"]) == ("k3", False)
+    assert t["learner"]["max_tokens_per_micro_batch"] == 9216
+    assert t["generator"]["temperature"] == 0.8 and t["generator"]["gpus_per_replica"] == 2
+    assert "--tensor-model-parallel-size" in unmapped_keys(r)
+
+
+def test_slime_remainder_is_dropped_and_inconsistent_knobs_refused(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 train.py --rollout-batch-size 30 --n-samples-per-prompt 4 "
+        "--global-batch-size 96 --num-rollout 10\n"
+    )
+    r = import_peer_config("slime", script)
+    assert len(r.problems) == 1
+    assert "drops the 24 trailing responses" in r.problems[0].message
+    script.write_text(
+        "python3 train.py --rollout-batch-size 30 --n-samples-per-prompt 4 "
+        "--global-batch-size 60 --num-steps-per-rollout 3\n"
+    )
+    r = import_peer_config("slime", script)
+    assert len(r.problems) == 1 and "refuses" in r.problems[0].message
+    script.write_text(
+        "python3 train.py --prompts-per-cycle 30 --responses-per-prompt 4 "
+        "--num-steps-per-rollout 2\n"
+    )
+    r = import_peer_config("slime", script)
+    assert r.problems == []
+    assert (r.tether["run"]["train_batch_size"], r.tether["run"]["train_steps_per_cycle"]) == (
+        60,
+        2,
+    )
+
+
+# --------------------------------------------------------------------------- ROLL
+
+
+def test_roll_megatron_global_batch_formula():
+    r = load("roll", "roll_rlvr_megatron.yaml")
+    assert r.problems == []
+    t = r.tether
+    # 1 per device x 64 accumulation x 16 GPUs / tp 2 = 512 = 64 prompts x 8
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (512, 1)
+    assert_invariant(t)
+    assert (t["learner"]["nnodes"], t["learner"]["nproc_per_node"]) == (2, 8)
+    assert t["generator"]["replicas"] == 16
+    assert t["run"]["max_response_tokens"] == 4096 and t["learner"]["kl_type"] == "k3"
+    assert t["learner"]["warmup_steps"] == 20 and t["learner"]["gradient_checkpointing"] is True
+
+
+def test_roll_fsdp2_ulysses_async_and_uneven():
+    r = load("roll", "roll_fsdp2_uneven.yaml")
+    assert r.problems == [] and r.unknown_variables == ["MODEL_PATH"]
+    t = r.tether
+    assert (t["run"]["train_batch_size"], t["run"]["train_steps_per_cycle"]) == (32, 3)  # 2*4*8/2
+    assert "max_staleness" not in t["run"]
+    assert "max_staleness" in dict((k, w) for k, _, w in r.unmapped)["async_generation_ratio"]
+    assert "pretrain" in unmapped_keys(r)
+    r = load("roll", "roll_fsdp2_uneven.yaml", ROLL_GA="5", MODEL_PATH="/m")
+    assert len(r.problems) == 1
+    msg = r.problems[0].message
+    assert "96" in msg and "40" in msg and "AssertionError" in msg
+    assert r.tether["run"]["model"] == "/m"
+
+
+def test_roll_needs_yaml(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("python examples/start_rlvr_pipeline.py --config_name rlvr_config\n")
+    r = import_peer_config("roll", script)
+    assert len(r.problems) == 1 and "YAML" in r.problems[0].message
+
+
+# --------------------------------------------------------------------------- shell reading
+
+
+def test_shell_lexing_rules(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "export N=4   # trailing comment\n"
+        "TWICE=$((N * 2))\n"
+        "HOST=$(hostname)\n"
+        "LR='1e-6'\n"
+        "python3 -m openrlhf.cli.train_ppo_ray \\\n"
+        "    --rollout_batch_size ${PROMPTS:-16} \\\n"
+        "    # --n_samples_per_prompt 99 \\\n"
+        "    --n_samples_per_prompt $N \\\n"
+        "    --train_batch_size=$TWICE \\\n"
+        '    --actor_learning_rate "$LR" \\\n'
+        "    --pretrain '$NOT_EXPANDED' \\\n"
+        "    --save_path /ckpt/$HOST --advantage_estimator group_norm 2>&1 | tee log.txt\n"
+    )
+    r = import_peer_config("openrlhf", script)
+    run = r.tether["run"]
+    assert (run["prompts_per_cycle"], run["responses_per_prompt"], run["train_batch_size"]) == (
+        16,
+        4,
+        8,
+    )
+    assert run["train_steps_per_cycle"] == 8 and run["model"] == "$NOT_EXPANDED"
+    assert r.tether["learner"]["lr"] == 1e-6
+    assert r.unknown_variables == ["$(hostname)"]
+    assert "--save_path" in unmapped_keys(r) and "tee" not in str(r.unmapped)
+    r = import_peer_config("openrlhf", script, variables={"PROMPTS": "32"})
+    assert r.tether["run"]["prompts_per_cycle"] == 32
+
+
+def test_missing_command_and_bad_inputs(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("echo python3 -m verl.trainer.main_ppo data.train_batch_size=1\n")
+    r = import_peer_config("verl", script)
+    assert len(r.problems) == 1 and "main_ppo" in r.problems[0].message
+    with pytest.raises(ValueError, match="unknown peer"):
+        import_peer_config("trl", script)
+    with pytest.raises(ValueError, match="cannot read"):
+        import_peer_config("verl", tmp_path / "absent.sh")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        import_peer_config("verl", bad)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+@pytest.mark.parametrize(("peer", "name"), ALL)
+def test_render_toml_round_trips(peer, name):
+    r = load(peer, name)
+    text = render_toml(r)
+    assert text.startswith(f"# Tether config imported from {peer}: ")
+    assert tomllib.loads(text) == r.tether
+
+
+@pytest.mark.parametrize(("peer", "name"), ALL)
+def test_mapping_table_lists_every_peer_key(peer, name):
+    r = load(peer, name)
+    table = render_mapping_table(r)
+    for row in r.mapping:
+        assert f"→ {row.tether_key} = " in table
+    for key, _, why in r.unmapped:
+        assert f"  {key} = " in table and why in table
+    assert all(p.message in table for p in r.problems)
