@@ -152,6 +152,13 @@ def _resolve_staleness(cfg: TetherConfig, s: int, derived: set[str]) -> None:
 
 
 def _check_misc(cfg: TetherConfig) -> None:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cfg.run.name):
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the "
+            "run directory and prefixes every Redis key as '<name>:…'). Fix: pick a name like 'gsm8k-grpo'."
+        )
     if cfg.bus.socket_timeout_s * 1000 <= cfg.bus.block_ms:
         raise ConfigError(
             f"bus.socket_timeout_s = {cfg.bus.socket_timeout_s} s must exceed bus.block_ms = "

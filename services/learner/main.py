@@ -1,10 +1,50 @@
-"""Entry of `tether learner`: the service loop is not built yet (see the learner issue)."""
+"""Entry of `tether learner` (one rank; run several with torchrun — rank 0 talks to Redis)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+from pathlib import Path
+
+from common import runtime
+from common.config import TetherConfig
+
+log = logging.getLogger(__name__)
 
 
-def main(cfg, args) -> int:
-    print("tether learner: the learner service loop is not implemented yet; --dry-run shows the resolved config.", file=sys.stderr)
-    return 3
+def run_dir_of(cfg: TetherConfig) -> Path:
+    return Path(cfg.run.run_dir) / cfg.run.name
+
+
+def main(cfg: TetherConfig, args) -> int:
+    from common.datasets import DatasetError
+    from services.learner.loop import LearnerService
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    svc = LearnerService(cfg, run_dir=run_dir)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: svc.stop())
+    rank = int(os.environ.get("RANK", "0"))
+    health = status = None
+    try:
+        try:
+            svc.setup_io_first()
+        except DatasetError as exc:
+            print(f"tether learner: dataset error: {exc}", file=sys.stderr)
+            return 2
+        if rank == 0:
+            health = runtime.HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
+            status = runtime.StatusReporter(
+                svc.io.bus, "learner", "learner-0", svc.timer, svc.status
+            ).start()
+        svc.run()
+    finally:
+        if status is not None:
+            status.stop()
+        if health is not None:
+            health.stop()
+    log.info("learner rank %d stopped at policy version %d", rank, svc.version)
+    return 0

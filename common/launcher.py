@@ -1,0 +1,218 @@
+"""`tether train`: run a whole job on one machine as supervised subprocesses.
+
+Starts the embedded Redis-protocol server (unless ``run.redis_url``), the learner (``torchrun``
+when ``learner.nproc_per_node > 1``), ``generator.replicas`` generators and ``scorer.replicas``
+scorers, each with its own log file in ``<run dir>/logs/``. A crashed service is restarted with
+back-off while the others keep running; the same replica id is reused, so the restarted process
+first drains its own pending work and rejoins the weight group. Too many crashes of one service
+within a window stop the run with a message pointing at its log. Ctrl-C / SIGTERM: the learner
+stops first (it finishes its step and checkpoints), then generators and scorers, Redis last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import TetherConfig
+
+log = logging.getLogger(__name__)
+
+CRASH_WINDOW_S = 300.0
+MAX_CRASHES = 5
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    crashes: deque = field(default_factory=deque)
+    restarts: int = 0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        out.close()
+        log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, cfg: TetherConfig, run_dir: Path, *, redis_url: str, config_path: Path, progress=None) -> None:
+        self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
+        self.progress = progress
+        env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
+        cli = [sys.executable, "-m", "common.cli"]
+        conf = ["--config", str(config_path)]
+        logs = run_dir / "logs"
+        ln = cfg.learner
+        if ln.nproc_per_node > 1 or ln.nnodes > 1:
+            learner_argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ln.nproc_per_node), "-m", "common.cli", "learner", *conf]
+        else:
+            learner_argv = [*cli, "learner", *conf]
+        self.learner = Child("learner", learner_argv, logs / "learner.log", env)
+        self.children = [self.learner]
+        for i in range(cfg.generator.replicas):
+            self.children.append(Child(f"generator-{i}", [*cli, "generator", *conf, "--id", f"generator-{i}"], logs / f"generator-{i}.log", env))
+        for i in range(cfg.scorer.replicas):
+            self.children.append(Child(f"scorer-{i}", [*cli, "scorer", *conf, "--id", f"scorer-{i}"], logs / f"scorer-{i}.log", env))
+        self.stopping = False
+
+    def start(self) -> None:
+        for c in self.children:
+            c.start()
+
+    def _on_exit(self, c: Child, code: int) -> None:
+        now = time.monotonic()
+        c.crashes.append(now)
+        while c.crashes and now - c.crashes[0] > CRASH_WINDOW_S:
+            c.crashes.popleft()
+        if len(c.crashes) >= MAX_CRASHES:
+            raise RunFailed(
+                f"{c.name} crashed {len(c.crashes)} times within {CRASH_WINDOW_S:.0f} s (last exit code {code}); "
+                f"stopping the run. See its log: {c.log_path}"
+            )
+        if code == 2:
+            raise RunFailed(f"{c.name} refused its configuration or data (exit code 2); see {c.log_path}")
+        delay = min(30.0, 2.0 ** len(c.crashes))
+        c.next_start = now + delay
+        c.restarts += 1
+        c.proc = None
+        log.warning("%s exited with code %d; restarting in %.0f s (restart #%d, log %s)", c.name, code, delay, c.restarts, c.log_path)
+
+    def poll(self) -> bool:
+        """One supervision pass; returns False when the run is over (learner finished)."""
+        for c in self.children:
+            if c.proc is None:
+                if not self.stopping and time.monotonic() >= c.next_start:
+                    c.start()
+                continue
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if c is self.learner and code == 0:
+                return False
+            if self.stopping:
+                continue
+            self._on_exit(c, code)
+        return True
+
+    def run(self) -> int:
+        self.start()
+        last_progress = 0.0
+        while self.poll():
+            time.sleep(0.5)
+            if self.progress is not None and time.monotonic() - last_progress >= 5.0:
+                last_progress = time.monotonic()
+                self.progress()
+        return 0
+
+    def shutdown(self, *, drain_s: float = 120.0) -> None:
+        """Learner first (final checkpoint), then the others; SIGKILL after ``drain_s``."""
+        self.stopping = True
+        self.learner.signal(signal.SIGTERM)
+        _wait([self.learner], drain_s)
+        others = [c for c in self.children if c is not self.learner]
+        for c in others:
+            c.signal(signal.SIGTERM)
+        _wait(others, 30.0)
+        for c in self.children:
+            c.signal(signal.SIGKILL)
+
+
+def _wait(children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for c in children:
+        if c.proc is None:
+            continue
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig, Path]:
+    """The run directory, with the resolved config written once (reused by --resume)."""
+    from common.config_explain import resolved_toml
+
+    if resume:
+        from common.config_load import load_config
+
+        run_dir = Path(resume)
+        saved = run_dir / "config.toml"
+        if not saved.exists():
+            from common.config import ConfigError
+
+            raise ConfigError(f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?")
+        return load_config(config_file=saved).config, run_dir
+    run_dir = Path(cfg.run.run_dir) / cfg.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(resolved_toml(cfg))
+    return cfg, run_dir
+
+
+def main(cfg: TetherConfig, args) -> int:
+    from common.progress import Progress
+
+    cfg, run_dir = prepare_run_dir(cfg, getattr(args, "resume", None))
+    return launch(cfg, run_dir, progress_factory=Progress)
+
+
+def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
+    from common.redis_server import EmbeddedRedis
+
+    redis = None
+    url = cfg.run.redis_url
+    if not url:
+        redis = EmbeddedRedis(run_dir / "redis")
+        redis.start()
+        url = redis.url
+        log.info("embedded Redis-protocol server at %s (data in %s)", url, run_dir / "redis")
+    progress = progress_factory(cfg, url) if progress_factory else None
+    sup = Supervisor(cfg, run_dir, redis_url=url, config_path=run_dir / "config.toml", progress=progress)
+    stop = {"asked": False}
+
+    def on_signal(*_):
+        stop["asked"] = True
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        code = sup.run()
+    except KeyboardInterrupt:
+        log.info("stopping: learner first (final checkpoint), then generators and scorers")
+        code = 130
+    except RunFailed as exc:
+        log.error("%s", exc)
+        code = 1
+    finally:
+        sup.shutdown()
+        if progress is not None:
+            progress.final()
+        if redis is not None:
+            redis.stop()
+        signal.signal(signal.SIGTERM, old)
+    return code

@@ -1,0 +1,249 @@
+"""Rank 0's side of the learner: the bus (scored groups in, prompts out), the weight publisher,
+held-out evaluation, per-step metrics (Prometheus, ``metrics.jsonl``, TensorBoard) and the
+acknowledgement of trained entries after each checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import runtime, wire
+from common.config import TetherConfig
+
+log = logging.getLogger(__name__)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        m = runtime.metric
+        self.version = m(
+            "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"
+        )
+        self.steps = m("Counter", "tether_learner_steps_total", "optimizer steps")
+        self.step = m("Gauge", "tether_learner_step_value", "per-step training figures", ["name"])
+        self.trained = m("Counter", "tether_learner_trained_samples_total", "responses trained on")
+        self.dropped = m(
+            "Counter", "tether_learner_dropped_stale_total", "responses dropped for staleness"
+        )
+        self.duplicates = m(
+            "Counter",
+            "tether_learner_duplicate_groups_total",
+            "scored groups received again after training (acked, not trained)",
+        )
+        self.staleness = m(
+            "Histogram",
+            "tether_learner_staleness_steps",
+            "optimizer steps between a trajectory's policy and the learner's",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
+        )
+        self.eval_accuracy = m(
+            "Gauge",
+            "tether_learner_eval_accuracy",
+            "held-out accuracy of the last finished evaluation",
+        )
+        self.step_seconds = m(
+            "Counter",
+            "tether_learner_step_seconds_total",
+            "seconds per part of the optimizer step",
+            ["part"],
+        )
+        self.tokens = m("Counter", "tether_learner_tokens_total", "response tokens trained on")
+        self.last_step_time = m(
+            "Gauge",
+            "tether_learner_last_step_timestamp_seconds",
+            "unix time of the last optimizer step",
+        )
+
+
+class LearnerIO:
+    def __init__(
+        self, cfg: TetherConfig, *, run_dir: Path, redis_url: str | None, timer: runtime.PhaseTimer
+    ) -> None:
+        from common.bus import Bus
+        from services.learner.data import load_datasets
+        from services.learner.dispatch import Dispatcher
+
+        self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
+        self.metrics = _Metrics()
+        train, eval_set = load_datasets(cfg)
+        self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="learner")
+        self.consumer = self.bus.consumer(runtime.SCORED, runtime.LEARNER, "learner-0")
+        self.bus.ensure_group(runtime.PROMPTS, runtime.GENERATORS)
+        self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)
+        self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
+        self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
+        self.trained_deliveries: list[Any] = []
+        self.evals: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results"}
+        self.eval_history: list[dict[str, Any]] = []
+        self.publisher = self._start_publisher()
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.tb = _tensorboard(run_dir)
+
+    def _start_publisher(self):
+        from common.weight_sync import WeightPublisher
+
+        w = self.cfg.weights
+        backend = w.backend if w.backend != "auto" else "gloo"
+        pub = WeightPublisher(
+            w.host,
+            w.port or runtime.free_port(),
+            backend=backend,
+            timeout_s=w.timeout_s,
+            bucket_bytes=int(w.bucket_mb * 2**20),
+        )
+        self.bus.set("weights:addr", f"{w.host}:{pub.port}")
+        log.info("weight store on %s:%d", w.host, pub.port)
+        return pub
+
+    # ------------------------------------------------------------------ state
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "dispatched_through": self.dispatcher.dispatched_through,
+            "eval_history": self.eval_history[-50:],
+        }
+
+    def restore(self, extra: dict[str, Any]) -> None:
+        self.dispatcher.dispatched_through = int(extra.get("dispatched_through", -1))
+        self.eval_history = list(extra.get("eval_history", []))
+
+    def ack_trained(self, next_cycle: int) -> None:
+        """Acknowledge the entries of every cycle below ``next_cycle`` (now in a checkpoint)."""
+        if self.trained_deliveries:
+            self.consumer.ack(self.trained_deliveries)
+            self.trained_deliveries = []
+
+    # ------------------------------------------------------------------ dispatch and weights
+    def dispatch(self, version: int, *, first_cycle: int) -> None:
+        self.dispatcher.dispatch_ready(version, first_cycle=first_cycle)
+
+    def publish_weights(self, state: dict[str, Any], version: int) -> None:
+        report = self.publisher.publish(state.items(), version)
+        self.bus.set("version:learner", version)
+        self.metrics.version.set(version)
+        bad = {k: v for k, v in report.per_member.items() if v != "ok"}
+        log.info(
+            "published v%d (%.1f MB in %.2f s) to %d generator(s)%s",
+            version,
+            report.bytes / 1e6,
+            report.seconds,
+            len(report.per_member),
+            f"; failed: {bad}" if bad else "",
+        )
+
+    # ------------------------------------------------------------------ collecting
+    def _take(self, d: Any, next_cycle: int) -> None:
+        sg: wire.ScoredGroup = d.msg
+        g = sg.group
+        if g.split == "eval":
+            self._eval_result(g.cycle, sg)
+            self.consumer.ack([d])
+        elif g.cycle < next_cycle or g.group_id in self.buffer[g.cycle]:
+            self.metrics.duplicates.inc()
+            self.consumer.ack([d])
+        else:
+            self.buffer[g.cycle][g.group_id] = d
+
+    def collect(self, cycle: int, *, stop: Callable[[], bool]) -> list[wire.ScoredGroup] | None:
+        """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping)."""
+        need = self.cfg.run.prompts_per_cycle
+        with self.timer.phase("waiting_input"):
+            while len(self.buffer[cycle]) < need:
+                if stop():
+                    return None
+                for d in self.consumer.read(64, self.cfg.bus.block_ms):
+                    self._take(d, cycle)
+        deliveries = list(self.buffer.pop(cycle).values())
+        self.trained_deliveries += deliveries
+        return [d.msg for d in deliveries]
+
+    # ------------------------------------------------------------------ evaluation
+    def start_eval(self, version: int) -> None:
+        if version in self.evals or self.dispatcher.eval_set is None:
+            return
+        n = self.dispatcher.dispatch_eval(version, version)
+        self.evals[version] = {"expected": n, "results": [], "started": time.time()}
+
+    def _eval_result(self, round_id: int, sg: wire.ScoredGroup) -> None:
+        ev = self.evals.get(round_id)
+        if ev is None:
+            return  # from before a restart: its round is gone
+        ev["results"].append(sg)
+        if len(ev["results"]) == ev["expected"]:
+            correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
+            versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
+            acc = sum(correct) / max(len(correct), 1)
+            rec = {
+                "eval_round": round_id,
+                "accuracy": acc,
+                "n": len(correct),
+                "policy_versions": versions,
+                "seconds": time.time() - ev["started"],
+                "time": time.time(),
+            }
+            self.eval_history.append(rec)
+            self.metrics.eval_accuracy.set(acc)
+            _append_jsonl(self.metrics_path, {"kind": "eval", **rec})
+            if self.tb is not None:
+                self.tb.add_scalar("eval/accuracy", acc, round_id)
+            log.info("held-out accuracy at v%d: %.3f (%d prompts)", round_id, acc, len(correct))
+
+    def finish_evals(self, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (
+            any(len(e["results"]) < e["expected"] for e in self.evals.values())
+            and time.monotonic() < deadline
+        ):
+            for d in self.consumer.read(64, 500):
+                self._take(d, 1 << 30)
+
+    # ------------------------------------------------------------------ metrics
+    def record_step(self, rec: dict[str, Any], st: Any) -> None:
+        m = self.metrics
+        m.steps.inc()
+        m.version.set(rec["step"])
+        m.tokens.inc(rec["response_tokens"])
+        m.trained.inc(self.cfg.run.train_batch_size - rec["dropped_stale"])  # type: ignore[operator]
+        m.dropped.inc(rec["dropped_stale"])
+        m.step_seconds.labels("forward_backward").inc(st.forward_backward_seconds)
+        m.step_seconds.labels("optimizer").inc(st.optimizer_seconds)
+        m.last_step_time.set(time.time())
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k not in ("step", "cycle"):
+                m.step.labels(k).set(v)
+                if self.tb is not None:
+                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+        _append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
+        log.info(
+            "step %d (cycle %d): loss %.4f reward %.3f grad %.3f lr %.2e staleness ≤ %d, %.1f s",
+            rec["step"],
+            rec["cycle"],
+            rec["loss"],
+            rec["reward_mean"],
+            rec["grad_norm"],
+            rec["lr"],
+            rec["staleness_max"],
+            rec["seconds"],
+        )
+
+    def close(self) -> None:
+        self.publisher.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))

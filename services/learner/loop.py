@@ -1,0 +1,321 @@
+"""The learner service loop (every rank runs it; rank 0 also talks to Redis and the generators).
+
+Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consumer
+          ``learner-0``): whole scored groups, buffered per cycle.
+Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py``), policy
+          weights to every generator (versioned broadcast with a deadline, ``common.weight_sync``),
+          checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
+Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
+          ``waiting_input``); every rank waits for rank 0's broadcast of that cycle.
+Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
+
+Versions count optimizer steps. A trajectory of version ``v`` is used in the step that turns
+``t`` into ``t + 1`` only if ``t − v ≤ max_staleness``; otherwise it gets zero weight and is
+counted as dropped (the dispatcher's gate makes that rare by construction).
+
+Exactly once: scored entries are acknowledged only after a checkpoint that contains their
+training, so a SIGKILLed learner restarts from its last checkpoint, drains its own pending
+entries first and sees the same groups again; groups of cycles it has already trained are acked
+as duplicates without training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from common import runtime
+from common.config import TetherConfig
+from services.learner import algorithm
+from services.learner.cycle import Sample, broadcast_samples, samples_from_groups, steps_of_cycle
+from services.learner.learner_io import LearnerIO
+
+log = logging.getLogger(__name__)
+
+
+class LearnerService:
+    def __init__(self, cfg: TetherConfig, *, run_dir: Path, redis_url: str | None = None) -> None:
+        self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
+        self.timer = runtime.PhaseTimer("learner")
+        self.version = 0
+        self.next_cycle = 0
+        self.counters: dict[str, int] = defaultdict(int)
+        self.ready = False
+        self._stop = False
+        self.last_step: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def setup_io_first(self) -> None:
+        """Process group, then (rank 0) datasets, Redis and the weight store: the cheap parts
+        that can fail on bad input, before the model is loaded."""
+        from services.learner import model as model_mod
+
+        self.rank, self.world, self.device = model_mod.setup_distributed()
+        self.io = (
+            LearnerIO(self.cfg, run_dir=self.run_dir, redis_url=self.redis_url, timer=self.timer)
+            if self.rank == 0
+            else None
+        )
+
+    def setup(self) -> None:
+        import torch
+
+        from common.model_paths import policy_paths
+        from services.learner import model as model_mod
+        from services.learner import optim
+
+        if not hasattr(self, "rank"):
+            self.setup_io_first()
+        model_dir, tok_dir = policy_paths(self.cfg)
+        ln, run = self.cfg.learner, self.cfg.run
+        dtype = None if ln.dtype == "auto" else getattr(torch, ln.dtype)
+        self.model = model_mod.load_policy(
+            model_dir,
+            device=self.device,
+            param_dtype=dtype,
+            gradient_checkpointing=ln.gradient_checkpointing,
+        )
+        self.ref_model = (
+            model_mod.load_reference(model_dir, device=self.device, param_dtype=dtype)
+            if ln.kl_coef > 0
+            else None
+        )
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        assert run.train_steps_per_cycle is not None
+        total = run.num_cycles * run.train_steps_per_cycle
+        schedule = optim.build_schedule(
+            warmup_steps=ln.warmup_steps or None,
+            warmup_ratio=ln.warmup_ratio if not ln.warmup_steps and ln.warmup_ratio else None,
+            total_steps=total,
+            decay=ln.lr_schedule,
+            min_lr_ratio=ln.min_lr_ratio,
+        )
+        betas = (float(ln.adam_betas[0]), float(ln.adam_betas[1]))
+        self.optimizer = optim.build_optimizer(
+            self.model, lr=ln.lr, betas=betas, weight_decay=ln.weight_decay
+        )
+        self.scheduler = optim.build_scheduler(self.optimizer, schedule)
+
+    def resume(self) -> None:
+        from services.learner.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(
+            self.run_dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        if extra is None:
+            return
+        self.version = int(extra["version"])
+        self.next_cycle = int(extra["next_cycle"])
+        self.counters.update(extra.get("counters", {}))
+        if self.io is not None:
+            self.io.restore(extra)
+        log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
+
+    # ------------------------------------------------------------------ weights, checkpoints
+    def publish(self) -> None:
+        from services.learner.model import full_state_dict_cpu
+
+        with self.timer.phase("syncing_weights"):
+            state = full_state_dict_cpu(self.model, drop_tied=False)
+            if self.io is not None:
+                self.io.publish_weights(state, self.version)
+
+    def checkpoint(self) -> None:
+        from services.learner.checkpoint import save_checkpoint
+
+        with self.timer.phase("checkpointing"):
+            extra = {
+                "version": self.version,
+                "next_cycle": self.next_cycle,
+                "counters": dict(self.counters),
+            }
+            if self.io is not None:
+                extra.update(self.io.checkpoint_state())
+            save_checkpoint(
+                self.run_dir,
+                self.version,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                extra_state=extra,
+                keep_last=self.cfg.learner.keep_checkpoints,
+            )
+            if self.io is not None:
+                self.io.ack_trained(self.next_cycle)
+
+    # ------------------------------------------------------------------ training
+    def _prepare(self, samples: list[Sample]) -> None:
+        ln = self.cfg.learner
+        self.counters["filtered_samples"] += (
+            algorithm.assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        )
+        if ln.off_policy != "none":
+            for s, lp in zip(
+                samples,
+                algorithm.recompute_logprobs(
+                    self.model, self.cfg, samples, pad_id=self.pad_id, device=self.device
+                ),
+                strict=True,
+            ):
+                s.old_logp = lp
+        if self.ref_model is not None:
+            for s, lp in zip(
+                samples,
+                algorithm.recompute_logprobs(
+                    self.ref_model, self.cfg, samples, pad_id=self.pad_id, device=self.device
+                ),
+                strict=True,
+            ):
+                s.ref_logp = lp
+
+    def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
+        limit = self.cfg.run.max_staleness
+        assert limit is not None
+        dropped = 0
+        for i in idx:
+            lag = self.version - samples[i].policy_version
+            if self.io is not None:
+                self.io.metrics.staleness.observe(lag)
+            if lag > limit and samples[i].weight > 0:
+                samples[i].weight = 0.0
+                dropped += 1
+        self.counters["dropped_stale"] += dropped
+        return dropped
+
+    def train_cycle(self, cycle: int, samples: list[Sample]) -> None:
+        from services.learner import losses
+        from services.learner.train_step import train_step
+
+        run, ln = self.cfg.run, self.cfg.learner
+        assert run.train_batch_size is not None
+        with self.timer.phase("working"):
+            self._prepare(samples)
+        for idx in steps_of_cycle(
+            len(samples),
+            batch=run.train_batch_size,
+            passes=run.passes_per_cycle,
+            seed=run.seed,
+            cycle=cycle,
+        ):
+            t0 = time.monotonic()
+            with self.timer.phase("working"):
+                dropped = self._apply_staleness(samples, idx)
+                mbs = algorithm.rank_micro_batches(
+                    self.cfg, samples, idx, pad_id=self.pad_id, device=self.device
+                )
+                stats_out: list[dict[str, float]] = []
+                loss_fn = algorithm.make_loss_fn(
+                    self.cfg,
+                    denominator=algorithm.step_denominator(self.cfg, samples, idx, self.device),
+                    stats_out=stats_out,
+                )
+                st = train_step(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    mbs,
+                    loss_fn,
+                    grad_clip=ln.grad_clip or None,
+                )
+            self.version += 1
+            self.counters["trained_samples"] += sum(1 for i in idx if samples[i].weight > 0)
+            rewards = [samples[i].reward for i in idx]
+            self.last_step = {
+                "step": self.version,
+                "cycle": cycle,
+                "loss": st.loss,
+                "grad_norm": st.grad_norm,
+                "lr": st.lr,
+                "reward_mean": sum(rewards) / len(rewards),
+                "dropped_stale": dropped,
+                "seconds": time.monotonic() - t0,
+                "response_tokens": sum(len(samples[i].response_ids) for i in idx),
+                "staleness_max": max(self.version - 1 - samples[i].policy_version for i in idx),
+                **{k: v for k, v in losses.merge_stats(stats_out).items() if k != "tokens"},
+            }
+            if self.io is not None:
+                self.io.record_step(self.last_step, st)
+            if self.version % self.cfg.publish_every_steps == 0:
+                self.publish()
+            if self.io is not None:
+                self.io.dispatch(self.version, first_cycle=self.next_cycle)
+            if (
+                ln.eval_every_steps
+                and self.version % ln.eval_every_steps == 0
+                and self.io is not None
+            ):
+                self.io.start_eval(self.version)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        self.setup()
+        self.resume()
+        self.publish()
+        run = self.cfg.run
+        if self.io is not None:
+            self.io.start_eval(self.version)  # held-out accuracy before (or at resume)
+            self.io.dispatch(self.version, first_cycle=self.next_cycle)
+        self.ready = True
+        while self.next_cycle < run.num_cycles and not self._stop:
+            cycle = self.next_cycle
+            groups = (
+                self.io.collect(cycle, stop=lambda: self._stop) if self.io is not None else None
+            )
+            if not self._agree(self.io is None or groups is not None):
+                break  # rank 0 is stopping: every rank leaves together
+            samples = broadcast_samples(
+                samples_from_groups(groups) if groups is not None else None,
+                rank=self.rank,
+                device=self.device,
+            )
+            before = self.version
+            self.train_cycle(cycle, samples)
+            self.next_cycle = cycle + 1
+            every = self.cfg.learner.checkpoint_every_steps
+            if (
+                every
+                and self.version // every > before // every
+                and self.next_cycle < run.num_cycles
+            ):
+                self.checkpoint()
+        self.checkpoint()
+        if self.io is not None:
+            if self.next_cycle >= run.num_cycles:
+                self.io.start_eval(self.version)
+                self.io.finish_evals(timeout_s=300.0)
+            self.io.close()
+
+    def _agree(self, go_on: bool) -> bool:
+        """Rank 0's decision, on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return go_on
+        flag = torch.tensor([1 if go_on else 0], device=self.device)
+        dist.broadcast(flag, 0)
+        return bool(flag.item())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "cycle": self.next_cycle,
+            "ready": self.ready,
+            "counters": dict(self.counters),
+            "last_step": self.last_step,
+        }
+
+
+def write_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")

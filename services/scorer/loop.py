@@ -1,0 +1,208 @@
+"""The scorer service loop.
+
+Consumes  ``<run>:groups`` through the consumer group ``scorers`` (several replicas share it; a
+          SIGKILLed replica's entries are claimed by another after ``bus.claim_idle_s``, or
+          drained by its restarted self first).
+Produces  ``<run>:scored``: one ``ScoredGroup`` per group — one reward per response with its
+          components — published and acked in one atomic commit, de-duplicated by group id, so
+          every group is scored exactly once downstream and the learner receives whole groups.
+Waits for groups; for room in the learner's backlog (back-pressure on undelivered entries).
+Unblocked by generators publishing and the learner consuming.
+
+Rule mode grades each response's extracted answer with math-verify in worker processes with a
+hard timeout (``GraderPool``); solver mode sends every response of the batch to a frozen solver
+LLM at once (continuous batching) and grades its answers. A group whose ground truth is missing
+cannot be scored at all and goes to the dead-letter stream with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from common import runtime, wire
+from common.config import TetherConfig
+
+log = logging.getLogger(__name__)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        m = runtime.metric
+        self.items = m("Counter", "tether_scorer_items_total", "responses scored", ["reason"])
+        self.groups = m("Counter", "tether_scorer_groups_total", "groups scored")
+        self.seconds = m("Histogram", "tether_scorer_batch_seconds", "seconds to score one batch of groups", buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.batch = m("Histogram", "tether_scorer_batch_groups", "groups per scoring batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.reward = m("Gauge", "tether_scorer_reward_mean", "mean reward component over the last batch", ["component"])
+        self.solver_tokens = m("Counter", "tether_scorer_solver_tokens_total", "solver answer tokens generated")
+        self.solver_requests = m("Histogram", "tether_scorer_solver_batch_requests", "solver requests submitted together", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
+        self.queue_wait = m("Histogram", "tether_scorer_queue_wait_seconds", "seconds a group waited between generation and scoring", buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
+        self.unscorable = m("Counter", "tether_scorer_unscorable_groups_total", "groups dead-lettered as unscorable", ["reason"])
+
+
+class ScorerService:
+    def __init__(self, cfg: TetherConfig, *, sid: str, redis_url: str | None = None, batch_groups: int = 32) -> None:
+        from common.bus import Bus
+
+        self.cfg, self.sid = cfg, sid
+        self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="scorer")
+        self.timer = runtime.PhaseTimer("scorer")
+        self.metrics = _Metrics()
+        self.batch_groups = batch_groups
+        self.ready = False
+        self._stop = asyncio.Event()
+        self.groups_scored = 0
+        self.solver = None
+
+    def _build(self) -> None:
+        from services.scorer.grader_pool import GraderPool
+        from services.scorer.rewards import RewardScorer, RewardSpec
+
+        s, run = self.cfg.scorer, self.cfg.run
+        self.pool = GraderPool(s.grader_workers, s.grader_timeout_s)
+        spec = RewardSpec(
+            correct_weight=s.correct_weight,
+            format_weight=s.format_weight,
+            overlong_penalty=s.overlong_penalty if s.overlong_buffer_tokens > 0 else 0.0,
+            overlong_buffer_tokens=s.overlong_buffer_tokens,
+            max_response_tokens=run.max_response_tokens,
+            custom=s.custom_reward or None,
+            fallbacks=tuple(s.answer_fallbacks),
+        )
+        self.rewards = RewardScorer(spec, pool=self.pool)
+
+    async def _start_solver(self) -> None:
+        from common.model_paths import policy_paths
+        from services.scorer.solver import Solver, SolverSettings
+
+        s, run = self.cfg.scorer, self.cfg.run
+        model = s.solver_model or policy_paths(self.cfg)[0]
+        self.solver = Solver(
+            SolverSettings(
+                model=model,
+                template=s.solver_template,
+                samples=s.solver_samples,
+                aggregation=s.solver_aggregation,
+                temperature=s.solver_temperature,
+                max_tokens=s.solver_max_tokens,
+                seed=run.seed,
+                kv_cache_gib=self.cfg.generator.kv_cache_gib,
+                gpu_memory_utilization=self.cfg.generator.gpu_memory_utilization,
+                max_model_len=run.max_prompt_tokens + run.max_response_tokens + s.solver_max_tokens,
+            ),
+            pool=self.pool,
+        )
+        await self.solver.start()
+
+    # ------------------------------------------------------------------ scoring
+    def _items(self, group: wire.TrajectoryGroup) -> list[Any]:
+        from services.scorer.rewards import ScoreItem
+
+        return [
+            ScoreItem(
+                prompt=group.prompt_text,
+                response=s.response_text,
+                ground_truth=group.ground_truth,
+                response_tokens=len(s.response_token_ids),
+                metadata=dict(group.metadata),
+            )
+            for s in group.samples
+        ]
+
+    async def score(self, groups: list[wire.TrajectoryGroup]) -> list[list[Any]]:
+        """Score every response of ``groups`` in one batch; returns ScoredItems per group."""
+        items = [self._items(g) for g in groups]
+        flat = [it for group_items in items for it in group_items]
+        if self.solver is not None:
+            before = self.solver.solver_tokens
+            correctness = await self.solver.correctness(flat)
+            self.metrics.solver_tokens.inc(self.solver.solver_tokens - before)
+            self.metrics.solver_requests.observe(len(flat))
+            scored = await asyncio.to_thread(self.rewards.compose, flat, correctness)
+        else:
+            scored = await asyncio.to_thread(self.rewards.score_items, flat)
+        out, i = [], 0
+        for group_items in items:
+            out.append(scored[i : i + len(group_items)])
+            i += len(group_items)
+        return out
+
+    def _scored_group(self, group: wire.TrajectoryGroup, items: list[Any], seconds: float) -> wire.ScoredGroup:
+        return wire.ScoredGroup(
+            group=group,
+            rewards=[float(it.reward) for it in items],
+            components=[{k: float(v) for k, v in it.components.items()} for it in items],
+            reasons=[it.reason if it.reason not in ("correct", "wrong") else "" for it in items],
+            scorer_id=self.sid,
+            score_seconds=seconds,
+        )
+
+    async def _process(self, consumer, deliveries: list) -> None:
+        good, bad = [], []
+        for d in deliveries:
+            g: wire.TrajectoryGroup = d.msg
+            (bad if g.split == "train" and not (g.ground_truth or "").strip() else good).append(d)
+        for d in bad:
+            self.metrics.unscorable.labels("missing_ground_truth").inc()
+            await asyncio.to_thread(
+                consumer.dead_letter, d, "unscorable", f"group {d.msg.group_id} has no ground truth; rule and solver rewards need one"
+            )
+        if not good:
+            return
+        t0 = time.monotonic()
+        with self.timer.phase("working"):
+            scored = await self.score([d.msg for d in good])
+        seconds = time.monotonic() - t0
+        msgs = [self._scored_group(d.msg, items, seconds) for d, items in zip(good, scored, strict=True)]
+        with self.timer.phase("blocked_backpressure"):
+            await asyncio.to_thread(self.bus.wait_for_capacity, runtime.SCORED, runtime.LEARNER, count_pending=False)
+        await asyncio.to_thread(
+            consumer.commit, good, publish=[(runtime.SCORED, m) for m in msgs], dedupe_ids=[m.group.group_id for m in msgs]
+        )
+        self._observe(good, msgs, seconds)
+
+    def _observe(self, deliveries: list, msgs: list[wire.ScoredGroup], seconds: float) -> None:
+        now = time.time()
+        self.metrics.seconds.observe(seconds)
+        self.metrics.batch.observe(len(msgs))
+        self.metrics.groups.inc(len(msgs))
+        self.groups_scored += len(msgs)
+        sums: dict[str, float] = {}
+        n = 0
+        for m in msgs:
+            self.metrics.queue_wait.observe(max(0.0, now - m.group.created_at - seconds))
+            for comps, reason in zip(m.components, m.reasons, strict=True):
+                self.metrics.items.labels(reason or "ok").inc()
+                n += 1
+                for k, v in comps.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        for k, v in sums.items():
+            self.metrics.reward.labels(k).set(v / max(n, 1))
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        self._build()
+        await asyncio.to_thread(self.pool.wait_ready)
+        if self.cfg.scorer.mode == "solver":
+            await self._start_solver()
+        consumer = self.bus.consumer(runtime.GROUPS, runtime.SCORERS, self.sid)
+        self.ready = True
+        log.info("scorer %s ready (mode %s, %d grading workers)", self.sid, self.cfg.scorer.mode, self.cfg.scorer.grader_workers)
+        try:
+            while not self._stop.is_set():
+                with self.timer.phase("waiting_input"):
+                    deliveries = await asyncio.to_thread(consumer.read, self.batch_groups, self.cfg.bus.block_ms)
+                if deliveries:
+                    await self._process(consumer, deliveries)
+        finally:
+            self.pool.close()
+            if self.solver is not None:
+                self.solver.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def status(self) -> dict[str, Any]:
+        return {"groups": self.groups_scored, "ready": self.ready, "mode": self.cfg.scorer.mode}

@@ -1,0 +1,141 @@
+"""Solver mode: a frozen LLM answers the question using the policy's response as a guideline.
+
+The seed's pain (``001_*.txt``): 120 solver calls per step ran one at a time. Here every solver
+request of a batch of groups — responses × ``solver_samples`` — is submitted to one vLLM async
+engine at once, so the engine batches them continuously; the answers are graded together by the
+math-verify ``GraderPool``. The reward's correctness is the mean (or majority) over the samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.scorer.extract import extract_answer
+from services.scorer.rewards import Correctness, ScoreItem
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverSettings:
+    model: str
+    template: str  # uses {question} and {response}
+    samples: int = 1  # answers per response
+    aggregation: str = "mean"  # or "majority"
+    temperature: float = 0.0
+    max_tokens: int = 128
+    apply_chat_template: bool = True
+    seed: int = 0
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 1024
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if "{question}" not in self.template or "{response}" not in self.template:
+            raise ValueError(
+                "scorer.solver_template must contain {question} and {response}; got "
+                f"{self.template!r}"
+            )
+        if self.aggregation not in ("mean", "majority"):
+            raise ValueError(
+                f"scorer.solver_aggregation must be mean or majority, not {self.aggregation!r}"
+            )
+
+
+class Solver:
+    """Owns the solver engine; ``correctness(items)`` answers and grades a whole batch at once."""
+
+    def __init__(self, settings: SolverSettings, *, pool) -> None:
+        self.s = settings
+        self.pool = pool
+        self.engine = None
+        self.solver_tokens = 0
+        self.last_batch_requests = 0
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from services.generator.engine import EngineSettings, GenerationEngine
+
+        s = self.s
+        self.engine = GenerationEngine(
+            EngineSettings(
+                model=s.model,
+                dtype=s.dtype,
+                max_model_len=s.max_model_len,
+                gpu_memory_utilization=s.gpu_memory_utilization,
+                kv_cache_gib=s.kv_cache_gib,
+                seed=s.seed,
+            )
+        )
+        await self.engine.start()
+        self.tokenizer = AutoTokenizer.from_pretrained(s.model)
+
+    def prompt_ids(self, question: str, response: str) -> list[int]:
+        text = self.s.template.format(question=question, response=response)
+        if self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        room = self.s.max_model_len - self.s.max_tokens
+        return ids[-room:] if len(ids) > room else ids  # keep the end: the guideline's conclusion
+
+    async def answers(self, items: Sequence[ScoreItem]) -> list[list[str]]:
+        """``samples`` solver answers per item; all requests go to the engine concurrently."""
+        from services.generator.engine import SamplingSettings
+
+        assert self.engine is not None, "Solver.start() first"
+        sampling = SamplingSettings(
+            n=self.s.samples,
+            temperature=self.s.temperature,
+            max_tokens=self.s.max_tokens,
+            seed=None,
+        )
+        stamp = time.monotonic_ns()
+
+        async def one(i: int, item: ScoreItem) -> list[str]:
+            response = (
+                item.response.decode("utf-8", "replace")
+                if isinstance(item.response, bytes)
+                else item.response
+            )
+            samples = await self.engine.generate_group(
+                self.prompt_ids(item.prompt, response), sampling, request_id=f"solver-{stamp}-{i}"
+            )
+            self.solver_tokens += sum(len(s.token_ids) for s in samples)
+            return [s.text for s in samples]
+
+        self.last_batch_requests = len(items)
+        return list(await asyncio.gather(*(one(i, it) for i, it in enumerate(items))))
+
+    async def correctness(self, items: Sequence[ScoreItem]) -> list[Correctness]:
+        answers = await self.answers(items)
+        pairs, owners = [], []
+        for i, (item, texts) in enumerate(zip(items, answers, strict=True)):
+            for text in texts:
+                pairs.append((extract_answer(text).answer, item.ground_truth))
+                owners.append(i)
+        graded = await asyncio.to_thread(self.pool.grade_many, pairs) if pairs else []
+        per_item: list[list[tuple[bool, str]]] = [[] for _ in items]
+        for owner, result in zip(owners, graded, strict=True):
+            per_item[owner].append((result.correct, result.reason))
+        return [self._aggregate(results) for results in per_item]
+
+    def _aggregate(self, results: list[tuple[bool, str]]) -> Correctness:
+        hits = [ok for ok, _ in results]
+        reasons = Counter(r for _, r in results)
+        reason = reasons.most_common(1)[0][0] if reasons else "error"
+        if self.s.aggregation == "majority":
+            return Correctness(1.0 if sum(hits) * 2 > len(hits) else 0.0, reason)
+        return Correctness(sum(hits) / max(len(hits), 1), reason)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
