@@ -1,0 +1,143 @@
+"""vLLM worker extension: in-place, versioned weight updates from the learner.
+
+Pass ``worker_extension_cls="services.generator.worker_ext.TetherWorkerExtension"`` to the engine;
+the methods below run inside the worker process through ``collective_rpc``:
+
+- ``tether_join(host, port, member_id, timeout_s)`` -> ``{"member_id", "epoch"}``
+- ``tether_poll()`` -> ``{"pending": version | None, "error": str | None}`` (cheap: two store
+  lookups; ``error`` set means the learner dropped us or we are not joined: call ``tether_join``)
+- ``tether_receive_update(wait_s=None)`` -> ``{"ok", "version", "bytes", "seconds", "checksum",
+  "error"}``: receives into a staging buffer, verifies the checksum, and only then loads with
+  ``model_runner.reload_weights`` (``model.load_weights`` breaks on a second load on CPU). A
+  failed or corrupted update returns ``ok=False`` and leaves the previous version loaded.
+- ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
+  learner's (Hugging Face) naming, computed like ``common.weight_sync.tensors_checksum``.
+- ``tether_version()`` -> the loaded policy version (None before the first update).
+
+The worker blocks while it receives and loads (the engine pauses between steps); the generator
+service decides what to do with requests in flight. Errors are returned, not raised, so a bad
+update never takes the engine core down. Metrics: the numbers returned here are recorded by the
+generator service with ``common.weight_sync.observe_generator_update`` in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class TetherWorkerExtension:
+    _tether_rx = None
+    _tether_version: int | None = None
+    _tether_layout: list | None = None  # [(name, dtype, shape)] of the last update
+
+    def tether_join(self, host: str, port: int, member_id: str, timeout_s: float = 60.0) -> dict:
+        from common.weight_sync import WeightReceiver
+
+        rx = self._tether_rx
+        if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
+            self._tether_rx = WeightReceiver(host, port, member_id, timeout_s=timeout_s)
+        self._tether_rx.version = self._tether_version
+        return {"member_id": member_id, "epoch": self._tether_rx.join()}
+
+    def tether_poll(self) -> dict:
+        from common.weight_sync import WeightSyncError
+
+        try:
+            if self._tether_rx is None:
+                raise WeightSyncError("not joined: call tether_join first")
+            return {"pending": self._tether_rx.poll(), "error": None}
+        except WeightSyncError as e:
+            return {"pending": None, "error": str(e)}
+
+    def tether_receive_update(self, wait_s: float | None = None) -> dict:
+        from common.weight_sync import WeightSyncError, tensors_checksum
+
+        t0 = time.monotonic()
+        try:
+            if self._tether_rx is None:
+                raise WeightSyncError("not joined: call tether_join first")
+            version, named = self._tether_rx.receive(wait_s=wait_s)
+        except WeightSyncError as e:
+            logger.warning("weight update failed, keeping version %s: %s", self._tether_version, e)
+            return {"ok": False, "version": self._tether_version, "error": str(e)}
+        checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
+        tied = self._tether_tied()
+        self.model_runner.reload_weights(
+            weights_iterator=iter(
+                [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
+            )
+        )
+        self._tether_version = version
+        self._tether_layout = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        seconds = time.monotonic() - t0
+        logger.info("loaded weights version %d (%d bytes, %.3f s)", version, nbytes, seconds)
+        return {"ok": True, "version": version, "bytes": nbytes, "seconds": seconds,
+                "checksum": checksum, "error": None}  # fmt: skip
+
+    def tether_version(self) -> int | None:
+        return self._tether_version
+
+    def tether_weights_checksum(self, layout: list | None = None) -> str:
+        """``layout``: [(name, dtype name, shape)] in the learner's naming; default: the last
+        update's. Fused vLLM parameters (qkv_proj, gate_up_proj) are split back by their
+        ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the embedding."""
+        from common.weight_sync import tensors_checksum
+
+        layout = layout if layout is not None else self._tether_layout
+        if layout is None:
+            raise ValueError("no layout: pass one or receive an update first")
+        return tensors_checksum([(n, self._tether_engine_tensor(n, s)) for n, _, s in layout])
+
+    # -- helpers
+
+    def _tether_tied(self) -> bool:
+        cfg = self.model_runner.model_config.hf_config
+        return bool(getattr(cfg.get_text_config(), "tie_word_embeddings", False))
+
+    def _tether_engine_tensor(self, name: str, shape):
+        model = self.model_runner.get_model()
+        if name == "lm_head.weight" and self._tether_tied():
+            name = "model.embed_tokens.weight"
+        module_path, _, pname = name.rpartition(".")
+        part = None
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError:
+            module, part = self._tether_fused(model, module_path)
+        t = self._tether_read(module, pname)
+        if part is not None:
+            start = sum(module.output_sizes[:part])
+            t = t[start : start + module.output_sizes[part]]
+        shape = tuple(shape)
+        if tuple(t.shape) != shape and t.dim() == len(shape) and t.shape[1:] == shape[1:]:
+            t = t[: shape[0]]  # vocabulary rows padded by the engine
+        if tuple(t.shape) != shape:
+            raise ValueError(f"engine tensor for {name} has shape {tuple(t.shape)}, not {shape}")
+        return t
+
+    @staticmethod
+    def _tether_fused(model, module_path: str):
+        """(fused module, index of the part) for e.g. ``...self_attn.q_proj`` -> qkv_proj, 0."""
+        parent, _, leaf = module_path.rpartition(".")
+        for fused, parts in (getattr(model, "packed_modules_mapping", {}) or {}).items():
+            if leaf in parts:
+                return model.get_submodule(f"{parent}.{fused}"), parts.index(leaf)
+        raise ValueError(f"the engine has no module for {module_path!r}")
+
+    @staticmethod
+    def _tether_read(module, pname: str):
+        """A parameter's value. vLLM's CPU backend packs linear weights into oneDNN/sgl handles
+        and leaves an empty ``weight``: read it back through the layer's own GEMM with an
+        identity input (exact: every output is one weight times 1.0 plus zeros)."""
+        import torch
+
+        p = getattr(module, pname)
+        if pname != "weight" or p.numel() > 0 or not hasattr(module, "cpu_linear"):
+            return p.detach()
+        eye = torch.eye(module.input_size_per_partition, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            return module.cpu_linear(eye, p, None).t().contiguous()

@@ -1,0 +1,63 @@
+"""A plain weight-sync receiver process for tests and the benchmark (no vLLM).
+
+Joins the learner's weight sync, receives ``--count`` updates and appends one JSON line per event
+to ``--log``: ``{"event": "joined", "epoch": E}``, ``{"event": "update", "version": V,
+"checksum": C, "bytes": B}`` (checksum recomputed from the received tensors) or
+``{"event": "error", "error": "..."}``. ``--stall-after-unit K`` makes it write
+``{"event": "stalled"}`` after unit K of update number ``--stall-on-update`` and sleep (so a test can SIGKILL or
+time it out mid-broadcast). ``--save PATH`` stores the last update as safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _log(path: str, **event) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--member", required=True)
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--log", required=True)
+    p.add_argument("--stall-after-unit", type=int, default=-1)
+    p.add_argument("--stall-on-update", type=int, default=1, help="1-based update number")
+    p.add_argument("--save", default="")
+    a = p.parse_args()
+
+    from common.weight_sync import WeightReceiver, WeightSyncError, tensors_checksum
+
+    rx = WeightReceiver(a.host, a.port, a.member, timeout_s=a.timeout)
+    _log(a.log, event="joined", epoch=rx.join())
+    updates = [0]
+
+    def on_unit(k: int) -> None:
+        if k == a.stall_after_unit and updates[0] == a.stall_on_update:
+            _log(a.log, event="stalled")
+            time.sleep(3600)
+
+    for _ in range(a.count):
+        updates[0] += 1
+        try:
+            version, named = rx.receive(on_unit=on_unit)
+        except WeightSyncError as e:
+            _log(a.log, event="error", error=str(e), version=rx.version)
+            continue
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        _log(a.log, event="update", version=version, checksum=tensors_checksum(named), bytes=nbytes)
+        if a.save:
+            from safetensors.torch import save_file
+
+            save_file({n: t.clone() for n, t in named}, a.save)
+
+
+if __name__ == "__main__":
+    main()

