@@ -1,0 +1,258 @@
+"""Policy / reference models for the learner: process group, FSDP2 sharding, log-probs, weights.
+
+One code path for CPU and GPU: the device decides the backend (gloo on CPU, NCCL on CUDA) and the
+precision (fp32 on CPU; bf16 compute with fp32 master weights and fp32 gradient reduction on GPU).
+
+Gradient reduction: FSDP2 averages gradients over ranks by default. Tether's loss functions return
+a loss already normalised by the *whole step's* denominator (all ranks, all micro-batches), so the
+right reduction is a plain sum. ``load_policy`` sets every FSDP unit's divide factor to 1 with
+sum-only collectives, which makes an N-rank step produce the same gradient as one process that
+sums the same micro-batch losses (tested in ``tests/test_learner_fsdp.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_distributed(
+    backend: str | None = None, *, timeout_s: float = 1800.0
+) -> tuple[int, int, torch.device]:
+    """Join (or create) the default process group; returns ``(rank, world_size, device)``.
+
+    Under ``torchrun`` the ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables are used. Without them a
+    one-rank group on a free loopback port is created, so the same learner code runs as a plain
+    ``python`` process. ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``.
+    Calling it again returns the existing group's values.
+    """
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        init_method = "env://"
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        rank, world_size = 0, 1
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    logger.info(
+        "process group up: rank %d/%d backend %s device %s", rank, world_size, backend, device
+    )
+    return rank, world_size, device
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (``model.model.layers`` for Llama/Qwen-style)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"cannot find decoder layers in {type(model).__name__}: expected `model.model.layers` "
+            "(Llama/Qwen/Mistral-style causal LMs); use a model with that layout or fsdp=False"
+        )
+    return list(layers)
+
+
+def _shard(model: torch.nn.Module, *, device: torch.device, param_dtype: Any) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if param_dtype is not None and param_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32
+        )
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Sum, not mean, over ranks: losses are pre-normalised by the global denominator.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _load_hf(model_dir: str | Path, *, device: torch.device) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise ValueError(
+            f"model directory {path} has no config.json: point the learner's model path at a "
+            "local Hugging Face model directory (e.g. one written by `tether export`)"
+        )
+    # Master weights in fp32; mixed precision (if any) is applied by FSDP at compute time.
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    # Remembered so checkpoints can name the tokenizer's home for `tether export`.
+    model.tether_source_dir = str(path.resolve())
+    return model.to(device)
+
+
+def load_policy(
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    gradient_checkpointing: bool = False,
+    fsdp: bool = True,
+) -> Any:
+    """Load the trainable policy from a local HF directory, in train mode.
+
+    ``param_dtype``: compute dtype; default bf16 on CUDA (fp32 master weights and fp32 gradient
+    reduction via ``MixedPrecisionPolicy``), fp32 on CPU. ``fsdp=True`` needs an initialised
+    process group (``setup_distributed``); ``fsdp=False`` returns a plain module (one process).
+    """
+    import torch
+
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if param_dtype != torch.float32 and not fsdp:
+        raise ValueError("a non-fp32 param_dtype needs fsdp=True (mixed precision is FSDP's)")
+    model = _load_hf(model_dir, device=device)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp:
+        _shard(model, device=device, param_dtype=param_dtype)
+    model.train()
+    return model
+
+
+def load_reference(
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    fsdp: bool = True,
+) -> Any:
+    """Load a frozen reference model (KL term): no gradients, eval mode.
+
+    It is sharded exactly like the policy (FSDP2 per layer + root) so it costs 1/world_size of the
+    memory per rank; its forward all-gathers one layer at a time. Call it under ``torch.no_grad()``.
+    """
+    import torch
+
+    if param_dtype is None:
+        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _load_hf(model_dir, device=device)
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    if fsdp:
+        _shard(model, device=device, param_dtype=param_dtype)
+    model.eval()
+    return model
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and entropy) of each token given the tokens before it, on response positions.
+
+    Inputs are ``[B, T]``; ``response_mask[b, t] = 1`` marks token ``t`` as a response token.
+    Returns ``logp[B, T]`` where ``logp[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` on
+    response positions and 0 elsewhere (position 0 is never a response token), and ``entropy``
+    of the predictive distribution for those same positions (or ``None``).
+
+    Memory: logits are computed once; only the rows that predict a response token are selected
+    and upcast to fp32, and the log-prob uses ``gather - logsumexp`` (no full log-softmax copy).
+    The softmax is materialised for the selected rows only when ``with_entropy``.
+    """
+    import torch
+
+    if input_ids.shape != response_mask.shape or input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)}, attention_mask {tuple(attention_mask.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must have the same [B, T] shape"
+        )
+    if response_mask.numel() and bool(response_mask[:, 0].any()):
+        raise ValueError("response_mask[:, 0] must be 0: the first token has no preceding context")
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    # logits[:, t] predicts token t + 1.
+    pred_mask = response_mask[:, 1:].bool()
+    logits = out.logits[:, :-1][pred_mask].float()  # [N, V]
+    targets = input_ids[:, 1:][pred_mask]  # [N]
+    lse = torch.logsumexp(logits, dim=-1)
+    selected_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    logp = torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)
+    logp[:, 1:] = logp[:, 1:].masked_scatter(pred_mask, selected_logp)
+    if not with_entropy:
+        return logp, None
+    probs = torch.softmax(logits, dim=-1)
+    selected_entropy = lse - (probs * logits).sum(-1)
+    entropy = torch.zeros_like(logp)
+    entropy[:, 1:] = entropy[:, 1:].masked_scatter(pred_mask, selected_entropy)
+    return logp, entropy
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict_cpu(model: torch.nn.Module, *, drop_tied: bool = True) -> dict[str, Any]:
+    """Full (unsharded) fp32 weights with Hugging Face names, on CPU, on rank 0 (``{}`` elsewhere).
+
+    A collective under FSDP: every rank must call it. With ``drop_tied`` the ``lm_head.weight``
+    of a tied-embedding model is left out (HF and vLLM loaders re-tie it; vLLM's ``load_weights``
+    expects it absent).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if _is_fsdp(model):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        if dist.get_rank() != 0:
+            return {}
+    else:
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if drop_tied and getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state

@@ -1,0 +1,127 @@
+"""torchrun entry for tests/test_learner_fsdp.py: FSDP2 training steps on real gloo ranks.
+
+    torchrun --nproc_per_node 2 tests/procs/fsdp_worker.py --model DIR --batch FILE --out DIR
+
+Each rank takes its share of the batch (rank 0: rows 0 and 1 as two micro-batches; rank 1: rows
+2-3 as one micro-batch plus a zero-weight padding micro-batch, so the ranks split the batch
+differently and the padding path runs), runs two optimizer steps with gradient checkpointing,
+checkpoints after the first, then resumes a fresh model from that checkpoint and repeats step
+two. Rank 0 writes the updated weights and the step stats to ``--out``.
+
+The loss (``token_mean_nll``) is the test's own, not Tether's algorithm: minus the sum of
+response-token log-probs divided by the number of response tokens in the WHOLE batch, so
+micro-batch losses add up to the batch's token-mean loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+LR = 1e-3
+GRAD_CLIP = 1.0
+
+
+def token_mean_nll(model, micro_batch):
+    """Test loss: -sum(logp * weight) / global_tokens (pre-normalised by the whole batch)."""
+    from services.learner.model import token_logprobs_and_entropy
+
+    logp, _ = token_logprobs_and_entropy(
+        model, micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["response_mask"]
+    )
+    weight = micro_batch["response_mask"].float() * micro_batch["loss_weight"]
+    return -(logp * weight).sum() / micro_batch["global_tokens"]
+
+
+def micro_batch(batch: dict, rows: slice, *, weight: float = 1.0) -> dict:
+    """Rows of the batch as one micro-batch; ``weight=0`` makes a padding micro-batch."""
+    out = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
+    if weight == 0.0:  # padding: no response token selected at all (the empty-selection path)
+        out["response_mask"] = out["response_mask"] * 0
+    out["loss_weight"] = weight
+    out["global_tokens"] = batch["response_mask"].sum().float()
+    return out
+
+
+def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
+    """Policy + AdamW + warm-up/cosine schedule, as the learner builds them."""
+    import torch
+
+    from services.learner.model import load_policy
+    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+
+    model = load_policy(
+        model_dir,
+        device=torch.device("cpu"),
+        fsdp=fsdp,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    optimizer = build_optimizer(model, lr=LR, weight_decay=0.01)
+    schedule = build_schedule(warmup_steps=1, total_steps=4, decay="cosine", min_lr_ratio=0.1)
+    return model, optimizer, build_scheduler(optimizer, schedule)
+
+
+def rank_micro_batches(batch: dict, rank: int) -> list[dict]:
+    if rank == 0:
+        return [micro_batch(batch, slice(0, 1)), micro_batch(batch, slice(1, 2))]
+    return [micro_batch(batch, slice(2, 4)), micro_batch(batch, slice(0, 1), weight=0.0)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.learner.checkpoint import load_checkpoint, save_checkpoint
+    from services.learner.model import full_state_dict_cpu, setup_distributed
+    from services.learner.train_step import train_step
+
+    rank, world_size, _ = setup_distributed()
+    torch.manual_seed(1234)
+    batch = load_file(args.batch)
+    mbs = rank_micro_batches(batch, rank)
+    out = Path(args.out)
+    model, optimizer, scheduler = build_training(args.model, fsdp=True, gradient_checkpointing=True)
+    stats = []
+    for step in (1, 2):
+        stats.append(
+            train_step(model, optimizer, scheduler, mbs, token_mean_nll, grad_clip=GRAD_CLIP)
+        )
+        if step == 1:
+            save_checkpoint(
+                out / "run",
+                1,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                extra_state={"policy_version": 1},
+            )
+    weights = full_state_dict_cpu(model)
+    # Resume a fresh model from the step-1 checkpoint and redo step 2.
+    model2, optimizer2, scheduler2 = build_training(
+        args.model, fsdp=True, gradient_checkpointing=True
+    )
+    extra = load_checkpoint(out / "run", model=model2, optimizer=optimizer2, scheduler=scheduler2)
+    resumed = train_step(model2, optimizer2, scheduler2, mbs, token_mean_nll, grad_clip=GRAD_CLIP)
+    resumed_weights = full_state_dict_cpu(model2)
+    if rank == 0:
+        save_file(weights, str(out / "fsdp_weights.safetensors"))
+        save_file(resumed_weights, str(out / "resumed_weights.safetensors"))
+        report = {
+            "world_size": world_size,
+            "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr} for s in stats],
+            "resumed": {"loss": resumed.loss, "grad_norm": resumed.grad_norm, "lr": resumed.lr},
+            "extra": extra,
+        }
+        (out / "report.json").write_text(json.dumps(report))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
