@@ -48,6 +48,10 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_cmd_bus_inspect)
 
+    from common.cli_status import add_status_verbs
+
+    add_status_verbs(sub, add_config_args)
+
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side, JSON under bench/results/")
     bench.add_argument("what", choices=["bus", "weights", "scorer", "all"], help="which benchmark")
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")

@@ -212,7 +212,27 @@ def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
         sup.shutdown()
         if progress is not None:
             progress.final()
+        _finish(cfg, run_dir, url, progress)
         if redis is not None:
             redis.stop()
         signal.signal(signal.SIGTERM, old)
     return code
+
+
+def _finish(cfg: TetherConfig, run_dir: Path, url: str, progress) -> None:
+    """Status snapshot + HTML report in the run directory (best effort: never raises)."""
+    from common.cli_status import finish_run
+
+    try:
+        if progress is not None:
+            bus = progress.bus
+        else:
+            from common.bus import Bus
+            from common.runtime import bus_settings_for
+
+            bus = Bus(bus_settings_for(cfg, redis_url=url), service="launcher")
+        report = finish_run(run_dir, bus)
+        if report is not None:
+            log.info("report: %s", report)
+    except Exception as exc:  # the run itself is over; a report problem must not change its result
+        log.warning("could not write the status snapshot/report: %s", exc)

@@ -123,7 +123,7 @@ class LearnerService:
         from services.learner.model import full_state_dict_cpu
 
         with self.timer.phase("syncing_weights"):
-            state = full_state_dict_cpu(self.model, drop_tied=False)
+            state = full_state_dict_cpu(self.model)
             if self.io is not None:
                 self.io.publish_weights(state, self.version)
 

@@ -1,0 +1,238 @@
+"""`tether status`: the --json schema, the human format, finding a local run's embedded server,
+and the status.json snapshot a finished run falls back to.
+
+Live tests use the session's real Redis-protocol server. The services' heartbeats are written by
+the real ``common.runtime.StatusReporter`` with hand-set counters (a fake of the services, not of
+Redis): what is under test is how status reads and presents them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from common import runtime
+from common.bus import Bus, BusSettings
+from common.cli import _add_config_args
+from common.cli_status import (
+    add_status_verbs,
+    finish_run,
+    load_status_snapshot,
+    save_status_snapshot,
+)
+from common.status import STREAMS
+
+FIXTURE = Path(__file__).parent / "fixtures" / "run_thin"  # a real short run (3 steps, 2 evals)
+EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 prompts
+
+
+def tether(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="tether")
+    add_status_verbs(parser.add_subparsers(), _add_config_args)
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def make_run_dir(tmp_path: Path, name: str) -> Path:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    text = (FIXTURE / "config.toml").read_text().replace('name = "thin"', f'name = "{name}"')
+    (run_dir / "config.toml").write_text(text)
+    shutil.copy(FIXTURE / "metrics.jsonl", run_dir)
+    return run_dir
+
+
+def fake_services(url: str, run: str) -> None:
+    """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
+
+    Books (responses_per_prompt = 4): generator groups 60 = 32 eval + 28 train = 112 trajectories
+    = 100 trained + 4 dropped stale + 4 dead-lettered (1 group) + 4 in flight (1 queued group)."""
+    bus = Bus(BusSettings(url=url, run=run), service="test")
+    now = time.time()
+    beats = [
+        ("learner", "learner-0", {"working": 60.0, "waiting_input": 30.0, "syncing_weights": 5.0},
+         {"version": 7, "cycle": 4, "ready": True, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
+          "counters": {"trained_samples": 100, "dropped_stale": 4, "filtered_samples": 0}}),
+        ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
+         {"version": 7, "tokens": 5000, "groups": 28 + EVAL_GROUPS, "ready": True}),
+        ("scorer", "scorer-0", {"working": 2.0, "waiting_input": 90.0}, {"groups": 59, "ready": True, "mode": "rule"}),
+    ]  # fmt: skip
+    for service, sid, phases, extra in beats:
+        timer = runtime.PhaseTimer(service)
+        timer.seconds.update(phases)  # set directly: PhaseTimer.add also feeds Prometheus
+        reporter = runtime.StatusReporter(bus, service, sid, timer, lambda e=extra: e)
+        reporter.started = now - 100.0
+        reporter.write()
+    for stream, group in STREAMS:
+        bus.ensure_group(stream, group)
+    bus.redis.xadd(bus.key(runtime.GROUPS), {"m": b"a queued group"})
+    bus.redis.xadd(bus.key(runtime.DEAD), {"reason": b"test", "raw": b""})
+    bus.close()
+
+
+def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_json")
+    fake_services(redis_server.url, "st_json")
+    code, out, err = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url, "--json"], capsys
+    )
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["source"] == "live" and st["run"] == "st_json"
+    assert isinstance(st["time"], float)
+    assert st["learner_version"] == 7 and st["cycle"] == 4
+    assert st["generator_versions"] == {"generator-0": 7}
+    assert isinstance(st["last_step"], dict) and st["last_step"]["step"] == 7
+    assert {s["service"] for s in st["services"]} == {"learner", "generator", "scorer"}
+    for s in st["services"]:
+        assert isinstance(s["id"], str) and isinstance(s["alive"], bool) and s["alive"]
+        assert isinstance(s["age_s"], float) and isinstance(s["heartbeat"], float)
+        assert all(isinstance(v, float) for v in s["phases"].values())
+        assert abs(sum(s["time_breakdown"].values()) - 1.0) < 1e-9
+        assert s["rates"]["uptime_s"] == pytest.approx(100.0, abs=5.0)
+    gen = next(s for s in st["services"] if s["service"] == "generator")
+    assert gen["rates"]["tokens_per_s"] == pytest.approx(50.0, rel=0.05)
+    assert set(st["streams"]) == {"prompts", "groups", "scored"}
+    for q in st["streams"].values():
+        assert (
+            isinstance(q["group"], str)
+            and isinstance(q["lag"], int)
+            and isinstance(q["pending"], int)
+        )
+    assert st["streams"]["groups"]["lag"] == 1
+    assert st["dead_letters"] == 1
+    assert st["bottleneck"]["service"] == "learner"
+    assert st["accounting_trajectories"] == {
+        "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
+        "dead_lettered": 4, "in_flight": 4, "unaccounted": 0,
+    }  # fmt: skip
+
+
+def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_human")
+    fake_services(redis_server.url, "st_human")
+    code, out, err = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url], capsys
+    )
+    assert code == 0, err
+    assert "run st_human: learner v7 cycle 4" in out
+    assert "snapshot" not in out
+    for line in ("stream groups", "group scorers", "dead letters: 1", "bottleneck: learner"):
+        assert line in out
+    assert "rate generator generator-0" in out and "50.00 tokens/s" in out
+    assert "accounting (trajectories): generated 112 = trained 100" in out and "(balanced)" in out
+
+
+def test_status_finds_a_local_runs_embedded_server(redis_server, tmp_path, capsys, monkeypatch):
+    """No --redis-url: the port comes from <run dir>/redis/server.conf, as `tether train` writes it."""
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_local")
+    fake_services(redis_server.url, "st_local")
+    (run_dir / "redis").mkdir()
+    (run_dir / "redis" / "server.conf").write_text(f"bind 127.0.0.1\nport {redis_server.port}\n")
+    code, out, err = tether(["status", "--run", str(run_dir), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["source"] == "live" and json.loads(out)["learner_version"] == 7
+
+
+def test_status_falls_back_to_the_snapshot(redis_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_snap")
+    fake_services(redis_server.url, "st_snap")
+    code, out, _ = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url, "--json"], capsys
+    )
+    live = json.loads(out)
+    save_status_snapshot(run_dir, live)
+    # The run's embedded server is gone: nothing listens on the port in server.conf.
+    (run_dir / "redis").mkdir()
+    (run_dir / "redis" / "server.conf").write_text(f"port {runtime.free_port()}\n")
+    code, out, err = tether(["status", "--run", str(run_dir), "--json"], capsys)
+    assert code == 0, err
+    snap = json.loads(out)
+    assert snap["source"] == "snapshot" and isinstance(snap["snapshot_time"], float)
+    for key in (
+        "learner_version",
+        "streams",
+        "dead_letters",
+        "accounting_trajectories",
+        "bottleneck",
+    ):
+        assert snap[key] == live[key], key
+    code, out, _ = tether(["status", "--run", str(run_dir)], capsys)
+    assert code == 0 and out.startswith("(snapshot of ") and "run st_snap: learner v7" in out
+    # A Redis that answers but holds nothing of this run (name "st_gone"): the snapshot.
+    (run_dir / "status.json").write_text(
+        json.dumps({**live, "run": "st_snap", "learner_version": 9})
+    )
+    code, out, _ = tether(
+        [
+            "status",
+            "--run",
+            str(run_dir),
+            "--redis-url",
+            redis_server.url,
+            "--name",
+            "st_gone",
+            "--json",
+        ],
+        capsys,
+    )
+    assert (
+        code == 0
+        and json.loads(out)["source"] == "snapshot"
+        and json.loads(out)["learner_version"] == 9
+    )
+
+
+def test_status_without_redis_or_snapshot_says_what_to_do(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_none")
+    url = f"redis://127.0.0.1:{runtime.free_port()}/0"
+    code, out, err = tether(["status", "--run", str(run_dir), "--redis-url", url], capsys)
+    assert code == 1 and out == ""
+    assert "does not answer" in err and "status.json" in err and "--redis-url" in err
+
+
+def test_snapshot_is_written_atomically_and_read_back(tmp_path):
+    path = save_status_snapshot(tmp_path, {"run": "x", "learner_version": 3})
+    assert path == tmp_path / "status.json"
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary file left
+    doc = load_status_snapshot(tmp_path)
+    assert doc["learner_version"] == 3 and doc["snapshot_time"] <= time.time()
+    assert load_status_snapshot(tmp_path / "elsewhere") is None
+    path.write_text('{"run": "x", "learner_ver')  # torn by hand
+    with pytest.raises(ValueError, match="status.json is not valid JSON"):
+        load_status_snapshot(tmp_path)
+
+
+def test_finish_run_saves_the_snapshot_and_writes_the_report(redis_server, tmp_path):
+    """What the launcher calls at the end of a run, while its Redis is still up."""
+    run_dir = make_run_dir(tmp_path, "st_finish")
+    fake_services(redis_server.url, "st_finish")
+    bus = Bus(BusSettings(url=redis_server.url, run="st_finish"), service="launcher")
+    path = finish_run(run_dir, bus)
+    bus.close()
+    assert path == run_dir / "report.html"
+    assert load_status_snapshot(run_dir)["learner_version"] == 7
+    page = path.read_text(encoding="utf-8")
+    assert page.count('<img src="data:image/png;base64,') == 6
+    assert '<tr class="ok"><td>unaccounted</td><td class="num">0<' in page
+    # Redis already gone: the report is still written, from metrics.jsonl and the old snapshot.
+    (run_dir / "report.html").unlink()
+    dead = Bus(
+        BusSettings(
+            url=f"redis://127.0.0.1:{runtime.free_port()}/0", run="st_finish", reconnect_max_s=0.5
+        ),
+        service="launcher",
+    )
+    assert finish_run(run_dir, dead) == run_dir / "report.html"
