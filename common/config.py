@@ -100,7 +100,7 @@ class GeneratorConfig(_Section):
     ignore_eos: bool = Field(False, description="always generate max_response_tokens (benchmarks)")
     eval_temperature: float = Field(0.0, ge=0.0, description="sampling temperature for validation (0 = greedy)")
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="vLLM memory fraction (on CPU: of RAM; keep ≤ 0.3)")
-    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: int = Field(1, ge=1, description="KV cache size in whole GiB (on CPU: VLLM_CPU_KVCACHE_SPACE)")
     max_num_seqs: int = Field(256, ge=1, description="concurrent sequences in the engine")
     enforce_eager: bool = Field(True, description="disable CUDA graphs / compilation")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="engine dtype; auto = float32 on CPU, bfloat16 on GPU")

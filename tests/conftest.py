@@ -32,3 +32,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
+    """One short real training job for the session (see tests/e2e_support.py): tiny warmed-up
+    model, arithmetic task, every real service. Yields a RunResult (metric names scraped from
+    every service's /metrics, metrics.jsonl records, final status)."""
+    from common.demo import prepare_assets
+    from tests.e2e_support import run_training, write_config
+
+    base = tmp_path_factory.mktemp("e2e")
+    assets = prepare_assets(base / "assets", preset="ci")
+    config = write_config(base / "e2e.toml", name="e2e", model=str(assets.model_dir), data_dir=assets.data_dir, run_dir=base / "runs", cycles=6)
+    return run_training(config, redis_url=redis_server.url, name="e2e")

@@ -15,7 +15,10 @@ def cfg_of(**flags):
 def test_defaults_are_valid_and_balanced():
     c = TetherConfig()
     r = c.run
-    assert r.prompts_per_cycle * r.responses_per_prompt * r.passes_per_cycle == r.train_batch_size * r.train_steps_per_cycle
+    assert (
+        r.prompts_per_cycle * r.responses_per_prompt * r.passes_per_cycle
+        == r.train_batch_size * r.train_steps_per_cycle
+    )
 
 
 def test_train_batch_size_is_derived_from_steps():
@@ -37,7 +40,12 @@ def test_passes_multiply_consumed_responses():
 
 def test_invariant_violation_shows_equation_and_two_fixes():
     with pytest.raises(ConfigError) as e:
-        cfg_of(prompts_per_cycle=30, responses_per_prompt=4, train_batch_size=96, train_steps_per_cycle=1)
+        cfg_of(
+            prompts_per_cycle=30,
+            responses_per_prompt=4,
+            train_batch_size=96,
+            train_steps_per_cycle=1,
+        )
     msg = str(e.value)
     assert "30 × 4 × 1 = 120" in msg and "96 × 1 = 96" in msg
     assert "set train_batch_size = 120" in msg
@@ -71,17 +79,28 @@ def test_micro_batch_must_divide_per_rank_share():
 
 def test_batch_must_split_over_ranks():
     with pytest.raises(ConfigError, match="cannot be shared evenly by 3 learner ranks"):
-        load_config(flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4}, overrides=["learner.nproc_per_node=3"], env={})
+        load_config(
+            flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4},
+            overrides=["learner.nproc_per_node=3"],
+            env={},
+        )
 
 
 def test_grad_accumulation_is_derived():
-    c = load_config(flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4}, overrides=["learner.nproc_per_node=2", "learner.micro_batch_size=4"], env={}).config
+    c = load_config(
+        flags={"run.prompts_per_cycle": 8, "run.responses_per_prompt": 4},
+        overrides=["learner.nproc_per_node=2", "learner.micro_batch_size=4"],
+        env={},
+    ).config
     assert c.grad_accumulation_steps == 4  # 32 / 2 ranks / 4
 
 
 def test_count_and_token_budget_are_exclusive():
     with pytest.raises(ConfigError, match="both set"):
-        load_config(overrides=["learner.micro_batch_size=4", "learner.max_tokens_per_micro_batch=4096"], env={})
+        load_config(
+            overrides=["learner.micro_batch_size=4", "learner.max_tokens_per_micro_batch=4096"],
+            env={},
+        )
 
 
 def test_token_budget_must_fit_longest_sequence():
@@ -91,18 +110,34 @@ def test_token_budget_must_fit_longest_sequence():
 
 def test_staleness_below_steps_minus_one_is_explained():
     with pytest.raises(ConfigError) as e:
-        cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=2)
+        cfg_of(
+            prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=2
+        )
     assert "max_staleness ≥ 3" in str(e.value)
 
 
 def test_staleness_boundary_is_accepted_and_default_overlaps_one_cycle():
-    assert cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=3).run.max_staleness == 3
-    assert cfg_of(prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4).run.max_staleness == 7
+    assert (
+        cfg_of(
+            prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4, max_staleness=3
+        ).run.max_staleness
+        == 3
+    )
+    assert (
+        cfg_of(
+            prompts_per_cycle=8, responses_per_prompt=4, train_steps_per_cycle=4
+        ).run.max_staleness
+        == 7
+    )
 
 
 def test_publish_every_must_divide_steps():
     with pytest.raises(ConfigError, match="publish_every_steps = 3"):
-        load_config(flags={"run.train_steps_per_cycle": 4}, overrides=["learner.publish_every_steps=3"], env={})
+        load_config(
+            flags={"run.train_steps_per_cycle": 4},
+            overrides=["learner.publish_every_steps=3"],
+            env={},
+        )
 
 
 def test_socket_timeout_must_exceed_block():
@@ -131,7 +166,9 @@ def test_precedence_defaults_file_env_flags_set(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[learner]\nlr = 1e-5\nweight_decay = 0.1\ngrad_clip = 0.5\n[run]\nseed = 7\n")
     env = {"TETHER_LEARNER__WEIGHT_DECAY": "0.2", "TETHER_LEARNER__GRAD_CLIP": "0.3"}
-    lo = load_config(config_file=f, env=env, flags={"run.seed": 9}, overrides=["learner.grad_clip=0.4"])
+    lo = load_config(
+        config_file=f, env=env, flags={"run.seed": 9}, overrides=["learner.grad_clip=0.4"]
+    )
     c = lo.config
     assert c.learner.lr == 1e-5  # file over default
     assert c.learner.weight_decay == 0.2  # env over file
@@ -142,9 +179,16 @@ def test_precedence_defaults_file_env_flags_set(tmp_path):
 
 def test_cycle_knobs_in_any_table_and_top_level(tmp_path):
     f = tmp_path / "c.toml"
-    f.write_text("prompts_per_cycle = 6\n[learner]\ntrain_batch_size = 12\nlr = 1e-6\n[generator]\nresponses_per_prompt = 4\n")
+    f.write_text(
+        "prompts_per_cycle = 6\n[learner]\ntrain_batch_size = 12\nlr = 1e-6\n[generator]\nresponses_per_prompt = 4\n"
+    )
     c = load_config(config_file=f, env={}).config
-    assert (c.run.prompts_per_cycle, c.run.responses_per_prompt, c.run.train_batch_size, c.run.train_steps_per_cycle) == (6, 4, 12, 2)
+    assert (
+        c.run.prompts_per_cycle,
+        c.run.responses_per_prompt,
+        c.run.train_batch_size,
+        c.run.train_steps_per_cycle,
+    ) == (6, 4, 12, 2)
 
 
 def test_conflicting_copies_of_a_knob_refused(tmp_path):
@@ -163,7 +207,9 @@ def test_non_cycle_top_level_key_refused(tmp_path):
 
 def test_slime_aliases_warn_once_and_map(tmp_path):
     f = tmp_path / "c.toml"
-    f.write_text("[run]\nrollout_batch_size = 8\nn_samples_per_prompt = 4\nglobal_batch_size = 16\n")
+    f.write_text(
+        "[run]\nrollout_batch_size = 8\nn_samples_per_prompt = 4\nglobal_batch_size = 16\n"
+    )
     lo = load_config(config_file=f, env={}, flags={"run.num_rollout": 3})
     assert lo.config.run.prompts_per_cycle == 8 and lo.config.run.train_steps_per_cycle == 2
     assert lo.config.run.num_cycles == 3

@@ -44,6 +44,16 @@ def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def _sampling_temperature(cfg: TetherConfig) -> float:
+    """The temperature behaviour log-probs were taken at (greedy sampling scores at T = 1)."""
+    return cfg.generator.temperature if cfg.generator.temperature > 0 else 1.0
+
+
+def _sampling_temperature(cfg: TetherConfig) -> float:
+    """The temperature the behaviour log-probs were taken at (greedy scores at T = 1)."""
+    return cfg.generator.temperature if cfg.generator.temperature > 0 else 1.0
+
+
 def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
     """Sequence advantages per group; zero-weight the groups filtered out. Returns #filtered."""
     import torch
@@ -157,6 +167,7 @@ def recompute_logprobs(
                 batch["attention_mask"],
                 batch["loss_mask"],
                 position_ids=batch["position_ids"],
+                temperature=_sampling_temperature(cfg),
             )
             for row, i in enumerate(mb):
                 n_p, n_r = len(samples[i].prompt_ids), len(samples[i].response_ids)
@@ -186,6 +197,7 @@ def make_loss_fn(cfg: TetherConfig, *, denominator: float, stats_out: list[dict[
             mb["loss_mask"],
             position_ids=mb["position_ids"],
             with_entropy=want_entropy,
+            temperature=_sampling_temperature(cfg),
         )
         off = ln.off_policy
         token_loss, stats = losses.policy_loss(

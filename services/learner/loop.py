@@ -21,7 +21,6 @@ as duplicates without training.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
@@ -237,6 +236,7 @@ class LearnerService:
                 "dropped_stale": dropped,
                 "seconds": time.monotonic() - t0,
                 "response_tokens": sum(len(samples[i].response_ids) for i in idx),
+                "batch_digest": _digest(samples[i].sample_id for i in idx),
                 "staleness_max": max(self.version - 1 - samples[i].policy_version for i in idx),
                 **{k: v for k, v in losses.merge_stats(stats_out).items() if k != "tokens"},
             }
@@ -316,6 +316,8 @@ class LearnerService:
         }
 
 
-def write_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+def _digest(ids) -> str:
+    """A short fingerprint of a step's batch (its sample ids), to show resume picks the same one."""
+    import hashlib
+
+    return hashlib.blake2b("\n".join(sorted(ids)).encode(), digest_size=8).hexdigest()

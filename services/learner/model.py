@@ -186,6 +186,7 @@ def token_logprobs_and_entropy(
     *,
     position_ids: torch.Tensor | None = None,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each token given the tokens before it, on response positions.
 
@@ -193,6 +194,9 @@ def token_logprobs_and_entropy(
     Returns ``logp[B, T]`` where ``logp[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` on
     response positions and 0 elsewhere (position 0 is never a response token), and ``entropy``
     of the predictive distribution for those same positions (or ``None``).
+
+    ``temperature``: score ``softmax(logits / temperature)``, the distribution the generator
+    sampled from (vLLM reports processed log-probs), so ratios compare like with like.
 
     Memory: logits are computed once; only the rows that predict a response token are selected
     and upcast to fp32, and the log-prob uses ``gather - logsumexp`` (no full log-softmax copy).
@@ -216,6 +220,10 @@ def token_logprobs_and_entropy(
     # logits[:, t] predicts token t + 1.
     pred_mask = response_mask[:, 1:].bool()
     logits = out.logits[:, :-1][pred_mask].float()  # [N, V]
+    if temperature != 1.0:
+        # The generator's behaviour log-probs are those of the distribution it sampled from,
+        # softmax(logits / T); the learner scores the same distribution.
+        logits = logits / temperature
     targets = input_ids[:, 1:][pred_mask]  # [N]
     lse = torch.logsumexp(logits, dim=-1)
     selected_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,23 +28,80 @@ from common.config import TetherConfig
 
 log = logging.getLogger(__name__)
 
+# Tests only: "1" turns on the GraderPool's sleep hook (an answer "__tether_test_only_sleep__:<s>"
+# makes a grading worker sleep), so a test can make batches slow enough to SIGKILL mid-batch.
+TEST_ONLY_SLEEP_ENV = "TETHER_TEST_ONLY_GRADER_SLEEP"
+
 
 class _Metrics:
     def __init__(self) -> None:
         m = runtime.metric
-        self.items = m("Counter", "tether_scorer_items_total", "responses scored", ["reason"])
+        self.items = m(
+            "Counter",
+            "tether_scorer_items_total",
+            "responses scored, by grading reason (correct, wrong, timeout, error, no_answer, ...)",
+            ["reason"],
+        )
         self.groups = m("Counter", "tether_scorer_groups_total", "groups scored")
-        self.seconds = m("Histogram", "tether_scorer_batch_seconds", "seconds to score one batch of groups", buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self.batch = m("Histogram", "tether_scorer_batch_groups", "groups per scoring batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128))
-        self.reward = m("Gauge", "tether_scorer_reward_mean", "mean reward component over the last batch", ["component"])
-        self.solver_tokens = m("Counter", "tether_scorer_solver_tokens_total", "solver answer tokens generated")
-        self.solver_requests = m("Histogram", "tether_scorer_solver_batch_requests", "solver requests submitted together", buckets=(1, 4, 16, 64, 128, 256, 512, 1024))
-        self.queue_wait = m("Histogram", "tether_scorer_queue_wait_seconds", "seconds a group waited between generation and scoring", buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300))
-        self.unscorable = m("Counter", "tether_scorer_unscorable_groups_total", "groups dead-lettered as unscorable", ["reason"])
+        self.seconds = m(
+            "Histogram",
+            "tether_scorer_batch_seconds",
+            "seconds to score one batch of groups",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.batch = m(
+            "Histogram",
+            "tether_scorer_batch_groups",
+            "groups per scoring batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
+        self.reward = m(
+            "Gauge",
+            "tether_scorer_reward_mean",
+            "mean reward component over the last batch",
+            ["component"],
+        )
+        self.solver_tokens = m(
+            "Counter", "tether_scorer_solver_tokens_total", "solver answer tokens generated"
+        )
+        self.solver_requests = m(
+            "Histogram",
+            "tether_scorer_solver_batch_requests",
+            "solver requests submitted together",
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024),
+        )
+        self.solver_seconds = m(
+            "Histogram",
+            "tether_scorer_solver_batch_seconds",
+            "seconds for the solver to answer and grade one batch",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )
+        self.queue_wait = m(
+            "Histogram",
+            "tether_scorer_queue_wait_seconds",
+            "seconds a group waited between generation and scoring",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+        )
+        self.unscorable = m(
+            "Counter",
+            "tether_scorer_unscorable_groups_total",
+            "groups dead-lettered as unscorable",
+            ["reason"],
+        )
 
 
 class ScorerService:
-    def __init__(self, cfg: TetherConfig, *, sid: str, redis_url: str | None = None, batch_groups: int = 32) -> None:
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        *,
+        sid: str,
+        redis_url: str | None = None,
+        batch_groups: int = 32,
+        solver_engine: Any = None,
+    ) -> None:
+        """``solver_engine``: a started ``GenerationEngine`` serving the solver model, shared
+        instead of starting one (tests, benchmarks); the service does not shut it down."""
         from common.bus import Bus
 
         self.cfg, self.sid = cfg, sid
@@ -55,13 +113,19 @@ class ScorerService:
         self._stop = asyncio.Event()
         self.groups_scored = 0
         self.solver = None
+        self.solver_engine = solver_engine
 
     def _build(self) -> None:
         from services.scorer.grader_pool import GraderPool
         from services.scorer.rewards import RewardScorer, RewardSpec
 
         s, run = self.cfg.scorer, self.cfg.run
-        self.pool = GraderPool(s.grader_workers, s.grader_timeout_s)
+        sleep_hook = os.environ.get(TEST_ONLY_SLEEP_ENV) == "1"
+        if sleep_hook:
+            log.warning("%s=1: test-only grading sleep hook is ON", TEST_ONLY_SLEEP_ENV)
+        self.pool = GraderPool(
+            s.grader_workers, s.grader_timeout_s, test_only_sleep_hook=sleep_hook
+        )
         spec = RewardSpec(
             correct_weight=s.correct_weight,
             format_weight=s.format_weight,
@@ -93,6 +157,7 @@ class ScorerService:
                 max_model_len=run.max_prompt_tokens + run.max_response_tokens + s.solver_max_tokens,
             ),
             pool=self.pool,
+            engine=self.solver_engine,
         )
         await self.solver.start()
 
@@ -116,10 +181,11 @@ class ScorerService:
         items = [self._items(g) for g in groups]
         flat = [it for group_items in items for it in group_items]
         if self.solver is not None:
-            before = self.solver.solver_tokens
+            before, t0 = self.solver.solver_tokens, time.monotonic()
             correctness = await self.solver.correctness(flat)
+            self.metrics.solver_seconds.observe(time.monotonic() - t0)
             self.metrics.solver_tokens.inc(self.solver.solver_tokens - before)
-            self.metrics.solver_requests.observe(len(flat))
+            self.metrics.solver_requests.observe(len(flat) * self.cfg.scorer.solver_samples)
             scored = await asyncio.to_thread(self.rewards.compose, flat, correctness)
         else:
             scored = await asyncio.to_thread(self.rewards.score_items, flat)
@@ -129,7 +195,9 @@ class ScorerService:
             i += len(group_items)
         return out
 
-    def _scored_group(self, group: wire.TrajectoryGroup, items: list[Any], seconds: float) -> wire.ScoredGroup:
+    def _scored_group(
+        self, group: wire.TrajectoryGroup, items: list[Any], seconds: float
+    ) -> wire.ScoredGroup:
         return wire.ScoredGroup(
             group=group,
             rewards=[float(it.reward) for it in items],
@@ -147,7 +215,10 @@ class ScorerService:
         for d in bad:
             self.metrics.unscorable.labels("missing_ground_truth").inc()
             await asyncio.to_thread(
-                consumer.dead_letter, d, "unscorable", f"group {d.msg.group_id} has no ground truth; rule and solver rewards need one"
+                consumer.dead_letter,
+                d,
+                "unscorable",
+                f"group {d.msg.group_id} has no ground truth; rule and solver rewards need one",
             )
         if not good:
             return
@@ -155,15 +226,24 @@ class ScorerService:
         with self.timer.phase("working"):
             scored = await self.score([d.msg for d in good])
         seconds = time.monotonic() - t0
-        msgs = [self._scored_group(d.msg, items, seconds) for d, items in zip(good, scored, strict=True)]
+        msgs = [
+            self._scored_group(d.msg, items, seconds) for d, items in zip(good, scored, strict=True)
+        ]
         with self.timer.phase("blocked_backpressure"):
-            await asyncio.to_thread(self.bus.wait_for_capacity, runtime.SCORED, runtime.LEARNER, count_pending=False)
+            await asyncio.to_thread(
+                self.bus.wait_for_capacity, runtime.SCORED, runtime.LEARNER, count_pending=False
+            )
         await asyncio.to_thread(
-            consumer.commit, good, publish=[(runtime.SCORED, m) for m in msgs], dedupe_ids=[m.group.group_id for m in msgs]
+            consumer.commit,
+            good,
+            publish=[(runtime.SCORED, m) for m in msgs],
+            dedupe_ids=[m.group.group_id for m in msgs],
         )
-        self._observe(good, msgs, seconds)
+        self._observe(msgs, scored, seconds)
 
-    def _observe(self, deliveries: list, msgs: list[wire.ScoredGroup], seconds: float) -> None:
+    def _observe(
+        self, msgs: list[wire.ScoredGroup], scored: list[list[Any]], seconds: float
+    ) -> None:
         now = time.time()
         self.metrics.seconds.observe(seconds)
         self.metrics.batch.observe(len(msgs))
@@ -171,10 +251,10 @@ class ScorerService:
         self.groups_scored += len(msgs)
         sums: dict[str, float] = {}
         n = 0
-        for m in msgs:
+        for m, items in zip(msgs, scored, strict=True):
             self.metrics.queue_wait.observe(max(0.0, now - m.group.created_at - seconds))
-            for comps, reason in zip(m.components, m.reasons, strict=True):
-                self.metrics.items.labels(reason or "ok").inc()
+            for comps, item in zip(m.components, items, strict=True):
+                self.metrics.items.labels(item.reason).inc()
                 n += 1
                 for k, v in comps.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -188,12 +268,22 @@ class ScorerService:
         if self.cfg.scorer.mode == "solver":
             await self._start_solver()
         consumer = self.bus.consumer(runtime.GROUPS, runtime.SCORERS, self.sid)
+        # The learner's group, at id 0: scored groups published before the learner starts wait
+        # for it, and back-pressure has a group to measure.
+        await asyncio.to_thread(self.bus.ensure_group, runtime.SCORED, runtime.LEARNER)
         self.ready = True
-        log.info("scorer %s ready (mode %s, %d grading workers)", self.sid, self.cfg.scorer.mode, self.cfg.scorer.grader_workers)
+        log.info(
+            "scorer %s ready (mode %s, %d grading workers)",
+            self.sid,
+            self.cfg.scorer.mode,
+            self.cfg.scorer.grader_workers,
+        )
         try:
             while not self._stop.is_set():
                 with self.timer.phase("waiting_input"):
-                    deliveries = await asyncio.to_thread(consumer.read, self.batch_groups, self.cfg.bus.block_ms)
+                    deliveries = await asyncio.to_thread(
+                        consumer.read, self.batch_groups, self.cfg.bus.block_ms
+                    )
                 if deliveries:
                     await self._process(consumer, deliveries)
         finally:
