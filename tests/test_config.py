@@ -227,3 +227,13 @@ def test_invalid_toml_names_file(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(config_file="/nonexistent/tether.toml", env={})
+
+
+def test_readme_config_reference_matches_the_schema():
+    from pathlib import Path
+
+    from common.config_reference import BEGIN, END, reference_markdown
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    assert readme[start:end] == reference_markdown(), "regenerate with: python -m common.config_reference"
