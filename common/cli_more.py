@@ -27,6 +27,20 @@ def _cmd_bus_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import sys
+
+    from services.learner.export import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out, tokenizer_dir=args.tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tether export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported a Hugging Face model directory to {out} (loads with transformers and vLLM)")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from common.bench.runner import run_bench
 
@@ -51,6 +65,12 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
     from common.cli_status import add_status_verbs
 
     add_status_verbs(sub, add_config_args)
+
+    exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint or run directory")
+    exp.add_argument("checkpoint", help="runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-N")
+    exp.add_argument("out", help="new, empty output directory")
+    exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model the run started from)")
+    exp.set_defaults(func=_cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side, JSON under bench/results/")
     bench.add_argument("what", choices=["bus", "weights", "scorer", "all"], help="which benchmark")

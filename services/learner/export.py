@@ -104,7 +104,12 @@ def export_hf(
             return None
         config = source.config
         tok_dir = Path(tokenizer_dir) if tokenizer_dir else None
-    if tok_dir is None or not any((tok_dir / m).exists() for m in _TOKENIZER_MARKERS):
+    if tok_dir is None:
+        raise ValueError(
+            "the checkpoint does not record the model directory it started from, so there is no "
+            "tokenizer to copy: pass the tokenizer directory (tether export … --tokenizer DIR)"
+        )
+    if not any((tok_dir / m).exists() for m in _TOKENIZER_MARKERS):
         raise ValueError(
             f"no tokenizer found in {tok_dir}: pass tokenizer_dir (the original model directory "
             "the run started from) so the export is loadable on its own"
