@@ -1,9 +1,9 @@
 """`tether config import`: peer launch scripts and YAML configs mapped onto Tether's keys."""
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from common.config_import import import_peer_config, render_mapping_table, render_toml
 

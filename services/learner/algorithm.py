@@ -121,7 +121,6 @@ def step_denominator(
     cfg: TetherConfig, samples: list[Sample], step_indices: list[int], device: torch.device
 ) -> float:
     """The whole step's loss denominator (all ranks): tokens or sequences with weight > 0."""
-    import torch
 
     lengths = [len(samples[i].response_ids) for i in step_indices if samples[i].weight > 0]
     local = losses.step_denominator(lengths, mode=cfg.learner.loss_agg)
@@ -181,7 +180,6 @@ def recompute_logprobs(
 def make_loss_fn(cfg: TetherConfig, *, denominator: float, stats_out: list[dict[str, float]]):
     """The per-micro-batch loss: clipped policy loss (+ KL term, − entropy bonus), aggregated
     over the WHOLE step's ``denominator`` so micro-batch losses simply add up."""
-    import torch
 
     from services.learner.model import token_logprobs_and_entropy
 

@@ -31,7 +31,7 @@ class SolverSettings:
     max_tokens: int = 128
     apply_chat_template: bool = True
     seed: int = 0
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 1024
     dtype: str = "auto"
@@ -51,10 +51,13 @@ class SolverSettings:
 class Solver:
     """Owns the solver engine; ``correctness(items)`` answers and grades a whole batch at once."""
 
-    def __init__(self, settings: SolverSettings, *, pool) -> None:
+    def __init__(self, settings: SolverSettings, *, pool, engine=None) -> None:
+        """``engine``: an already started ``GenerationEngine`` serving ``settings.model`` to share
+        (tests, benchmarks); it is not shut down by ``shutdown()``. Default: start our own."""
         self.s = settings
         self.pool = pool
-        self.engine = None
+        self.engine = engine
+        self._owns_engine = engine is None
         self.solver_tokens = 0
         self.last_batch_requests = 0
 
@@ -64,6 +67,9 @@ class Solver:
         from services.generator.engine import EngineSettings, GenerationEngine
 
         s = self.s
+        self.tokenizer = AutoTokenizer.from_pretrained(s.model)
+        if self.engine is not None:
+            return
         self.engine = GenerationEngine(
             EngineSettings(
                 model=s.model,
@@ -75,7 +81,6 @@ class Solver:
             )
         )
         await self.engine.start()
-        self.tokenizer = AutoTokenizer.from_pretrained(s.model)
 
     def prompt_ids(self, question: str, response: str) -> list[int]:
         text = self.s.template.format(question=question, response=response)
@@ -129,13 +134,17 @@ class Solver:
         return [self._aggregate(results) for results in per_item]
 
     def _aggregate(self, results: list[tuple[bool, str]]) -> Correctness:
-        hits = [ok for ok, _ in results]
-        reasons = Counter(r for _, r in results)
-        reason = reasons.most_common(1)[0][0] if reasons else "error"
+        """Mean (fraction correct) or majority (1 if more than half correct) over the samples.
+        The reason is ``correct`` when more than half are, else the most common failure."""
+        if not results:
+            return Correctness(0.0, "error")
+        hits = sum(ok for ok, _ in results)
+        failures = Counter(r for ok, r in results if not ok)
+        reason = "correct" if hits * 2 > len(results) else failures.most_common(1)[0][0]
         if self.s.aggregation == "majority":
-            return Correctness(1.0 if sum(hits) * 2 > len(hits) else 0.0, reason)
-        return Correctness(sum(hits) / max(len(hits), 1), reason)
+            return Correctness(1.0 if hits * 2 > len(results) else 0.0, reason)
+        return Correctness(hits / len(results), reason)
 
     def shutdown(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self._owns_engine:
             self.engine.shutdown()
