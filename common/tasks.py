@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 PROMPT_TEMPLATE = "What is {a}{op}{b}? Answer in \\boxed{{}}."
+# Prompt formats: "question" is the full sentence; "short" (``23+45=``) has a fifth of its tokens,
+# which makes the demo's CPU warm-up and RL steps cheaper.
+PROMPT_STYLES = {"question": PROMPT_TEMPLATE, "short": "{a}{op}{b}="}
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
@@ -34,8 +37,16 @@ class ArithmeticTask:
     num_train: int = 2000  # problems in the train split
     num_eval: int = 200  # problems in the held-out split (disjoint from train)
     seed: int = 0
+    prompt_style: str = "question"  # a key of PROMPT_STYLES
+    # False: operands uniform in 0..10**digits-1 (mostly full length). True: each operand's
+    # length is drawn first (uniform in 1..digits), which puts many easy short problems in the mix.
+    mixed_lengths: bool = False
 
     def __post_init__(self) -> None:
+        if self.prompt_style not in PROMPT_STYLES:
+            raise ValueError(
+                f"prompt_style={self.prompt_style!r}: use one of {sorted(PROMPT_STYLES)}."
+            )
         if not 1 <= self.digits <= 6:
             raise ValueError(f"digits={self.digits} must be in 1..6.")
         bad = set(self.operators) - set(OPERATORS)
@@ -67,19 +78,25 @@ class Problem:
     def answer(self) -> int:
         return OPERATORS[self.op](self.a, self.b)
 
-    def prompt(self) -> str:
-        return PROMPT_TEMPLATE.format(a=self.a, op=self.op, b=self.b)
+    def prompt(self, style: str = "question") -> str:
+        return PROMPT_STYLES[style].format(a=self.a, op=self.op, b=self.b)
 
     def solution(self) -> str:
         return f"\\boxed{{{self.answer}}}"
 
 
+def _operand(rng: random.Random, task: ArithmeticTask) -> int:
+    if not task.mixed_lengths:
+        return rng.randint(0, 10**task.digits - 1)
+    n = rng.randint(1, task.digits)
+    return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+
+
 def _draw(rng: random.Random, task: ArithmeticTask) -> Problem:
     op = rng.choice(task.operators)
-    hi = 10**task.digits - 1
     if op == "*":
-        return Problem(rng.randint(0, hi), op, rng.randint(0, 9))
-    a, b = rng.randint(0, hi), rng.randint(0, hi)
+        return Problem(_operand(rng, task), op, rng.randint(0, 9))
+    a, b = _operand(rng, task), _operand(rng, task)
     if op == "-" and b > a:
         a, b = b, a  # answers stay non-negative
     return Problem(a, op, b)
@@ -99,10 +116,10 @@ def make_problems(task: ArithmeticTask) -> tuple[list[Problem], list[Problem]]:
     return ordered[task.num_eval :], ordered[: task.num_eval]
 
 
-def item(problem: Problem, *, split: str, index: int) -> dict:
+def item(problem: Problem, *, split: str, index: int, prompt_style: str = "question") -> dict:
     """One JSONL record: prompt, answer, reference solution and metadata."""
     return {
-        "prompt": problem.prompt(),
+        "prompt": problem.prompt(prompt_style),
         "answer": str(problem.answer),
         "solution": problem.solution(),
         "metadata": {"a": problem.a, "op": problem.op, "b": problem.b},
@@ -140,8 +157,15 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)  # files below are out of date until the marker is rewritten
     train, held_out = make_problems(task)
-    _write_jsonl(paths["train"], [item(p, split="train", index=i) for i, p in enumerate(train)])
-    _write_jsonl(paths["eval"], [item(p, split="eval", index=i) for i, p in enumerate(held_out)])
+    style = task.prompt_style
+    _write_jsonl(
+        paths["train"],
+        [item(p, split="train", index=i, prompt_style=style) for i, p in enumerate(train)],
+    )
+    _write_jsonl(
+        paths["eval"],
+        [item(p, split="eval", index=i, prompt_style=style) for i, p in enumerate(held_out)],
+    )
     marker.write_text(json.dumps(params, indent=2))
     logger.info("wrote %d train / %d eval problems to %s", len(train), len(held_out), out)
     return paths
