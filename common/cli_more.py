@@ -73,7 +73,14 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
     exp.set_defaults(func=_cmd_export)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side, JSON under bench/results/")
-    bench.add_argument("what", choices=["bus", "weights", "scorer", "all"], help="which benchmark")
+    bench.add_argument(
+        "what",
+        choices=["bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "all"],
+        help="which benchmark",
+    )
+    bench.add_argument("--size", choices=["quick", "medium", "full"], default=None, help="workload preset for pipeline/peer (default: full, or quick with --quick)")
+    bench.add_argument("--threads", type=int, default=None, help="OpenMP threads per benchmarked process")
+    bench.add_argument("--work-dir", default="bench/work", help="where models and run directories are built")
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     bench.set_defaults(func=_cmd_bench)

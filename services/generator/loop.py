@@ -146,9 +146,20 @@ class GeneratorService:
         return True
 
     async def _watch_weights(self) -> None:
-        """Poll the weight store cheaply; take updates as they come; rejoin when dropped."""
+        """Take updates as they come; rejoin when dropped.
+
+        The learner announces a publish in Redis (``weights:publishing``) before it sends, so
+        the cheap check is a GET here; the worker-side poll (an RPC into the engine core, which
+        keeps vLLM's message queue busy) runs only when a newer version is announced, and every
+        few seconds as a safety net (it also notices that the learner dropped us)."""
+        last_rpc = 0.0
         while not self._stop.is_set():
             await asyncio.sleep(0.2)
+            announced = await asyncio.to_thread(self.bus.get, "weights:publishing")
+            newer = announced is not None and (self.version is None or int(announced) > self.version)
+            if not newer and time.monotonic() - last_rpc < 5.0:
+                continue
+            last_rpc = time.monotonic()
             poll = (await self.engine.collective_rpc("tether_poll"))[0]
             if poll["error"]:
                 log.warning("weight sync: %s — rejoining", poll["error"])
@@ -159,6 +170,8 @@ class GeneratorService:
                     await asyncio.sleep(2.0)
             elif poll["pending"] is not None:
                 await self._apply_update()
+            elif newer:
+                last_rpc = 0.0  # announced but not yet pending in the store: look again soon
 
     # ------------------------------------------------------------------ one prompt
     def _prompt_ids(self, msg: wire.PromptMsg) -> list[int]:

@@ -122,6 +122,7 @@ class LearnerIO:
         self.dispatcher.dispatch_ready(version, first_cycle=first_cycle)
 
     def publish_weights(self, state: dict[str, Any], version: int) -> None:
+        self.bus.set("weights:publishing", version)  # generators watch this key, not the store
         report = self.publisher.publish(state.items(), version)
         self.bus.set("version:learner", version)
         self.metrics.version.set(version)

@@ -1,0 +1,98 @@
+"""End-to-end benchmark plumbing (`common/bench/{pipeline,runner,results_md}.py`) on recorded
+data: the analysis of step records and status snapshots, the README table, the CLI dispatch.
+The benchmarks themselves run real services for minutes; `tether bench pipeline --quick` is the
+way to run them, not the test suite."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from common.bench.pipeline import analyse, efficiency
+from common.bench.results_md import write_readme
+from common.bench.runner import run_bench
+from common.bench.workload import QUICK
+
+
+def _status(gen: float, score: float, learn: float, wait: float) -> dict:
+    return {
+        "generator:g0": {"service": "generator", "phases": {"working": gen, "waiting_input": wait}},
+        "scorer:s0": {"service": "scorer", "phases": {"working": score, "waiting_input": wait}},
+        "learner:l0": {"service": "learner", "phases": {"working": learn, "checkpointing": 5.0}},
+    }
+
+
+def _run(times: list[float], *, busy_end: tuple[float, float, float]) -> dict:
+    steps = [
+        {
+            "kind": "step",
+            "time": t,
+            "seconds": 2.0,
+            "response_tokens": 3840,
+            "dropped_stale": 0,
+            "staleness_max": 1,
+        }
+        for t in times
+    ]
+    return {
+        "steps": steps,
+        "snapshots": {
+            1: {"status": _status(1.0, 1.0, 1.0, 0.0)},
+            len(times): {"status": _status(*busy_end, 50.0)},
+        },
+        "wall_s": 100.0,
+        "run_dir": "x",
+    }
+
+
+def test_analyse_times_only_the_cycles_after_the_warm_up():
+    r = analyse(_run([100.0, 110.0, 120.0, 130.0], busy_end=(16.0, 4.0, 7.0)), QUICK)
+    assert r["timed_cycles"] == 3
+    assert r["cycle_seconds"] == pytest.approx(10.0)
+    assert r["trained_responses_per_s"] == pytest.approx(120 / 10.0)
+    # busy = all phases but waiting and the final checkpoint, per timed cycle
+    assert r["busy_seconds_per_cycle"] == pytest.approx(
+        {"generator": 5.0, "scorer": 1.0, "learner": 2.0}
+    )
+
+
+def test_efficiency_uses_the_sync_runs_stage_times():
+    a = analyse(_run([0.0, 6.0, 12.0], busy_end=(9.0, 3.0, 5.0)), QUICK)
+    s = analyse(_run([0.0, 8.0, 16.0], busy_end=(9.0, 3.0, 5.0)), QUICK)
+    e = efficiency({"async": a, "sync": s})
+    assert e["bottleneck_stage"] == "generator"
+    assert e["ideal_async_cycle_seconds"] == pytest.approx(4.0)
+    assert e["ideal_sync_cycle_seconds"] == pytest.approx(4.0 + 1.0 + 2.0)
+    assert e["efficiency_async"] == pytest.approx(4.0 / 6.0)
+    assert e["ratio_async_over_sync"] == pytest.approx(8.0 / 6.0)
+
+
+def test_readme_has_a_row_and_the_command_per_result(tmp_path):
+    a = analyse(_run([0.0, 6.0, 12.0], busy_end=(9.0, 3.0, 5.0)), QUICK)
+    s = analyse(_run([0.0, 8.0, 16.0], busy_end=(9.0, 3.0, 5.0)), QUICK)
+    result = {
+        "bench": "pipeline",
+        "machine": {"load_average": [3.5, 3.0, 2.0], "cpu_count": 2},
+        "workload": {**QUICK.describe(), "params": 400_000},
+        "command": "tether bench pipeline --quick",
+        "threads_per_process": None,
+        "async": {**a, "max_staleness": 1},
+        "sync": {**s, "max_staleness": 0},
+        **efficiency({"async": a, "sync": s}),
+    }
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "pipeline_quick.json").write_text(json.dumps(result))
+    (results / "bus.json").write_text(json.dumps({"ratio_bus_over_bare": 0.8}))
+    text = write_readme(results, tmp_path / "README.md").read_text()
+    assert "`tether bench pipeline --quick`" in text and "**1.33** (async/sync" in text
+    assert "| 3.5 |" in text
+    assert "bus_over_bare **0.80**" in text
+    assert "Scale on paper" in text and "| sync |" in text
+
+
+def test_unknown_benchmark_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="choose one of"):
+        run_bench(argparse.Namespace(what="everything", out=str(tmp_path), quick=True))

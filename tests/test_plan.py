@@ -1,0 +1,131 @@
+"""`common.plan`: the on-paper cycle-time model (pure arithmetic; no services)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.plan import ClusterShape, StageRates, plan, rates_from_pipeline
+
+RATES = StageRates(
+    generate_tokens_per_s=1000.0,
+    score_responses_per_s=10.0,
+    train_tokens_per_s=2000.0,
+    sync_bytes_per_s=1e9,
+)
+SHAPE = dict(responses_per_cycle=120, prompt_tokens=100, response_tokens=100, param_bytes=10**9)
+
+
+def test_sync_cycle_is_the_sum_of_the_stages():
+    p = plan(rates=RATES, shape=ClusterShape(), max_staleness=0, **SHAPE)
+    st = p["stage_seconds"]
+    assert st == pytest.approx({"generate": 12.0, "score": 12.0, "train": 12.0, "sync": 1.0})
+    assert p["mode"] == "sync"
+    assert p["cycle_seconds"] == pytest.approx(37.0)
+
+
+def test_async_cycle_is_the_slowest_lane_and_names_it():
+    slow_train = StageRates(
+        generate_tokens_per_s=1000.0,
+        score_responses_per_s=10.0,
+        train_tokens_per_s=500.0,
+        sync_bytes_per_s=1e9,
+    )
+    p = plan(rates=slow_train, shape=ClusterShape(), **SHAPE)  # default staleness 2·S−1 = 1
+    assert p["mode"] == "async" and p["max_staleness"] == 1
+    assert p["bottleneck"] == "train"
+    assert p["cycle_seconds"] == pytest.approx(48.0 + 1.0)
+    assert p["speedup_over_sync"] == pytest.approx((12 + 12 + 48 + 1) / 49)
+
+
+def test_more_generators_move_the_bottleneck():
+    slow_gen = StageRates(
+        generate_tokens_per_s=250.0,
+        score_responses_per_s=10.0,
+        train_tokens_per_s=2000.0,
+        sync_bytes_per_s=1e9,
+    )
+    one = plan(rates=slow_gen, shape=ClusterShape(generators=1), **SHAPE)
+    four = plan(rates=slow_gen, shape=ClusterShape(generators=4), **SHAPE)
+    assert one["bottleneck"] == "generate" and one["cycle_seconds"] == pytest.approx(49.0)
+    assert four["stage_seconds"]["generate"] == pytest.approx(12.0)
+    assert four["cycle_seconds"] < one["cycle_seconds"]
+
+
+def test_learner_scaling_efficiency_applies_per_doubling():
+    p = plan(
+        rates=RATES,
+        shape=ClusterShape(learner_ranks=4, learner_scaling_efficiency=0.5),
+        max_staleness=0,
+        **SHAPE,
+    )
+    assert p["stage_seconds"]["train"] == pytest.approx(12.0 / (4 * 0.25))
+
+
+def test_bad_inputs_are_refused_with_the_setting_named():
+    with pytest.raises(ValueError, match="generate_tokens_per_s"):
+        StageRates(
+            generate_tokens_per_s=0.0,
+            score_responses_per_s=1.0,
+            train_tokens_per_s=1.0,
+            sync_bytes_per_s=1.0,
+        )
+    with pytest.raises(ValueError, match="ClusterShape"):
+        ClusterShape(generators=0)
+    with pytest.raises(ValueError, match="responses_per_cycle"):
+        plan(
+            rates=RATES,
+            shape=ClusterShape(),
+            responses_per_cycle=0,
+            prompt_tokens=1,
+            response_tokens=1,
+            param_bytes=1,
+        )
+
+
+def test_rates_from_a_pipeline_result_reproduce_its_sync_cycle():
+    result = {
+        "workload": {"responses_per_step": 120, "response_tokens": 32, "params": 1_000_000},
+        "sync": {
+            "busy_seconds_per_cycle": {"generator": 6.0, "scorer": 1.0, "learner": 10.0},
+            "learner_train_step_seconds": 9.5,
+        },
+    }
+    r = rates_from_pipeline(result, prompt_tokens=68)
+    p = plan(
+        rates=r,
+        shape=ClusterShape(),
+        responses_per_cycle=120,
+        prompt_tokens=68,
+        response_tokens=32,
+        param_bytes=4_000_000,
+        max_staleness=0,
+    )
+    assert p["stage_seconds"] == pytest.approx(
+        {"generate": 6.0, "score": 1.0, "train": 9.5, "sync": 0.5}
+    )
+    with pytest.raises(ValueError, match="scorer"):
+        rates_from_pipeline(
+            {
+                "workload": result["workload"],
+                "sync": {
+                    "busy_seconds_per_cycle": {"generator": 1.0, "learner": 1.0},
+                    "learner_train_step_seconds": 1.0,
+                },
+            },
+            prompt_tokens=1,
+        )
+
+
+def test_rates_prefer_the_learners_phase_seconds_when_recorded():
+    result = {
+        "workload": {"responses_per_step": 120, "response_tokens": 32, "params": 1_000_000},
+        "sync": {
+            "busy_seconds_per_cycle": {"generator": 6.0, "scorer": 1.0, "learner": 10.0},
+            "learner_train_step_seconds": 2.0,
+            "timed_cycles": 4,
+            "phase_seconds_timed": {"learner:learner-0": {"working": 36.0, "syncing_weights": 4.0}},
+        },
+    }
+    r = rates_from_pipeline(result, prompt_tokens=68)
+    assert r.train_tokens_per_s == pytest.approx(120 * 100 / 9.0)
+    assert r.sync_bytes_per_s == pytest.approx(4_000_000 / 1.0)
