@@ -37,8 +37,6 @@ def oddities(cfg: TetherConfig) -> list[str]:
             f"{run.responses_per_prompt}: groups are split across optimizer steps (advantages are still "
             "computed over whole groups first)."
         )
-    if gen.temperature == 0:
-        out.append("generator.temperature = 0: all responses of a prompt are identical, so group advantages are 0.")
     if run.passes_per_cycle > 1 and ln.off_policy == "none":
         out.append(
             "passes_per_cycle > 1 with off_policy = none: later passes are off-policy w.r.t. the behaviour "

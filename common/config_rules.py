@@ -172,6 +172,18 @@ def _check_misc(cfg: TetherConfig) -> None:
         )
     if len(cfg.learner.adam_betas) != 2 or not all(0 <= x < 1 for x in cfg.learner.adam_betas):
         raise ConfigError(f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    if cfg.scorer.solver_samples > 1 and cfg.scorer.solver_temperature == 0:
+        raise ConfigError(
+            f"scorer.solver_samples = {cfg.scorer.solver_samples} with scorer.solver_temperature = 0: greedy "
+            "answers are all identical (and vLLM refuses n > 1 greedy requests). Fix: set "
+            "solver_temperature > 0 (e.g. 0.7) or solver_samples = 1."
+        )
+    if cfg.run.responses_per_prompt > 1 and cfg.generator.temperature == 0:
+        raise ConfigError(
+            f"run.responses_per_prompt = {cfg.run.responses_per_prompt} with generator.temperature = 0: greedy "
+            "responses of one prompt are identical, so every group advantage is 0 (and vLLM refuses n > 1 "
+            "greedy requests). Fix: set generator.temperature > 0 (e.g. 1.0)."
+        )
     if cfg.scorer.solver_samples > 1 and cfg.scorer.mode != "solver":
         raise ConfigError("scorer.solver_samples > 1 only applies to scorer.mode = \"solver\". Fix: set mode = \"solver\" or solver_samples = 1.")
 

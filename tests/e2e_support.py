@@ -64,6 +64,9 @@ checkpoint_every_steps = 2
 [generator]
 kv_cache_gib = 1
 
+[weights]
+timeout_s = 20.0
+
 [bus]
 block_ms = 300
 claim_idle_s = 20.0

@@ -237,3 +237,10 @@ def test_readme_config_reference_matches_the_schema():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     assert readme[start:end] == reference_markdown(), "regenerate with: python -m common.config_reference"
+
+
+def test_greedy_with_several_samples_is_refused():
+    with pytest.raises(ConfigError, match="solver_temperature > 0"):
+        load_config(overrides=['scorer.mode="solver"', "scorer.solver_samples=3"], env={})
+    with pytest.raises(ConfigError, match="generator.temperature > 0"):
+        load_config(overrides=["generator.temperature=0"], env={})

@@ -111,6 +111,7 @@ class GeneratorService:
     async def _join_and_receive(self) -> None:
         """(Re)join the weight group and receive the current weights before generating."""
         host, port = await self._weight_address()
+        self._joined_addr = f"{host}:{port}"
         timeout = self.cfg.weights.timeout_s
         res = await self.engine.collective_rpc("tether_join", args=(host, port, self.sid, timeout))
         log.info("joined weight sync at %s:%d as %s (epoch %s)", host, port, self.sid, res[0]["epoch"])
@@ -155,12 +156,18 @@ class GeneratorService:
         last_rpc = 0.0
         while not self._stop.is_set():
             await asyncio.sleep(0.2)
-            announced = await asyncio.to_thread(self.bus.get, "weights:publishing")
+            announced, addr = await asyncio.to_thread(lambda: (self.bus.get("weights:publishing"), self.bus.get("weights:addr")))
+            moved = addr is not None and not self.cfg.weights.port and addr != getattr(self, "_joined_addr", addr)
             newer = announced is not None and (self.version is None or int(announced) > self.version)
-            if not newer and time.monotonic() - last_rpc < 5.0:
+            if not (moved or newer) and time.monotonic() - last_rpc < 5.0:
                 continue
             last_rpc = time.monotonic()
-            poll = (await self.engine.collective_rpc("tether_poll"))[0]
+            try:
+                poll = (await self.engine.collective_rpc("tether_poll"))[0]
+            except Exception as exc:  # noqa: BLE001 - the engine answers errors; this is transport
+                poll = {"error": f"poll failed: {exc}", "pending": None}
+            if moved:
+                poll = {"error": f"the learner's weight store moved to {addr} (learner restarted)", "pending": None}
             if poll["error"]:
                 log.warning("weight sync: %s — rejoining", poll["error"])
                 try:
@@ -337,6 +344,9 @@ class GeneratorService:
         log.info("generator %s ready on version %s; taking prompts", self.sid, self.version)
         try:
             while not self._stop.is_set():
+                for h in helpers:
+                    if h.done() and not h.cancelled() and h.exception() is not None:
+                        raise RuntimeError(f"generator background task failed: {h.exception()!r}")
                 for t in [t for t in tasks if t.done()]:
                     tasks.discard(t)
                     if t.exception() is not None:

@@ -38,8 +38,11 @@ class TetherWorkerExtension:
 
         rx = self._tether_rx
         if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
+            # A new weight store is a new learner process (e.g. restarted from a checkpoint):
+            # its versions start from the checkpoint, so ours is no reference for "newer".
             self._tether_rx = WeightReceiver(host, port, member_id, timeout_s=timeout_s)
-        self._tether_rx.version = self._tether_version
+        else:
+            self._tether_rx.version = self._tether_version
         return {"member_id": member_id, "epoch": self._tether_rx.join()}
 
     def tether_poll(self) -> dict:
@@ -49,8 +52,9 @@ class TetherWorkerExtension:
             if self._tether_rx is None:
                 raise WeightSyncError("not joined: call tether_join first")
             return {"pending": self._tether_rx.poll(), "error": None}
-        except WeightSyncError as e:
-            return {"pending": None, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - a dead store raises anything; the service rejoins
+            kind = "" if isinstance(e, WeightSyncError) else f"{type(e).__name__}: "
+            return {"pending": None, "error": f"{kind}{e}"}
 
     def tether_receive_update(self, wait_s: float | None = None) -> dict:
         from common.weight_sync import WeightSyncError, tensors_checksum
@@ -60,7 +64,7 @@ class TetherWorkerExtension:
             if self._tether_rx is None:
                 raise WeightSyncError("not joined: call tether_join first")
             version, named = self._tether_rx.receive(wait_s=wait_s)
-        except WeightSyncError as e:
+        except Exception as e:  # noqa: BLE001 - errors are returned so the engine core survives
             logger.warning("weight update failed, keeping version %s: %s", self._tether_version, e)
             return {"ok": False, "version": self._tether_version, "error": str(e)}
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
