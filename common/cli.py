@@ -31,7 +31,9 @@ _INT_FLAGS = set(CYCLE_KEYS) | set(DEPRECATED_ALIASES) | {"seed", "generators", 
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("configuration (precedence: defaults < --config < TETHER_* env < flags < --set)")
+    g = p.add_argument_group(
+        "configuration (precedence: defaults < --config < TETHER_* env < flags < --set)"
+    )
     g.add_argument("--config", metavar="FILE", help="TOML config file")
     g.add_argument(
         "--set",
@@ -44,12 +46,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         key = dotted.split(".", 1)[1]
         deprecated = key in DEPRECATED_ALIASES
         kind = int if key.replace("-", "_") in _INT_FLAGS or flag in _INT_FLAGS else str
-        help_text = (
-            argparse.SUPPRESS
-            if deprecated
-            else f"{dotted} (see `tether config explain`)"
+        help_text = argparse.SUPPRESS if deprecated else f"{dotted} (see `tether config explain`)"
+        g.add_argument(
+            f"--{flag}",
+            dest=f"cfg:{dotted}",
+            type=kind,
+            default=None,
+            metavar="N" if kind is int else "VALUE",
+            help=help_text,
         )
-        g.add_argument(f"--{flag}", dest=f"cfg:{dotted}", type=kind, default=None, metavar="N" if kind is int else "VALUE", help=help_text)
 
 
 def load_from_args(args: argparse.Namespace):
@@ -102,7 +107,9 @@ def _cmd_service(name: str) -> Callable[[argparse.Namespace], int]:
             return 0
         import importlib
 
-        module = importlib.import_module(f"services.{name}.main" if name != "train" else "common.launcher")
+        module = importlib.import_module(
+            f"services.{name}.main" if name != "train" else "common.launcher"
+        )
         return int(module.main(loaded.config, args) or 0)
 
     return run
@@ -132,9 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads a verl/OpenRLHF/slime/ROLL launch script or YAML; prints a Tether TOML on "
         "stdout and the key mapping on stderr; exit 2 when the peer's numbers do not divide evenly.",
     )
-    imp.add_argument("--from", dest="peer", required=True, choices=["verl", "openrlhf", "slime", "roll"])
+    imp.add_argument(
+        "--from", dest="peer", required=True, choices=["verl", "openrlhf", "slime", "roll"]
+    )
     imp.add_argument("path", help="launch script (.sh) or config (.yaml)")
-    imp.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="value for a shell variable used by the script, e.g. --var N_GPUS=8")
+    imp.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="value for a shell variable used by the script, e.g. --var N_GPUS=8",
+    )
     imp.set_defaults(func=_cmd_config_import)
 
     for name, text in [
@@ -149,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped or crashed run")
         else:
-            p.add_argument("--id", dest="service_id", default=None, help="replica id (default: host-pid)")
+            p.add_argument(
+                "--id", dest="service_id", default=None, help="replica id (default: host-pid)"
+            )
         p.set_defaults(func=_cmd_service(name))
 
     from common.cli_more import add_more_verbs

@@ -55,7 +55,9 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
     add_config_args(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    bus = sub.add_parser("bus", help="inspect the trajectory bus (streams, groups, lag, dead letters)")
+    bus = sub.add_parser(
+        "bus", help="inspect the trajectory bus (streams, groups, lag, dead letters)"
+    )
     bus_sub = bus.add_subparsers(dest="bus_verb", metavar="ACTION", required=True)
     insp = bus_sub.add_parser("inspect", help="streams, groups, lag, pending, dead-letter counts")
     add_config_args(insp)
@@ -66,21 +68,40 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
 
     add_status_verbs(sub, add_config_args)
 
-    exp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint or run directory")
-    exp.add_argument("checkpoint", help="runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-N")
+    exp = sub.add_parser(
+        "export", help="write a Hugging Face model directory from a checkpoint or run directory"
+    )
+    exp.add_argument(
+        "checkpoint", help="runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-N"
+    )
     exp.add_argument("out", help="new, empty output directory")
-    exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model the run started from)")
+    exp.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (default: the model the run started from)",
+    )
     exp.set_defaults(func=_cmd_export)
 
-    bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side, JSON under bench/results/")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: ratios measured side by side, JSON under bench/results/"
+    )
     bench.add_argument(
         "what",
         choices=["bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "all"],
         help="which benchmark",
     )
-    bench.add_argument("--size", choices=["quick", "medium", "full"], default=None, help="workload preset for pipeline/peer (default: full, or quick with --quick)")
-    bench.add_argument("--threads", type=int, default=None, help="OpenMP threads per benchmarked process")
-    bench.add_argument("--work-dir", default="bench/work", help="where models and run directories are built")
+    bench.add_argument(
+        "--size",
+        choices=["quick", "medium", "full"],
+        default=None,
+        help="workload preset for pipeline/peer (default: full, or quick with --quick)",
+    )
+    bench.add_argument(
+        "--threads", type=int, default=None, help="OpenMP threads per benchmarked process"
+    )
+    bench.add_argument(
+        "--work-dir", default="bench/work", help="where models and run directories are built"
+    )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     bench.set_defaults(func=_cmd_bench)

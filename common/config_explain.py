@@ -11,7 +11,11 @@ from common.config import SECTIONS, TetherConfig
 def resolved_toml(cfg: TetherConfig) -> str:
     derived = cfg.derived
     comments = {d: "derived" for d in derived}
-    return tomlw.dumps(cfg.to_dict(), header="Tether config, fully resolved (tether config show)", comments=comments)
+    return tomlw.dumps(
+        cfg.to_dict(),
+        header="Tether config, fully resolved (tether config show)",
+        comments=comments,
+    )
 
 
 def _tag(cfg: TetherConfig, dotted: str, sources: Mapping[str, str]) -> str:
@@ -23,9 +27,14 @@ def _tag(cfg: TetherConfig, dotted: str, sources: Mapping[str, str]) -> str:
 
 def oddities(cfg: TetherConfig) -> list[str]:
     """Settings that are valid but probably not what the user wants."""
-    run, ln, gen = cfg.run, cfg.learner, cfg.generator
+    run, ln = cfg.run, cfg.learner
     out: list[str] = []
-    if run.responses_per_prompt == 1 and ln.advantage_estimator in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"):
+    if run.responses_per_prompt == 1 and ln.advantage_estimator in (
+        "grpo",
+        "drgrpo",
+        "rloo",
+        "reinforce_pp_baseline",
+    ):
         out.append(
             f"responses_per_prompt = 1 with advantage_estimator = {ln.advantage_estimator}: a group of one "
             "has no baseline, every advantage is 0 and nothing is learned. Use ≥ 2 responses per prompt or reinforce_pp."
@@ -49,11 +58,15 @@ def oddities(cfg: TetherConfig) -> list[str]:
             "PPO collapse at staleness 4 — keep off_policy = decoupled or lower the bound."
         )
     if ln.kl_coef > 0:
-        out.append("kl_coef > 0 loads a frozen reference model beside the policy on every learner rank (memory).")
+        out.append(
+            "kl_coef > 0 loads a frozen reference model beside the policy on every learner rank (memory)."
+        )
     return out
 
 
-def explain(cfg: TetherConfig, *, sources: Mapping[str, str] | None = None, warnings: Iterable[str] = ()) -> str:
+def explain(
+    cfg: TetherConfig, *, sources: Mapping[str, str] | None = None, warnings: Iterable[str] = ()
+) -> str:
     sources = sources or {}
     run, ln = cfg.run, cfg.learner
     p, r, e = run.prompts_per_cycle, run.responses_per_prompt, run.passes_per_cycle
@@ -63,7 +76,9 @@ def explain(cfg: TetherConfig, *, sources: Mapping[str, str] | None = None, warn
     per_rank = b // world
     t = lambda d: _tag(cfg, d, sources)  # noqa: E731
     lines = [f"One cycle of run '{run.name}' ({run.num_cycles} cycles in all):", ""]
-    lines.append(f"1. Prompts: the learner dispatches {p} prompts [{t('run.prompts_per_cycle')}] to the generators.")
+    lines.append(
+        f"1. Prompts: the learner dispatches {p} prompts [{t('run.prompts_per_cycle')}] to the generators."
+    )
     lines.append(
         f"2. Responses: {cfg.generator.replicas} generator(s) sample {r} responses per prompt "
         f"[{t('run.responses_per_prompt')}] = {p * r} responses of up to {run.max_response_tokens} tokens, "
@@ -88,7 +103,9 @@ def explain(cfg: TetherConfig, *, sources: Mapping[str, str] | None = None, warn
             f"micro-batches of {ln.micro_batch_size} [{t('learner.micro_batch_size')}] → gradient accumulation "
             f"over {cfg.grad_accumulation_steps} micro-batches per step (derived)"
         )
-    lines.append(f"5. Per rank: {world} learner rank(s) → {per_rank} responses per rank per step; {micro}.")
+    lines.append(
+        f"5. Per rank: {world} learner rank(s) → {per_rank} responses per rank per step; {micro}."
+    )
     pub = cfg.publish_every_steps
     lines.append(
         f"6. Weights: published to the generators every {pub} optimizer step(s); the policy version counts "

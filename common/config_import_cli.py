@@ -23,7 +23,10 @@ def run_import(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     print(render_mapping_table(result), file=sys.stderr)
     if result.problems:
-        print(f"tether: cannot import {args.path}: {len(result.problems)} problem(s) listed above; no TOML written.", file=sys.stderr)
+        print(
+            f"tether: cannot import {args.path}: {len(result.problems)} problem(s) listed above; no TOML written.",
+            file=sys.stderr,
+        )
         return 2
     print(render_toml(result))
     return 0

@@ -70,7 +70,9 @@ class _Builder:
             return new
         return key
 
-    def put(self, section: str | None, key: str, value: Any, source: str, *, layer_wins: bool) -> None:
+    def put(
+        self, section: str | None, key: str, value: Any, source: str, *, layer_wins: bool
+    ) -> None:
         """Set ``section.key``; a cycle knob goes to ``run`` whichever table held it."""
         key = self._canonical(key, source)
         if key in CYCLE_KEYS:
@@ -82,7 +84,9 @@ class _Builder:
             )
             return
         if section not in SECTIONS:
-            self.errors.append(f"unknown section [{section}] ({source}).{_suggest(section, SECTIONS)} Sections: {', '.join(SECTIONS)}.")
+            self.errors.append(
+                f"unknown section [{section}] ({source}).{_suggest(section, SECTIONS)} Sections: {', '.join(SECTIONS)}."
+            )
             return
         fields = SECTIONS[section].model_fields
         if key not in fields:
@@ -105,9 +109,13 @@ class _Builder:
         try:
             doc = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist. Fix: check the path given to --config.") from None
+            raise ConfigError(
+                f"config file {path} does not exist. Fix: check the path given to --config."
+            ) from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}. Fix the line it names.") from None
+            raise ConfigError(
+                f"config file {path} is not valid TOML: {exc}. Fix the line it names."
+            ) from None
         for top_key, value in doc.items():
             if isinstance(value, dict):
                 for key, inner in value.items():
@@ -120,12 +128,20 @@ class _Builder:
             if not name.startswith(ENV_PREFIX) or "__" not in name:
                 continue
             section, _, key = name[len(ENV_PREFIX) :].partition("__")
-            self.put(section.lower(), key.lower(), parse_scalar(text), f"environment {name}", layer_wins=True)
+            self.put(
+                section.lower(),
+                key.lower(),
+                parse_scalar(text),
+                f"environment {name}",
+                layer_wins=True,
+            )
 
     def add_override(self, text: str, source: str) -> None:
         dotted, sep, value = text.partition("=")
         if not sep:
-            self.errors.append(f"{source} '{text}' must look like section.key=value (e.g. learner.lr=1e-6).")
+            self.errors.append(
+                f"{source} '{text}' must look like section.key=value (e.g. learner.lr=1e-6)."
+            )
             return
         section, _, key = dotted.strip().rpartition(".")
         self.put(section or None, key, parse_scalar(value.strip()), source, layer_wins=True)
@@ -147,7 +163,11 @@ def _format_validation(exc: ValidationError, sources: Mapping[str, str]) -> str:
         src = sources.get(dotted, "default")
         value = err.get("input")
         parts.append(f"{dotted} = {value!r} ({src}): {err['msg']}")
-    return "Invalid settings: " + "; ".join(parts) + ". See `tether config explain` or the README's config reference."
+    return (
+        "Invalid settings: "
+        + "; ".join(parts)
+        + ". See `tether config explain` or the README's config reference."
+    )
 
 
 def load_config(

@@ -26,9 +26,13 @@ def _invariant_fixes(p: int, r: int, e: int, b: int, s: int) -> list[str]:
     fixes: list[str] = []
     produced = p * r * e
     if produced % s == 0:
-        fixes.append(f"set train_batch_size = {produced // s} (keeps train_steps_per_cycle = {s}: {p} × {r} × {e} = {produced // s} × {s})")
+        fixes.append(
+            f"set train_batch_size = {produced // s} (keeps train_steps_per_cycle = {s}: {p} × {r} × {e} = {produced // s} × {s})"
+        )
     elif produced % b == 0:
-        fixes.append(f"set train_steps_per_cycle = {produced // b} (keeps train_batch_size = {b}: {p} × {r} × {e} = {b} × {produced // b})")
+        fixes.append(
+            f"set train_steps_per_cycle = {produced // b} (keeps train_batch_size = {b}: {p} × {r} × {e} = {b} × {produced // b})"
+        )
     consumed = b * s
     if consumed % (r * e) == 0:
         fixes.append(
@@ -171,7 +175,9 @@ def _check_misc(cfg: TetherConfig) -> None:
             "(e.g. 0.001) or remove kl_in_reward."
         )
     if len(cfg.learner.adam_betas) != 2 or not all(0 <= x < 1 for x in cfg.learner.adam_betas):
-        raise ConfigError(f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+        raise ConfigError(
+            f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]."
+        )
     if cfg.scorer.solver_samples > 1 and cfg.scorer.solver_temperature == 0:
         raise ConfigError(
             f"scorer.solver_samples = {cfg.scorer.solver_samples} with scorer.solver_temperature = 0: greedy "
@@ -185,7 +191,9 @@ def _check_misc(cfg: TetherConfig) -> None:
             "greedy requests). Fix: set generator.temperature > 0 (e.g. 1.0)."
         )
     if cfg.scorer.solver_samples > 1 and cfg.scorer.mode != "solver":
-        raise ConfigError("scorer.solver_samples > 1 only applies to scorer.mode = \"solver\". Fix: set mode = \"solver\" or solver_samples = 1.")
+        raise ConfigError(
+            'scorer.solver_samples > 1 only applies to scorer.mode = "solver". Fix: set mode = "solver" or solver_samples = 1.'
+        )
 
 
 def apply_cycle_rules(cfg: TetherConfig) -> set[str]:

@@ -43,7 +43,9 @@ class Child:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         out.close()
         log.info("started %s (pid %d), log %s", self.name, self.proc.pid, self.log_path)
 
@@ -71,7 +73,9 @@ class RunFailed(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, cfg: TetherConfig, run_dir: Path, *, redis_url: str, config_path: Path, progress=None) -> None:
+    def __init__(
+        self, cfg: TetherConfig, run_dir: Path, *, redis_url: str, config_path: Path, progress=None
+    ) -> None:
         self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
         self.progress = progress
         env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
@@ -81,15 +85,39 @@ class Supervisor:
         logs = run_dir / "logs"
         ln = cfg.learner
         if ln.nproc_per_node > 1 or ln.nnodes > 1:
-            learner_argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ln.nproc_per_node), "-m", "common.cli", "learner", *conf]
+            learner_argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(ln.nproc_per_node),
+                "-m",
+                "common.cli",
+                "learner",
+                *conf,
+            ]
         else:
             learner_argv = [*cli, "learner", *conf]
         self.learner = Child("learner", learner_argv, logs / "learner.log", env)
         self.children = [self.learner]
         for i in range(cfg.generator.replicas):
-            self.children.append(Child(f"generator-{i}", [*cli, "generator", *conf, "--id", f"generator-{i}"], logs / f"generator-{i}.log", env))
+            self.children.append(
+                Child(
+                    f"generator-{i}",
+                    [*cli, "generator", *conf, "--id", f"generator-{i}"],
+                    logs / f"generator-{i}.log",
+                    env,
+                )
+            )
         for i in range(cfg.scorer.replicas):
-            self.children.append(Child(f"scorer-{i}", [*cli, "scorer", *conf, "--id", f"scorer-{i}"], logs / f"scorer-{i}.log", env))
+            self.children.append(
+                Child(
+                    f"scorer-{i}",
+                    [*cli, "scorer", *conf, "--id", f"scorer-{i}"],
+                    logs / f"scorer-{i}.log",
+                    env,
+                )
+            )
         self.stopping = False
 
     def start(self) -> None:
@@ -107,12 +135,21 @@ class Supervisor:
                 f"stopping the run. See its log: {c.log_path}"
             )
         if code == 2:
-            raise RunFailed(f"{c.name} refused its configuration or data (exit code 2); see {c.log_path}")
+            raise RunFailed(
+                f"{c.name} refused its configuration or data (exit code 2); see {c.log_path}"
+            )
         delay = min(30.0, 2.0 ** len(c.crashes))
         c.next_start = now + delay
         c.restarts += 1
         c.proc = None
-        log.warning("%s exited with code %d; restarting in %.0f s (restart #%d, log %s)", c.name, code, delay, c.restarts, c.log_path)
+        log.warning(
+            "%s exited with code %d; restarting in %.0f s (restart #%d, log %s)",
+            c.name,
+            code,
+            delay,
+            c.restarts,
+            c.log_path,
+        )
 
     def poll(self) -> bool:
         """One supervision pass; returns False when the run is over (learner finished)."""
@@ -177,7 +214,9 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
         if not saved.exists():
             from common.config import ConfigError
 
-            raise ConfigError(f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?")
+            raise ConfigError(
+                f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?"
+            )
         return load_config(config_file=saved).config, run_dir
     run_dir = Path(cfg.run.run_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +242,9 @@ def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
         url = redis.url
         log.info("embedded Redis-protocol server at %s (data in %s)", url, run_dir / "redis")
     progress = progress_factory(cfg, url) if progress_factory else None
-    sup = Supervisor(cfg, run_dir, redis_url=url, config_path=run_dir / "config.toml", progress=progress)
+    sup = Supervisor(
+        cfg, run_dir, redis_url=url, config_path=run_dir / "config.toml", progress=progress
+    )
     stop = {"asked": False}
 
     def on_signal(*_):

@@ -22,6 +22,12 @@ def policy_paths(cfg: TetherConfig) -> tuple[str, str]:
     tok = cfg.run.tokenizer or model
     for what, path in (("run.model", model), ("run.tokenizer", tok)):
         p = Path(path)
-        if (p.is_absolute() or path.startswith(".")) and not (p / "config.json").exists() and what == "run.model":
-            raise ConfigError(f"{what} = {path!r} has no config.json: it must be a Hugging Face model directory.")
+        if (
+            (p.is_absolute() or path.startswith("."))
+            and not (p / "config.json").exists()
+            and what == "run.model"
+        ):
+            raise ConfigError(
+                f"{what} = {path!r} has no config.json: it must be a Hugging Face model directory."
+            )
     return model, tok

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 log = logging.getLogger(__name__)
 

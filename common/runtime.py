@@ -63,7 +63,11 @@ def bus_settings_for(cfg: TetherConfig, *, redis_url: str | None = None) -> BusS
 
 def service_id(kind: str, given: str | None = None) -> str:
     """A stable replica id: given, or TETHER_SERVICE_ID, or host-pid (not stable across restarts)."""
-    return given or os.environ.get("TETHER_SERVICE_ID") or f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    return (
+        given
+        or os.environ.get("TETHER_SERVICE_ID")
+        or f"{kind}-{socket.gethostname()}-{os.getpid()}"
+    )
 
 
 def free_port() -> int:
@@ -111,7 +115,9 @@ class PhaseTimer:
 _METRICS: dict[str, Any] = {}
 
 
-def _get_or_make(kind: Callable[..., Any], name: str, doc: str, labels: list[str] | None = None, **kw: Any) -> Any:
+def _get_or_make(
+    kind: Callable[..., Any], name: str, doc: str, labels: list[str] | None = None, **kw: Any
+) -> Any:
     """Create a metric once per process (services may build several loops in one test process)."""
     if name not in _METRICS:
         _METRICS[name] = kind(name, doc, labels or [], **kw)
@@ -127,7 +133,17 @@ def metric(kind: str, name: str, doc: str, labels: list[str] | None = None, **kw
 class StatusReporter:
     """Writes ``status:<service>:<id>`` every ``interval_s`` (JSON fields) for ``tether status``."""
 
-    def __init__(self, bus: Bus, service: str, sid: str, timer: PhaseTimer, extra: Callable[[], dict[str, Any]], *, interval_s: float = 2.0, metrics_port: int | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        service: str,
+        sid: str,
+        timer: PhaseTimer,
+        extra: Callable[[], dict[str, Any]],
+        *,
+        interval_s: float = 2.0,
+        metrics_port: int | None = None,
+    ) -> None:
         self.bus, self.service, self.sid, self.timer, self.extra = bus, service, sid, timer, extra
         self.metrics_port = metrics_port
         self.interval_s = interval_s
@@ -144,10 +160,23 @@ class StatusReporter:
         self.write()
 
     def write(self) -> None:
-        doc = {"service": self.service, "id": self.sid, "heartbeat": time.time(), "started": self.started, "phases": self.timer.snapshot(), "metrics_port": self.metrics_port, "pid": os.getpid()}
+        doc = {
+            "service": self.service,
+            "id": self.sid,
+            "heartbeat": time.time(),
+            "started": self.started,
+            "phases": self.timer.snapshot(),
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+        }
         try:
             doc.update(self.extra())
-            self.bus.call(lambda: self.bus.redis.hset(self.bus.key("status"), f"{self.service}:{self.sid}", json.dumps(doc)), what="HSET status")
+            self.bus.call(
+                lambda: self.bus.redis.hset(
+                    self.bus.key("status"), f"{self.service}:{self.sid}", json.dumps(doc)
+                ),
+                what="HSET status",
+            )
         except Exception as exc:  # status is best effort; the bus logs connection trouble itself
             log.debug("status write failed: %s", exc)
 
@@ -172,7 +201,11 @@ class HealthServer:
                     body, ctype, code = b"ok\n", "text/plain", 200
                 elif self.path.startswith("/readyz"):
                     ok = outer.ready()
-                    body, ctype, code = (b"ready\n" if ok else b"not ready\n"), "text/plain", 200 if ok else 503
+                    body, ctype, code = (
+                        (b"ready\n" if ok else b"not ready\n"),
+                        "text/plain",
+                        200 if ok else 503,
+                    )
                 else:
                     body, ctype, code = b"not found\n", "text/plain", 404
                 self.send_response(code)
@@ -187,7 +220,9 @@ class HealthServer:
         self.ready = ready
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.port = int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, name="health", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="health", daemon=True
+        )
 
     def start(self) -> HealthServer:
         self._thread.start()
@@ -199,7 +234,9 @@ class HealthServer:
         self.server.server_close()
 
 
-def serve_async(svc: Any, kind: str, sid: str, port: int, *, cleanup: Callable[[], None] | None = None) -> int:
+def serve_async(
+    svc: Any, kind: str, sid: str, port: int, *, cleanup: Callable[[], None] | None = None
+) -> int:
     """Run an asyncio service (``svc.run()``, ``svc.stop()``, ``svc.ready``, ``svc.status()``,
     ``svc.bus``, ``svc.timer``) with health/metrics endpoints, a status heartbeat and clean
     SIGTERM/SIGINT handling. Returns the exit code."""
@@ -207,7 +244,9 @@ def serve_async(svc: Any, kind: str, sid: str, port: int, *, cleanup: Callable[[
     import signal
 
     health = HealthServer(port, ready=lambda: svc.ready).start()
-    status = StatusReporter(svc.bus, kind, sid, svc.timer, svc.status, metrics_port=health.port).start()
+    status = StatusReporter(
+        svc.bus, kind, sid, svc.timer, svc.status, metrics_port=health.port
+    ).start()
 
     async def go() -> None:
         loop = asyncio.get_running_loop()

@@ -14,7 +14,11 @@ from typing import Any
 
 from common import runtime
 
-STREAMS = [(runtime.PROMPTS, runtime.GENERATORS), (runtime.GROUPS, runtime.SCORERS), (runtime.SCORED, runtime.LEARNER)]
+STREAMS = [
+    (runtime.PROMPTS, runtime.GENERATORS),
+    (runtime.GROUPS, runtime.SCORERS),
+    (runtime.SCORED, runtime.LEARNER),
+]
 BUSY_PHASES = ("working", "syncing_weights", "checkpointing")
 
 
@@ -67,7 +71,9 @@ def collect_status(bus) -> dict[str, Any]:
         "learner_version": learner.get("version"),
         "cycle": learner.get("cycle"),
         "last_step": learner.get("last_step", {}),
-        "generator_versions": {s["id"]: s.get("version") for s in services if s["service"] == "generator"},
+        "generator_versions": {
+            s["id"]: s.get("version") for s in services if s["service"] == "generator"
+        },
         "services": services,
         "streams": streams,
         "dead_letters": dead,
@@ -86,13 +92,19 @@ def format_status(st: dict[str, Any]) -> str:
     lines = [f"run {st['run']}: learner v{st['learner_version']} cycle {st['cycle']}"]
     ls = st.get("last_step") or {}
     if ls:
-        lines.append(f"  last step {ls.get('step')}: loss {ls.get('loss', 0):.4f} reward {ls.get('reward_mean', 0):.3f} staleness ≤ {ls.get('staleness_max')}")
+        lines.append(
+            f"  last step {ls.get('step')}: loss {ls.get('loss', 0):.4f} reward {ls.get('reward_mean', 0):.3f} staleness ≤ {ls.get('staleness_max')}"
+        )
     for s in st["services"]:
         tb = ", ".join(f"{k} {v:.0%}" for k, v in list(s["time_breakdown"].items())[:4])
         state = "alive" if s["alive"] else f"silent {s['age_s']:.0f}s"
-        lines.append(f"  {s['service']:9s} {s['id']:14s} v{s.get('version')} {state:10s} time: {tb}")
+        lines.append(
+            f"  {s['service']:9s} {s['id']:14s} v{s.get('version')} {state:10s} time: {tb}"
+        )
     for name, q in st["streams"].items():
-        lines.append(f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}")
+        lines.append(
+            f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}"
+        )
     lines.append(f"  dead letters: {st['dead_letters']}")
     b = st.get("bottleneck")
     if b:

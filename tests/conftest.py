@@ -44,5 +44,12 @@ def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
 
     base = tmp_path_factory.mktemp("e2e")
     assets = prepare_assets(base / "assets", preset="ci")
-    config = write_config(base / "e2e.toml", name="e2e", model=str(assets.model_dir), data_dir=assets.data_dir, run_dir=base / "runs", cycles=6)
+    config = write_config(
+        base / "e2e.toml",
+        name="e2e",
+        model=str(assets.model_dir),
+        data_dir=assets.data_dir,
+        run_dir=base / "runs",
+        cycles=6,
+    )
     return run_training(config, redis_url=redis_server.url, name="e2e")

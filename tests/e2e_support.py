@@ -39,7 +39,16 @@ class RunResult:
     killed: list[str] = field(default_factory=list)
 
 
-def write_config(path: Path, *, name: str, model: str, data_dir: Path, run_dir: Path, cycles: int, extra: str = "") -> Path:
+def write_config(
+    path: Path,
+    *,
+    name: str,
+    model: str,
+    data_dir: Path,
+    run_dir: Path,
+    cycles: int,
+    extra: str = "",
+) -> Path:
     path.write_text(
         f"""
 [run]
@@ -54,8 +63,8 @@ max_response_tokens = 12
 seed = 1
 
 [data]
-train_path = "{data_dir / 'train.jsonl'}"
-eval_path = "{data_dir / 'eval.jsonl'}"
+train_path = "{data_dir / "train.jsonl"}"
+eval_path = "{data_dir / "eval.jsonl"}"
 
 [learner]
 lr = 1e-4
@@ -91,12 +100,34 @@ def _status_docs(r: redis.Redis, name: str) -> list[dict[str, Any]]:
     return [json.loads(v) for v in r.hgetall(f"{name}:status").values()]
 
 
-def run_training(config: Path, *, redis_url: str, name: str, timeout_s: float = 900, kill_plan: list[tuple[str, float]] | None = None) -> RunResult:
+def run_training(
+    config: Path,
+    *,
+    redis_url: str,
+    name: str,
+    timeout_s: float = 900,
+    kill_plan: list[tuple[str, float]] | None = None,
+) -> RunResult:
     """Run `tether train`; scrape /metrics; optionally SIGKILL services (``[(service id, after
     n steps)]``) mid-run. Returns what was observed."""
     run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
-    cmd = [sys.executable, "-m", "common.cli", "train", "--config", str(config), "--redis-url", redis_url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "train",
+        "--config",
+        str(config),
+        "--redis-url",
+        redis_url,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     r = redis.Redis.from_url(redis_url, socket_timeout=5)
     result = RunResult(run_dir=run_dir, returncode=-1, output="")
     plan = list(kill_plan or [])

@@ -113,14 +113,21 @@ def test_bad_config_file_exit_2(tmp_path):
 
 
 def test_import_seed_001_exits_2_with_fixes():
-    r = tether("config", "import", "--from", "verl", "tests/fixtures/import/verl_seed001_solver_grpo.sh")
+    r = tether(
+        "config", "import", "--from", "verl", "tests/fixtures/import/verl_seed001_solver_grpo.sh"
+    )
     assert r.returncode == 2
     assert "120" in r.stderr and "96" in r.stderr and r.stdout == ""
 
 
 @pytest.mark.parametrize(
     "peer,fixture",
-    [("openrlhf", "openrlhf_rloo_ray_job.sh"), ("slime", "slime_glm_old_names.sh"), ("verl", "verl_ppo_trainer.yaml"), ("roll", "roll_rlvr_megatron.yaml")],
+    [
+        ("openrlhf", "openrlhf_rloo_ray_job.sh"),
+        ("slime", "slime_glm_old_names.sh"),
+        ("verl", "verl_ppo_trainer.yaml"),
+        ("roll", "roll_rlvr_megatron.yaml"),
+    ],
 )
 def test_imported_toml_passes_config_check(peer, fixture, tmp_path):
     r = tether("config", "import", "--from", peer, f"tests/fixtures/import/{fixture}")

@@ -236,7 +236,9 @@ def test_readme_config_reference_matches_the_schema():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
-    assert readme[start:end] == reference_markdown(), "regenerate with: python -m common.config_reference"
+    assert readme[start:end] == reference_markdown(), (
+        "regenerate with: python -m common.config_reference"
+    )
 
 
 def test_greedy_with_several_samples_is_refused():

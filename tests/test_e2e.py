@@ -33,7 +33,10 @@ def test_accounting_balances(short_run):
     learner = next(d for d in short_run.status.values() if d["service"] == "learner")
     c = learner["counters"]
     generated_train = CYCLES * PROMPTS * RESPONSES
-    assert c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0) == generated_train
+    assert (
+        c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0)
+        == generated_train
+    )
     assert c.get("dropped_stale", 0) == 0  # the staleness gate makes drops rare by construction
 
 

@@ -16,8 +16,20 @@ def test_kill_generator_scorer_and_learner_mid_run(redis_server, tmp_path):
     from common.demo import prepare_assets
 
     assets = prepare_assets(tmp_path.parent / "e2e-assets-recovery", preset="ci")
-    config = write_config(tmp_path / "r.toml", name="recovery", model=str(assets.model_dir), data_dir=assets.data_dir, run_dir=tmp_path / "runs", cycles=CYCLES)
-    r = run_training(config, redis_url=redis_server.url, name="recovery", kill_plan=[("generator-0", 1), ("scorer-0", 2), ("learner-0", 3)])
+    config = write_config(
+        tmp_path / "r.toml",
+        name="recovery",
+        model=str(assets.model_dir),
+        data_dir=assets.data_dir,
+        run_dir=tmp_path / "runs",
+        cycles=CYCLES,
+    )
+    r = run_training(
+        config,
+        redis_url=redis_server.url,
+        name="recovery",
+        kill_plan=[("generator-0", 1), ("scorer-0", 2), ("learner-0", 3)],
+    )
     assert r.returncode == 0, r.output[-4000:]
     assert sorted(r.killed) == ["generator-0", "learner-0", "scorer-0"]
     for name in ("generator-0", "scorer-0", "learner"):
@@ -34,4 +46,7 @@ def test_kill_generator_scorer_and_learner_mid_run(redis_server, tmp_path):
     learner = next(d for d in r.status.values() if d["service"] == "learner")
     assert learner["version"] == CYCLES
     c = learner["counters"]
-    assert c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0) == CYCLES * PROMPTS * RESPONSES
+    assert (
+        c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0)
+        == CYCLES * PROMPTS * RESPONSES
+    )

@@ -23,12 +23,25 @@ def cfg(*sets: str, **run):
 
 
 def sample(version: int, i: int = 0) -> Sample:
-    return Sample(sample_id=f"s{i}", group=0, prompt_ids=[1, 2], response_ids=[3, 4], behaviour_logp=[-0.1, -0.2], reward=1.0, policy_version=version)
+    return Sample(
+        sample_id=f"s{i}",
+        group=0,
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        behaviour_logp=[-0.1, -0.2],
+        reward=1.0,
+        policy_version=version,
+    )
 
 
 @pytest.mark.parametrize("steps,max_staleness", [(1, 0), (1, 1), (2, 1), (2, 3), (4, 3), (4, 7)])
 def test_staleness_boundary_in_optimizer_steps(steps, max_staleness, tmp_path):
-    c = cfg(prompts_per_cycle=4, responses_per_prompt=4, train_steps_per_cycle=steps, max_staleness=max_staleness)
+    c = cfg(
+        prompts_per_cycle=4,
+        responses_per_prompt=4,
+        train_steps_per_cycle=steps,
+        max_staleness=max_staleness,
+    )
     svc = LearnerService(c, run_dir=tmp_path)
     svc.io = None
     svc.version = 10  # the step that turns version 10 into 11
@@ -66,27 +79,40 @@ def test_steps_of_cycle_cover_each_sample_once_per_pass():
 def test_cycle_samples_roundtrip_through_bytes():
     s = [sample(3, i) for i in range(5)]
     back = decode_samples(encode_samples(s))
-    assert [(x.sample_id, x.prompt_ids, x.response_ids, x.policy_version, x.reward) for x in back] == [
-        (x.sample_id, x.prompt_ids, x.response_ids, x.policy_version, x.reward) for x in s
-    ]
+    assert [
+        (x.sample_id, x.prompt_ids, x.response_ids, x.policy_version, x.reward) for x in back
+    ] == [(x.sample_id, x.prompt_ids, x.response_ids, x.policy_version, x.reward) for x in s]
     assert back[0].behaviour_logp == pytest.approx([-0.1, -0.2], abs=1e-6)
 
 
 def _prompts(tmp_path: Path, n: int = 10):
     f = tmp_path / "train.jsonl"
-    f.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(n)))
+    f.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(n)
+        )
+    )
     return load_prompts(f)
 
 
 def test_dispatch_positions_are_a_function_of_the_cycle(redis_server, tmp_path):
-    c = cfg(f"run.redis_url={json.dumps(redis_server.url)}", "run.name=\"dispatch\"", prompts_per_cycle=4, responses_per_prompt=2, train_steps_per_cycle=2, num_cycles=6)
+    c = cfg(
+        f"run.redis_url={json.dumps(redis_server.url)}",
+        'run.name="dispatch"',
+        prompts_per_cycle=4,
+        responses_per_prompt=2,
+        train_steps_per_cycle=2,
+        num_cycles=6,
+    )
     bus = Bus(bus_settings_for(c), service="test")
     train = _prompts(tmp_path)
     d = Dispatcher(c, bus, train, None)
     # cycle 1 across the epoch boundary of a 10-prompt set: positions 4..7; cycle 2: 8..11
     assert [g for g, _ in d.records_of(2)] == [8, 9, 10, 11]
     again = Dispatcher(c, bus, train, None)
-    assert [r.prompt_id for _, r in d.records_of(2)] == [r.prompt_id for _, r in again.records_of(2)]
+    assert [r.prompt_id for _, r in d.records_of(2)] == [
+        r.prompt_id for _, r in again.records_of(2)
+    ]
     # with max_staleness = 3 (default 2·S − 1), cycle c needs weights ≥ 2c + 1 − 3
     assert d.dispatch_ready(0, first_cycle=0) == [0, 1]
     assert d.dispatch_ready(1, first_cycle=0) == []

@@ -27,7 +27,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def _groups(cfg, *, cycles: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int) -> list[Any]:
+def _groups(
+    cfg, *, cycles: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int
+) -> list[Any]:
     from common import wire
 
     rng = np.random.default_rng(seed)
@@ -50,7 +52,16 @@ def _groups(cfg, *, cycles: int, prompt_tokens: int, response_tokens: int, vocab
                 ground_truth="1", metadata={}, generator_id="bench", samples=samples,
             )  # fmt: skip
             rewards = [float(x) for x in rng.integers(0, 2, r)]
-            out.append(wire.ScoredGroup(group=g, rewards=rewards, components=[{"correct": x} for x in rewards], reasons=[""] * r, scorer_id="bench", score_seconds=0.0))
+            out.append(
+                wire.ScoredGroup(
+                    group=g,
+                    rewards=rewards,
+                    components=[{"correct": x} for x in rewards],
+                    reasons=[""] * r,
+                    scorer_id="bench",
+                    score_seconds=0.0,
+                )
+            )
     return out
 
 
@@ -66,17 +77,31 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
     _, _, device = setup_distributed()
     model = load_policy(model_dir, device=device)
     opt = optim.build_optimizer(model, lr=cfg.learner.lr)
-    sched = optim.build_scheduler(opt, optim.build_schedule(total_steps=cycles * cfg.run.train_steps_per_cycle))
+    sched = optim.build_scheduler(
+        opt, optim.build_schedule(total_steps=cycles * cfg.run.train_steps_per_cycle)
+    )
     per_cycle = cfg.run.prompts_per_cycle
     t0 = time.perf_counter()
     for c in range(cycles):
         samples = samples_from_groups(groups[c * per_cycle : (c + 1) * per_cycle])
         algorithm.assign_advantages(samples, cfg)
-        for s, lp in zip(samples, algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=device), strict=True):
+        for s, lp in zip(
+            samples,
+            algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
+            strict=True,
+        ):
             s.old_logp = lp
-        for idx in steps_of_cycle(len(samples), batch=cfg.run.train_batch_size, passes=cfg.run.passes_per_cycle, seed=cfg.run.seed, cycle=c):
+        for idx in steps_of_cycle(
+            len(samples),
+            batch=cfg.run.train_batch_size,
+            passes=cfg.run.passes_per_cycle,
+            seed=cfg.run.seed,
+            cycle=c,
+        ):
             mbs = algorithm.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
-            loss_fn = algorithm.make_loss_fn(cfg, denominator=algorithm.step_denominator(cfg, samples, idx, device), stats_out=[])
+            loss_fn = algorithm.make_loss_fn(
+                cfg, denominator=algorithm.step_denominator(cfg, samples, idx, device), stats_out=[]
+            )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=cfg.learner.grad_clip or None)
     del torch
     return time.perf_counter() - t0
@@ -116,7 +141,17 @@ def _service(cfg, groups: list[Any], run_dir: Path) -> float:
     return elapsed
 
 
-def run_learner_bench(*, cycles: int = 3, prompts: int = 8, per_prompt: int = 4, prompt_tokens: int = 32, response_tokens: int = 64, hidden: int = 128, layers: int = 2, out_path: str | Path | None = None) -> dict:
+def run_learner_bench(
+    *,
+    cycles: int = 3,
+    prompts: int = 8,
+    per_prompt: int = 4,
+    prompt_tokens: int = 32,
+    response_tokens: int = 64,
+    hidden: int = 128,
+    layers: int = 2,
+    out_path: str | Path | None = None,
+) -> dict:
     import tempfile
 
     from common.config_load import load_config
@@ -124,22 +159,57 @@ def run_learner_bench(*, cycles: int = 3, prompts: int = 8, per_prompt: int = 4,
     from common.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-learner-"))
-    model_dir = str(build_tiny_model(tmp / "model", hidden_size=hidden, num_layers=layers, num_heads=max(4, hidden // 64), max_position_embeddings=prompt_tokens + response_tokens + 8))
+    model_dir = str(
+        build_tiny_model(
+            tmp / "model",
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=max(4, hidden // 64),
+            max_position_embeddings=prompt_tokens + response_tokens + 8,
+        )
+    )
     data = tmp / "train.jsonl"
     data.write_text(json.dumps({"prompt": "1+0?", "answer": "1"}) + "\n")
     with EmbeddedRedis(tmp / "redis") as server:
         cfg = load_config(
-            flags={"run.prompts_per_cycle": prompts, "run.responses_per_prompt": per_prompt, "run.num_cycles": cycles, "run.name": "bench-learner"},
-            overrides=[f'run.model="{model_dir}"', f'data.train_path="{data}"', f'run.redis_url="{server.url}"', f"run.max_prompt_tokens={prompt_tokens}", f"run.max_response_tokens={response_tokens}", "learner.lr=1e-5"],
+            flags={
+                "run.prompts_per_cycle": prompts,
+                "run.responses_per_prompt": per_prompt,
+                "run.num_cycles": cycles,
+                "run.name": "bench-learner",
+            },
+            overrides=[
+                f'run.model="{model_dir}"',
+                f'data.train_path="{data}"',
+                f'run.redis_url="{server.url}"',
+                f"run.max_prompt_tokens={prompt_tokens}",
+                f"run.max_response_tokens={response_tokens}",
+                "learner.lr=1e-5",
+            ],
             env={},
         ).config
-        groups = _groups(cfg, cycles=cycles, prompt_tokens=prompt_tokens, response_tokens=response_tokens, vocab=256, seed=0)
+        groups = _groups(
+            cfg,
+            cycles=cycles,
+            prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens,
+            vocab=256,
+            seed=0,
+        )
         service_s = _service(cfg, groups, tmp / "run")
         bare_s = _bare(cfg, groups, model_dir, cycles)
     responses = cycles * prompts * per_prompt
     result = {
         "benchmark": "learner",
-        "settings": {"cycles": cycles, "prompts": prompts, "per_prompt": per_prompt, "prompt_tokens": prompt_tokens, "response_tokens": response_tokens, "hidden": hidden, "layers": layers},
+        "settings": {
+            "cycles": cycles,
+            "prompts": prompts,
+            "per_prompt": per_prompt,
+            "prompt_tokens": prompt_tokens,
+            "response_tokens": response_tokens,
+            "hidden": hidden,
+            "layers": layers,
+        },
         "service_seconds": service_s,
         "bare_seconds": bare_s,
         "service_responses_per_s": responses / service_s,

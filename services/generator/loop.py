@@ -38,13 +38,36 @@ class _Metrics:
         m = runtime.metric
         self.tokens = m("Counter", "tether_generator_tokens_total", "response tokens generated")
         self.groups = m("Counter", "tether_generator_groups_total", "groups published", ["split"])
-        self.in_flight = m("Gauge", "tether_generator_prompts_in_flight", "prompts taken but not yet published")
-        self.version = m("Gauge", "tether_generator_policy_version", "policy version the engine runs")
-        self.update_seconds = m("Histogram", "tether_generator_weight_update_seconds", "seconds per in-flight weight update", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
-        self.update_bytes = m("Counter", "tether_generator_weight_update_bytes_total", "bytes of weights received")
-        self.update_failures = m("Counter", "tether_generator_weight_update_failures_total", "failed weight updates (previous version kept)")
-        self.staleness_wait = m("Counter", "tether_generator_staleness_wait_seconds_total", "seconds prompts waited for newer weights")
-        self.tokens_per_s = m("Gauge", "tether_generator_tokens_per_second", "response tokens per second over the last status interval")
+        self.in_flight = m(
+            "Gauge", "tether_generator_prompts_in_flight", "prompts taken but not yet published"
+        )
+        self.version = m(
+            "Gauge", "tether_generator_policy_version", "policy version the engine runs"
+        )
+        self.update_seconds = m(
+            "Histogram",
+            "tether_generator_weight_update_seconds",
+            "seconds per in-flight weight update",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.update_bytes = m(
+            "Counter", "tether_generator_weight_update_bytes_total", "bytes of weights received"
+        )
+        self.update_failures = m(
+            "Counter",
+            "tether_generator_weight_update_failures_total",
+            "failed weight updates (previous version kept)",
+        )
+        self.staleness_wait = m(
+            "Counter",
+            "tether_generator_staleness_wait_seconds_total",
+            "seconds prompts waited for newer weights",
+        )
+        self.tokens_per_s = m(
+            "Gauge",
+            "tether_generator_tokens_per_second",
+            "response tokens per second over the last status interval",
+        )
 
 
 class GeneratorService:
@@ -74,7 +97,9 @@ class GeneratorService:
         from common.model_paths import policy_paths
 
         model_dir, tok_dir = policy_paths(self.cfg)
-        dtype = g.dtype if g.dtype != "auto" else "float32" if g.gpus_per_replica == 0 else "bfloat16"
+        dtype = (
+            g.dtype if g.dtype != "auto" else "float32" if g.gpus_per_replica == 0 else "bfloat16"
+        )
         self.engine = GenerationEngine(
             EngineSettings(
                 model=model_dir,
@@ -114,7 +139,9 @@ class GeneratorService:
         self._joined_addr = f"{host}:{port}"
         timeout = self.cfg.weights.timeout_s
         res = await self.engine.collective_rpc("tether_join", args=(host, port, self.sid, timeout))
-        log.info("joined weight sync at %s:%d as %s (epoch %s)", host, port, self.sid, res[0]["epoch"])
+        log.info(
+            "joined weight sync at %s:%d as %s (epoch %s)", host, port, self.sid, res[0]["epoch"]
+        )
         await self._apply_update(wait_s=timeout)
 
     async def _apply_update(self, *, wait_s: float | None = None) -> bool:
@@ -125,7 +152,11 @@ class GeneratorService:
             with self.timer.phase("syncing_weights"):
                 await self.engine.pause(mode="keep", clear_cache=True)
                 try:
-                    res = (await self.engine.collective_rpc("tether_receive_update", kwargs={"wait_s": wait_s}))[0]
+                    res = (
+                        await self.engine.collective_rpc(
+                            "tether_receive_update", kwargs={"wait_s": wait_s}
+                        )
+                    )[0]
                     if res["ok"]:
                         await self.engine.set_weight_version(res["version"])
                 finally:
@@ -141,7 +172,12 @@ class GeneratorService:
         self.metrics.update_seconds.observe(time.monotonic() - t0)
         self.metrics.update_bytes.inc(res["bytes"])
         await asyncio.to_thread(self.bus.set, f"version:generator:{self.sid}", self.version)
-        log.info("now on policy version %d (%.1f MB in %.2f s)", self.version, res["bytes"] / 1e6, time.monotonic() - t0)
+        log.info(
+            "now on policy version %d (%.1f MB in %.2f s)",
+            self.version,
+            res["bytes"] / 1e6,
+            time.monotonic() - t0,
+        )
         self._version_changed.set()
         self._version_changed = asyncio.Event()
         return True
@@ -156,9 +192,17 @@ class GeneratorService:
         last_rpc = 0.0
         while not self._stop.is_set():
             await asyncio.sleep(0.2)
-            announced, addr = await asyncio.to_thread(lambda: (self.bus.get("weights:publishing"), self.bus.get("weights:addr")))
-            moved = addr is not None and not self.cfg.weights.port and addr != getattr(self, "_joined_addr", addr)
-            newer = announced is not None and (self.version is None or int(announced) > self.version)
+            announced, addr = await asyncio.to_thread(
+                lambda: (self.bus.get("weights:publishing"), self.bus.get("weights:addr"))
+            )
+            moved = (
+                addr is not None
+                and not self.cfg.weights.port
+                and addr != getattr(self, "_joined_addr", addr)
+            )
+            newer = announced is not None and (
+                self.version is None or int(announced) > self.version
+            )
             if not (moved or newer) and time.monotonic() - last_rpc < 5.0:
                 continue
             last_rpc = time.monotonic()
@@ -167,7 +211,10 @@ class GeneratorService:
             except Exception as exc:  # noqa: BLE001 - the engine answers errors; this is transport
                 poll = {"error": f"poll failed: {exc}", "pending": None}
             if moved:
-                poll = {"error": f"the learner's weight store moved to {addr} (learner restarted)", "pending": None}
+                poll = {
+                    "error": f"the learner's weight store moved to {addr} (learner restarted)",
+                    "pending": None,
+                }
             if poll["error"]:
                 log.warning("weight sync: %s — rejoining", poll["error"])
                 try:
@@ -183,11 +230,15 @@ class GeneratorService:
     # ------------------------------------------------------------------ one prompt
     def _prompt_ids(self, msg: wire.PromptMsg) -> list[int]:
         if msg.messages is not None and self.cfg.data.apply_chat_template:
-            text = self.tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                msg.messages, add_generation_prompt=True, tokenize=False
+            )
         elif msg.messages is not None:
             text = "\n".join(m["content"] for m in msg.messages)
         elif self.cfg.data.apply_chat_template:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": msg.text}], add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": msg.text}], add_generation_prompt=True, tokenize=False
+            )
         else:
             text = msg.text or ""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
@@ -197,7 +248,12 @@ class GeneratorService:
 
         g, run = self.cfg.generator, self.cfg.run
         if split == "eval":
-            return SamplingSettings(n=1, temperature=g.eval_temperature, max_tokens=run.max_response_tokens, stop=tuple(g.stop))
+            return SamplingSettings(
+                n=1,
+                temperature=g.eval_temperature,
+                max_tokens=run.max_response_tokens,
+                stop=tuple(g.stop),
+            )
         return SamplingSettings(
             n=run.responses_per_prompt,
             temperature=g.temperature,
@@ -233,26 +289,36 @@ class GeneratorService:
         await self._gate(msg.min_policy_version)
         ids = self._prompt_ids(msg)
         started = time.time()
-        samples = await self.engine.generate_group(ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}")
+        samples = await self.engine.generate_group(
+            ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
+        )
         group = self._to_group(msg, ids, samples, started)
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, runtime.GROUPS, runtime.SCORERS)
         finally:
             self._waiting_backpressure -= 1
-        await asyncio.to_thread(consumer.commit, [d], publish=[(runtime.GROUPS, group)], dedupe_ids=[group.group_id])
+        await asyncio.to_thread(
+            consumer.commit, [d], publish=[(runtime.GROUPS, group)], dedupe_ids=[group.group_id]
+        )
         n_tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
         self.metrics.groups.labels(msg.split).inc()
 
-    def _to_group(self, msg: wire.PromptMsg, ids: list[int], samples: list[Any], started: float) -> wire.TrajectoryGroup:
+    def _to_group(
+        self, msg: wire.PromptMsg, ids: list[int], samples: list[Any], started: float
+    ) -> wire.TrajectoryGroup:
         import numpy as np
 
         trajectories = []
         for i, s in enumerate(samples):
-            spans = [(int(start), int(v)) for v, start, _end in s.weight_versions if str(v).lstrip("-").isdigit()]
+            spans = [
+                (int(start), int(v))
+                for v, start, _end in s.weight_versions
+                if str(v).lstrip("-").isdigit()
+            ]
             if not spans:
                 spans = [(0, int(self.version or 0))]
             trajectories.append(
@@ -304,7 +370,9 @@ class GeneratorService:
             last_t = now
             self.metrics.in_flight.set(len(tasks))
             if now - rate_t >= 5.0:
-                self.metrics.tokens_per_s.set((self.tokens_generated - last_tokens) / (now - rate_t))
+                self.metrics.tokens_per_s.set(
+                    (self.tokens_generated - last_tokens) / (now - rate_t)
+                )
                 last_tokens, rate_t = self.tokens_generated, now
 
     async def _keep_claims(self) -> None:
@@ -327,10 +395,16 @@ class GeneratorService:
 
     def _touch(self, key: str, held: set[str], min_idle_ms: int) -> None:
         r = self.bus.redis
-        rows = self.bus.call(lambda: r.xpending_range(key, runtime.GENERATORS, "-", "+", 10_000, self.sid), what="XPENDING")
+        rows = self.bus.call(
+            lambda: r.xpending_range(key, runtime.GENERATORS, "-", "+", 10_000, self.sid),
+            what="XPENDING",
+        )
         ours = [row["message_id"] for row in rows if row["message_id"].decode() in held]
         if ours:
-            self.bus.call(lambda: r.xclaim(key, runtime.GENERATORS, self.sid, min_idle_ms, ours, justid=True), what="XCLAIM")
+            self.bus.call(
+                lambda: r.xclaim(key, runtime.GENERATORS, self.sid, min_idle_ms, ours, justid=True),
+                what="XCLAIM",
+            )
 
     async def run(self) -> None:
         await self._start_engine()
@@ -339,7 +413,10 @@ class GeneratorService:
         self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)  # back-pressure reads its backlog
         consumer = self.bus.consumer(runtime.PROMPTS, runtime.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
-        helpers = [asyncio.create_task(c) for c in (self._watch_weights(), self._sample_phases(tasks), self._keep_claims())]
+        helpers = [
+            asyncio.create_task(c)
+            for c in (self._watch_weights(), self._sample_phases(tasks), self._keep_claims())
+        ]
         limit = self.cfg.generator.max_prompts_in_flight
         log.info("generator %s ready on version %s; taking prompts", self.sid, self.version)
         try:
@@ -371,4 +448,9 @@ class GeneratorService:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        return {"version": self.version, "tokens": self.tokens_generated, "groups": self.groups_published, "ready": self.ready}
+        return {
+            "version": self.version,
+            "tokens": self.tokens_generated,
+            "groups": self.groups_published,
+            "ready": self.ready,
+        }
