@@ -381,8 +381,8 @@ def _flags(args: list[str], *, max_values: int | None = None) -> dict[str, tuple
             i += 1
             continue
         if "=" in word:
-            key, value = word[2:].split("=", 1)
-            values, i = [value], i + 1
+            key, given = word[2:].split("=", 1)
+            values, i = [given], i + 1
         else:
             key, j = word[2:], i + 1
             while j < len(args) and not args[j].startswith("--"):

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 
 # Model size, task and warm-up per preset. "demo" is what `make demo` runs; "ci" is the reduced
 # end-to-end run of the test suite (same shape, shorter warm-up).
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
         # Operand lengths mixed (1 and 2 digits) and short prompts (`39+85=`): the warm-up gets the

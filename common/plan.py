@@ -91,10 +91,10 @@ def plan(
         "train": stages["train"] + stages["sync"],
     }
     if overlapped:
-        bottleneck = max(lanes, key=lanes.get)
+        bottleneck = max(lanes, key=lambda k: lanes[k])
         cycle = lanes[bottleneck]
     else:
-        bottleneck = max(stages, key=stages.get)
+        bottleneck = max(stages, key=lambda k: stages[k])
         cycle = sum(stages.values())
     return {
         "mode": "async" if overlapped else "sync",

@@ -92,7 +92,6 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        torch_dtype="float32",
         use_sliding_window=False,
     )
     torch.manual_seed(seed)

@@ -208,7 +208,7 @@ def receive_update(pg, *, device: str = "cpu", on_unit=None, staging=None) -> tu
         named.append((name, view))
     units = layout["units"]
     h = xxhash.xxh3_128()
-    work = broadcast(pg, staging[units[0][0] : units[0][1]]) if units else None
+    work: Any = broadcast(pg, staging[units[0][0] : units[0][1]]) if units else None
     for k, (_, _, first, last) in enumerate(units):
         work.wait()
         if k + 1 < len(units):  # hash unit k while unit k+1 arrives
@@ -370,7 +370,7 @@ class WeightPublisher:
             behind = [
                 m for m in self._members.values() if update and m.version_sent < update.version
             ]
-        if not behind:
+        if not behind or update is None:
             return {}
         return self._send_all(update, behind, time.monotonic() + self.timeout_s)
 
@@ -485,7 +485,9 @@ class WeightReceiver:
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
         self.version: int | None = None
         self.epoch: int | None = None
-        self._store = self._pstore = self._pg = None
+        self._store: Any = None
+        self._pstore: Any = None
+        self._pg: Any = None
         self._spare = self._latest_buf = None
 
     @property

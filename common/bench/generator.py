@@ -136,9 +136,8 @@ class _Service:
         self.wait(lambda: self.bus.redis.xlen(key) >= before + len(msgs), 1800, f"round {tag}")
         seconds = time.perf_counter() - start
         entries = self.bus.redis.xrange(key)[before:]
-        tokens = sum(
-            len(s.response_token_ids) for _, f in entries for s in wire.decode(f[b"m"]).samples
-        )
+        groups: list[Any] = [wire.decode(f[b"m"]) for _, f in entries]
+        tokens = sum(len(s.response_token_ids) for g in groups for s in g.samples)
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
     def metric(self, port: int, name: str) -> float:

@@ -134,9 +134,13 @@ def _service(cfg, groups: list[Any], run_dir: Path) -> float:
         cycle = svc.next_cycle
         from services.learner.cycle import samples_from_groups
 
-        svc.train_cycle(cycle, samples_from_groups(svc.io.collect(cycle, stop=lambda: False)))
+        assert svc.io is not None
+        collected = svc.io.collect(cycle, stop=lambda: False)
+        assert collected is not None
+        svc.train_cycle(cycle, samples_from_groups(collected))
         svc.next_cycle += 1
     elapsed = marks[-1] - t0
+    assert svc.io is not None
     svc.io.close()
     return elapsed
 
@@ -199,7 +203,7 @@ def run_learner_bench(
         service_s = _service(cfg, groups, tmp / "run")
         bare_s = _bare(cfg, groups, model_dir, cycles)
     responses = cycles * prompts * per_prompt
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "learner",
         "settings": {
             "cycles": cycles,

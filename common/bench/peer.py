@@ -98,7 +98,8 @@ def _trl_child(spec_path: str) -> None:
         processing_class=tok,
         callbacks=[Clock()],
     )
-    orig = trainer.model.generate if hasattr(trainer.model, "generate") else None
+    policy: Any = trainer.model
+    orig = policy.generate if hasattr(policy, "generate") else None
     if orig is not None:
 
         def timed_generate(*a, **k):
@@ -108,7 +109,7 @@ def _trl_child(spec_path: str) -> None:
             finally:
                 gen_times.append(time.monotonic() - t0)
 
-        trainer.model.generate = timed_generate
+        policy.generate = timed_generate
     t0 = time.time()
     trainer.train()
     logs = [x for x in trainer.state.log_history if "loss" in x]
@@ -157,7 +158,7 @@ def run_trl(
         raise RuntimeError(
             f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         )
-    out = json.loads(Path(spec["result"]).read_text())
+    out = json.loads(Path(str(spec["result"])).read_text())
     t = out["step_end_times"]
     timed = len(t) - 1
     gen = out["generate_seconds"]

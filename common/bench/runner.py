@@ -21,7 +21,7 @@ ORDER = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer")
 def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
     if not quick:
         return {}
-    return {
+    presets: dict[str, dict[str, Any]] = {
         "bus": {"n_messages": 50, "repeats": 1},
         "weights": {"total_mb": 64, "repeats": 2},
         "scorer": {"rule_items": 400},
@@ -29,7 +29,8 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "learner": {},
         "pipeline": {"quick": True},
         "peer": {"quick": True},
-    }[what]
+    }
+    return presets[what]
 
 
 def _bench_fn(what: str) -> Callable[..., dict[str, Any]] | None:

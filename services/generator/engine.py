@@ -182,7 +182,7 @@ class GenerationEngine:
         args = AsyncEngineArgs(
             model=s.model,
             tokenizer=s.tokenizer or s.model,
-            dtype=s.dtype,
+            dtype=s.dtype,  # type: ignore[arg-type]  # validated by vLLM
             max_model_len=s.max_model_len,
             gpu_memory_utilization=s.gpu_memory_utilization,
             enforce_eager=s.enforce_eager,

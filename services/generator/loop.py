@@ -237,7 +237,9 @@ class GeneratorService:
             text = "\n".join(m["content"] for m in msg.messages)
         elif self.cfg.data.apply_chat_template:
             text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.text}], add_generation_prompt=True, tokenize=False
+                [{"role": "user", "content": msg.text or ""}],
+                add_generation_prompt=True,
+                tokenize=False,
             )
         else:
             text = msg.text or ""

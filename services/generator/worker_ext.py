@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 class TetherWorkerExtension:
+    model_runner: Any  # provided by the vLLM worker this class is mixed into
     _tether_rx = None
     _tether_version: int | None = None
     _tether_layout: list | None = None  # [(name, dtype, shape)] of the last update

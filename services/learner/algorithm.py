@@ -49,11 +49,6 @@ def _sampling_temperature(cfg: TetherConfig) -> float:
     return cfg.generator.temperature if cfg.generator.temperature > 0 else 1.0
 
 
-def _sampling_temperature(cfg: TetherConfig) -> float:
-    """The temperature the behaviour log-probs were taken at (greedy scores at T = 1)."""
-    return cfg.generator.temperature if cfg.generator.temperature > 0 else 1.0
-
-
 def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
     """Sequence advantages per group; zero-weight the groups filtered out. Returns #filtered."""
     import torch

@@ -99,14 +99,17 @@ def broadcast_samples(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert samples is not None
         return samples
-    data = encode_samples(samples) if rank == 0 else b""
+    data = encode_samples(samples) if rank == 0 and samples is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     if rank == 0:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buf, 0)
-    return samples if rank == 0 else decode_samples(buf.cpu().numpy().tobytes())
+    if rank == 0:
+        assert samples is not None, "rank 0 broadcasts the cycle it collected"
+        return samples
+    return decode_samples(buf.cpu().numpy().tobytes())
 
 
 def step_order(n: int, *, seed: int, cycle: int, pass_index: int) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common import runtime, wire
 
@@ -49,7 +49,7 @@ class Dispatcher:
             ["split"],
         )
 
-    def records_of(self, cycle: int) -> list[tuple[int, object]]:
+    def records_of(self, cycle: int) -> list[tuple[int, Any]]:
         p, n = self.cfg.run.prompts_per_cycle, len(self.train)
         out = []
         for k in range(p):

@@ -36,6 +36,7 @@ def main(cfg: TetherConfig, args) -> int:
             print(f"tether learner: dataset error: {exc}", file=sys.stderr)
             return 2
         if rank == 0:
+            assert svc.io is not None
             health = runtime.HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
             status = runtime.StatusReporter(
                 svc.io.bus, "learner", "learner-0", svc.timer, svc.status

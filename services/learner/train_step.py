@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +68,7 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    micro_batches: list[Mapping[str, Any]],
+    micro_batches: Sequence[Mapping[str, Any]],
     loss_fn: LossFn,
     *,
     grad_clip: float | None,

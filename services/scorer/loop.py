@@ -112,7 +112,7 @@ class ScorerService:
         self.ready = False
         self._stop = asyncio.Event()
         self.groups_scored = 0
-        self.solver = None
+        self.solver: Any = None
         self.solver_engine = solver_engine
 
     def _build(self) -> None:
@@ -208,7 +208,8 @@ class ScorerService:
         )
 
     async def _process(self, consumer, deliveries: list) -> None:
-        good, bad = [], []
+        good: list[Any] = []
+        bad: list[Any] = []
         for d in deliveries:
             g: wire.TrajectoryGroup = d.msg
             (bad if g.split == "train" and not (g.ground_truth or "").strip() else good).append(d)

@@ -85,7 +85,7 @@ class Solver:
     def prompt_ids(self, question: str, response: str) -> list[int]:
         text = self.s.template.format(question=question, response=response)
         if self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
             )
         ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
