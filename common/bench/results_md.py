@@ -50,11 +50,14 @@ process (Tether's services and TRL alike); without it each process uses the libr
   thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of
   the quick model took 6–10 s with 2 threads and 0.22 s with 1 thread (same process, same
   minute). Default-thread rows are dominated by this; the `--threads 1` rows show the work.
+  Since these rows were measured, `tether train` gives each service `cores ÷ processes`
+  OpenMP threads on CPU-only machines unless `OMP_NUM_THREADS` is set.
 - **The idle generator spins.** The generator polls the weight store every 0.2 s through
   `collective_rpc("tether_poll")`; vLLM's shared-memory queue busy-loops (`sched_yield`) for
   1 s after each message, so the vLLM worker never goes idle: ~65–90 % of a core while it
-  has nothing to generate, taken from the learner on a shared machine. Fix: poll outside the
-  engine (the Redis `version:learner` key) and RPC only when a new version exists.
+  has nothing to generate, taken from the learner on a shared machine. Fixed after these rows
+  were measured: generators now watch the learner's `weights:publishing` announcement in Redis
+  and call into the engine only when a newer version is announced (or every 5 s).
 
 """
 
