@@ -39,7 +39,7 @@ def main(cfg: TetherConfig, args) -> int:
             assert svc.io is not None
             health = runtime.HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
             status = runtime.StatusReporter(
-                svc.io.bus, "learner", "learner-0", svc.timer, svc.status
+                svc.io.bus, "learner", "learner-0", svc.timer, svc.status, metrics_port=health.port
             ).start()
         svc.run()
     finally:
