@@ -26,6 +26,8 @@ import random
 import time
 from pathlib import Path
 
+from common.warmup import sft_batch
+
 log = logging.getLogger(__name__)
 
 COPY_TEMPLATE = "Question: {question}\nGuideline: {response}"
@@ -53,21 +55,6 @@ def _encode(tok, question: str, guideline: str, answer: str) -> tuple[list[int],
     return list(p), list(a)
 
 
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    import torch
-
-    width = max(len(p) + len(a) for p, a in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (p, a) in enumerate(examples):
-        seq = p + a
-        ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, len(p) : len(seq)] = torch.tensor(a)
-        mask[row, : len(seq)] = 1
-    return ids, labels, mask
-
-
 def _examples(tok, rng: random.Random, n: int) -> list[tuple[list[int], list[int]]]:
     out = []
     for _ in range(n):
@@ -80,7 +67,7 @@ def _accuracy(model, batch) -> float:
     """Fraction of held-out answers whose every token is the argmax (teacher forced)."""
     import torch
 
-    ids, labels, mask = batch
+    ids, mask, labels = batch  # common.warmup.sft_batch order
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
     target = labels[:, 1:]
@@ -111,14 +98,14 @@ def build_copy_solver(
     model = Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    held_out = _batch(_examples(tok, random.Random(seed + 1), 128), tok.pad_token_id)
+    held_out = sft_batch(_examples(tok, random.Random(seed + 1), 128), tok.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     started, accuracy, step = time.monotonic(), 0.0, 0
     for step in range(1, max_steps + 1):
         warm = min(1.0, step / 50)
         for group in opt.param_groups:
             group["lr"] = lr * warm
-        ids, labels, mask = _batch(_examples(tok, rng, batch_size), tok.pad_token_id)
+        ids, mask, labels = sft_batch(_examples(tok, rng, batch_size), tok.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -36,7 +36,7 @@ def _examples(tokenizer: Any, rows: list[dict]) -> list[tuple[list[int], list[in
     return out
 
 
-def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     import torch
 
     width = max(len(p) + len(c) for p, c in examples)
@@ -147,7 +147,7 @@ def _train(
     started = time.perf_counter()
     for step in range(steps):
         pick = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        ids, mask, labels = _batch([examples[i] for i in pick], tokenizer.pad_token_id)
+        ids, mask, labels = sft_batch([examples[i] for i in pick], tokenizer.pad_token_id)
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, lr)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

@@ -7,8 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import numpy as np
 
 from common import wire
 from common.bus import Bus, BusSettings
+from tests.procs.http import http_get  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,16 +149,6 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str,
         time.sleep(0.1)
     logs = "\n".join(p.tail() for p in procs)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
-
-
-def http_get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return 0, ""  # not listening (yet)
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
