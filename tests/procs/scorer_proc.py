@@ -14,7 +14,7 @@ import numpy as np
 
 from common import wire
 from common.bus import Bus, BusSettings
-from tests.procs.http import http_get  # noqa: F401  (re-exported for the tests)
+from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""HTTP helper shared by the test process wrappers (service health and metrics endpoints)."""
+"""HTTP helper shared by the test process wrappers. Not named http.py: scripts run from this
+folder would shadow the standard library's http package."""
 
 from __future__ import annotations
 
