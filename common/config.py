@@ -195,6 +195,13 @@ class ScorerConfig(_Section):
     )
 
 
+Tracker = Literal["tensorboard", "wandb"]
+
+
+def _default_trackers() -> list[Tracker]:
+    return ["tensorboard"]
+
+
 class LearnerConfig(_Section):
     nnodes: int = Field(1, ge=1, description="learner nodes")
     nproc_per_node: int = Field(1, ge=1, description="learner ranks per node (GPUs per node)")
@@ -269,6 +276,16 @@ class LearnerConfig(_Section):
     )
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus/health port (rank 0); 0 = pick a free one"
+    )
+    trackers: list[Tracker] = Field(
+        default_factory=_default_trackers,
+        description="where per-step metrics also go: TensorBoard files in the run directory, "
+        "Weights & Biases (the `tracking` extra); [] = only metrics.jsonl",
+    )
+    wandb_project: str = Field("", description="W&B project; empty = the run name")
+    wandb_entity: str = Field("", description="W&B entity (team or user); empty = your default")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="W&B mode; offline writes `<run dir>/wandb/` for a later `wandb sync`"
     )
 
 

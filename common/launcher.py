@@ -205,6 +205,7 @@ def _wait(children: list[Child], timeout_s: float) -> None:
 def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig, Path]:
     """The run directory, with the resolved config written once (reused by --resume)."""
     from common.config_explain import resolved_toml
+    from common.trackers import require_trackers
 
     if resume:
         from common.config_load import load_config
@@ -217,7 +218,10 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
             raise ConfigError(
                 f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?"
             )
-        return load_config(config_file=saved).config, run_dir
+        cfg = load_config(config_file=saved).config
+        require_trackers(cfg)
+        return cfg, run_dir
+    require_trackers(cfg)
     run_dir = Path(cfg.run.run_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(resolved_toml(cfg))

@@ -51,5 +51,7 @@ def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
         data_dir=assets.data_dir,
         run_dir=base / "runs",
         cycles=6,
+        # both trackers; W&B offline (no network): files under the run directory
+        learner_extra='trackers = ["tensorboard", "wandb"]\nwandb_mode = "offline"',
     )
     return run_training(config, redis_url=redis_server.url, name="e2e")

@@ -48,6 +48,7 @@ def write_config(
     run_dir: Path,
     cycles: int,
     extra: str = "",
+    learner_extra: str = "",
 ) -> Path:
     path.write_text(
         f"""
@@ -69,6 +70,7 @@ eval_path = "{data_dir / "eval.jsonl"}"
 [learner]
 lr = 1e-4
 checkpoint_every_steps = 2
+{learner_extra}
 
 [generator]
 kv_cache_gib = 1

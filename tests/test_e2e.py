@@ -53,3 +53,21 @@ def test_held_out_accuracy_measured_before_and_after(short_run):
 def test_report_and_snapshot_written(short_run):
     assert (short_run.run_dir / "report.html").exists()
     assert (short_run.run_dir / "status.json").exists()
+
+
+def test_trackers_got_the_per_step_metrics(short_run):
+    """TensorBoard event files and an offline W&B run in the run directory, both holding the
+    per-step training metrics and the held-out accuracy."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(short_run.run_dir / "tensorboard"))
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"train/reward_mean", "train/loss", "eval/accuracy"} <= tags, tags
+    assert len(ea.Scalars("train/loss")) == CYCLES * STEPS_PER_CYCLE
+    runs = list((short_run.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    # The .wandb file is W&B's record log (protobuf records); its history rows name each key.
+    data = runs[0].read_bytes()
+    for key in (b"train/reward_mean", b"train/loss", b"eval/accuracy", b"policy_version"):
+        assert key in data, key

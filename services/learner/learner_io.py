@@ -14,6 +14,7 @@ from typing import Any
 
 from common import runtime, wire
 from common.config import TetherConfig
+from common.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class LearnerIO:
         self.eval_history: list[dict[str, Any]] = []
         self.publisher = self._start_publisher()
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.tb = _tensorboard(run_dir)
+        self.trackers = Trackers(cfg, run_dir)
 
     def _start_publisher(self):
         from common.weight_sync import WeightPublisher
@@ -189,8 +190,7 @@ class LearnerIO:
             self.eval_history.append(rec)
             self.metrics.eval_accuracy.set(acc)
             _append_jsonl(self.metrics_path, {"kind": "eval", **rec})
-            if self.tb is not None:
-                self.tb.add_scalar("eval/accuracy", acc, round_id)
+            self.trackers.log({"eval/accuracy": acc}, round_id)
             log.info("held-out accuracy at v%d: %.3f (%d prompts)", round_id, acc, len(correct))
 
     def finish_evals(self, *, timeout_s: float) -> None:
@@ -213,11 +213,14 @@ class LearnerIO:
         m.step_seconds.labels("forward_backward").inc(st.forward_backward_seconds)
         m.step_seconds.labels("optimizer").inc(st.optimizer_seconds)
         m.last_step_time.set(time.time())
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and k not in ("step", "cycle"):
-                m.step.labels(k).set(v)
-                if self.tb is not None:
-                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+        scalars = {
+            k: v
+            for k, v in rec.items()
+            if isinstance(v, (int, float)) and k not in ("step", "cycle")
+        }
+        for k, v in scalars.items():
+            m.step.labels(k).set(v)
+        self.trackers.log({f"train/{k}": v for k, v in scalars.items()}, rec["step"])
         _append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
         log.info(
             "step %d (cycle %d): loss %.4f reward %.3f grad %.3f lr %.2e staleness ≤ %d, %.1f s",
@@ -233,18 +236,9 @@ class LearnerIO:
 
     def close(self) -> None:
         self.publisher.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()
 
 
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))

@@ -20,8 +20,10 @@ def run_dir_of(cfg: TetherConfig) -> Path:
 
 def main(cfg: TetherConfig, args) -> int:
     from common.datasets import DatasetError
+    from common.trackers import require_trackers
     from services.learner.loop import LearnerService
 
+    require_trackers(cfg)  # ConfigError → exit 2 before the model loads
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     svc = LearnerService(cfg, run_dir=run_dir)

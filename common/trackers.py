@@ -1,0 +1,104 @@
+"""Experiment trackers the learner writes per-step metrics to: TensorBoard event files in the run
+directory and Weights & Biases when configured (``learner.trackers``).
+
+Both are optional imports. A tracker the user asked for but that is not installed is a config
+error named at start-up (before any model loads), not a silent no-op: ``check_trackers`` runs in
+the learner's preflight. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
+``WANDB_DIR``); ``learner.wandb_mode = "offline"`` writes the run under
+``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.config import TetherConfig
+
+log = logging.getLogger(__name__)
+
+_INSTALL = {
+    "tensorboard": "pip install tensorboard",
+    "wandb": "pip install wandb   (or: pip install 'tether-rl[tracking]')",
+}
+
+
+def missing_trackers(cfg: TetherConfig) -> list[str]:
+    """Configured trackers whose package is not importable, each with how to install it."""
+    import importlib.util
+
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}
+    return [
+        f"learner.trackers includes {name!r} but the {module[name]!r} package is not installed: "
+        f"{_INSTALL[name]}, or remove {name!r} from learner.trackers."
+        for name in cfg.learner.trackers
+        if importlib.util.find_spec(module[name]) is None
+    ]
+
+
+def require_trackers(cfg: TetherConfig) -> None:
+    """Raise ``ConfigError`` (exit 2) naming each configured tracker that is not installed."""
+    problems = missing_trackers(cfg)
+    if problems:
+        from common.config import ConfigError
+
+        raise ConfigError("\n".join(problems))
+
+
+class Trackers:
+    """Fan-out of ``log(metrics, step)`` to every configured tracker."""
+
+    def __init__(self, cfg: TetherConfig, run_dir: Path) -> None:
+        self._tb: Any = None
+        self._wandb: Any = None
+        names = set(cfg.learner.trackers)
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if "wandb" in names:
+            import wandb
+
+            (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+            self._wandb = wandb.init(
+                project=cfg.learner.wandb_project or cfg.run.name,
+                entity=cfg.learner.wandb_entity or None,
+                name=cfg.run.name,
+                mode=cfg.learner.wandb_mode,
+                dir=str(run_dir),
+                config=cfg.model_dump(mode="json"),
+                resume="allow",
+                id=_wandb_run_id(run_dir),
+            )
+            # Evaluations finish after later training steps: plot everything against the policy
+            # version instead of W&B's own (strictly increasing) step counter.
+            self._wandb.define_metric("policy_version")
+            self._wandb.define_metric("*", step_metric="policy_version")
+            log.info("W&B run %s (%s mode)", self._wandb.id, cfg.learner.wandb_mode)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({**metrics, "policy_version": step})
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_run_id(run_dir: Path) -> str:
+    """One W&B run per Tether run directory, so ``tether train --resume`` continues it."""
+    import uuid
+
+    path = run_dir / "wandb" / "tether_run_id"
+    if path.exists():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id
