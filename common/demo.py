@@ -28,8 +28,11 @@ DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
-        # Operand lengths mixed (1 and 2 digits) and short prompts (`39+85=`): the warm-up gets the
-        # format and the easy problems right, and RL has the harder ones left to learn.
+        # Short prompts (`39+85=`), operands of 1 and 2 digits, and column-addition solutions
+        # (`9+5=14, 3+8+1=12, \\boxed{124}`) that a tiny model learns for unseen problems. The
+        # warm-up imitates a sloppy teacher that forgets 70% of its carries: afterwards greedy
+        # answers drop every carry, held-out accuracy is ~0.6 (the problems without a carry), and
+        # RL with the verifier's reward has one clear, general mistake to unlearn.
         "task": {
             "digits": 2,
             "operators": "+",
@@ -37,6 +40,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_eval": 200,
             "prompt_style": "short",
             "mixed_lengths": True,
+            "solution_style": "scratchpad",
+            "teacher_carry_error": 0.7,
         },
         "warmup": {"steps": 300, "lr": 3e-3, "batch_size": 64},
     },

@@ -41,6 +41,15 @@ class ArithmeticTask:
     # False: operands uniform in 0..10**digits-1 (mostly full length). True: each operand's
     # length is drawn first (uniform in 1..digits), which puts many easy short problems in the mix.
     mixed_lengths: bool = False
+    # "boxed": the reference solution is just ``\boxed{124}``. "scratchpad" (``+`` only): column
+    # addition from the ones digit up, then the box — ``9+5=14, 3+8+1=12, \boxed{124}``. Each
+    # step is a one-digit sum plus a carry, which a tiny model learns for unseen problems.
+    solution_style: str = "boxed"
+    # A sloppy teacher (scratchpad only): in this fraction of the train split's carry steps the
+    # reference solution writes "+0" instead of "+1" and carries its mistake into the box. The
+    # warm-up imitates the sloppiness; a verifier reward does not pay for it, so RL removes it.
+    # Held-out solutions are always correct (they are never trained on).
+    teacher_carry_error: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_style not in PROMPT_STYLES:
@@ -54,6 +63,16 @@ class ArithmeticTask:
             raise ValueError(f"operators={self.operators!r}: use a non-empty subset of '+-*'.")
         if self.num_train < 1 or self.num_eval < 1:
             raise ValueError("num_train and num_eval must both be >= 1.")
+        if self.solution_style not in ("boxed", "scratchpad"):
+            raise ValueError(
+                f"solution_style={self.solution_style!r}: use 'boxed' or 'scratchpad'."
+            )
+        if self.solution_style == "scratchpad" and self.operators != "+":
+            raise ValueError("solution_style='scratchpad' is implemented for operators='+' only.")
+        if not 0.0 <= self.teacher_carry_error <= 1.0:
+            raise ValueError(f"teacher_carry_error={self.teacher_carry_error} must be in [0, 1].")
+        if self.teacher_carry_error and self.solution_style != "scratchpad":
+            raise ValueError("teacher_carry_error needs solution_style='scratchpad'.")
         space = self.problem_space_size()
         if self.num_train + self.num_eval > space // 2:
             raise ValueError(
@@ -83,6 +102,30 @@ class Problem:
 
     def solution(self) -> str:
         return f"\\boxed{{{self.answer}}}"
+
+    def scratchpad(self, drop_carry: random.Random | None = None, error: float = 0.0) -> str:
+        """Column addition, ones digit first: ``9+5=14, 3+8+1=12, \\boxed{124}``.
+
+        With ``error`` > 0, each carry into a column is written as 0 with that probability
+        (drawn from ``drop_carry``), and the sum follows the mistake."""
+        assert self.op == "+", "scratchpads are for additions"
+        a, b = str(self.a)[::-1], str(self.b)[::-1]
+        steps, digits, carry = [], [], 0
+        for i in range(max(len(a), len(b))):
+            x = int(a[i]) if i < len(a) else 0
+            y = int(b[i]) if i < len(b) else 0
+            if i == 0:
+                total = x + y
+                steps.append(f"{x}+{y}={total}")
+            else:
+                if carry and drop_carry is not None and drop_carry.random() < error:
+                    carry = 0  # the sloppy teacher forgets it
+                total = x + y + carry
+                steps.append(f"{x}+{y}+{carry}={total}")
+            digits.append(total % 10)
+            carry = total // 10
+        value = int(("1" if carry else "") + "".join(str(d) for d in reversed(digits)))
+        return ", ".join(steps) + f", \\boxed{{{value}}}"
 
 
 def _operand(rng: random.Random, task: ArithmeticTask) -> int:
@@ -116,12 +159,19 @@ def make_problems(task: ArithmeticTask) -> tuple[list[Problem], list[Problem]]:
     return ordered[task.num_eval :], ordered[: task.num_eval]
 
 
-def item(problem: Problem, *, split: str, index: int, prompt_style: str = "question") -> dict:
+def item(
+    problem: Problem,
+    *,
+    split: str,
+    index: int,
+    prompt_style: str = "question",
+    solution: str | None = None,
+) -> dict:
     """One JSONL record: prompt, answer, reference solution and metadata."""
     return {
         "prompt": problem.prompt(prompt_style),
         "answer": str(problem.answer),
-        "solution": problem.solution(),
+        "solution": problem.solution() if solution is None else solution,
         "metadata": {"a": problem.a, "op": problem.op, "b": problem.b},
         "split": split,
         "index": index,
@@ -158,13 +208,27 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
     marker.unlink(missing_ok=True)  # files below are out of date until the marker is rewritten
     train, held_out = make_problems(task)
     style = task.prompt_style
+    sloppy = random.Random(f"tether-teacher-{task.seed}")
+
+    def solution(p: Problem, split: str) -> str | None:
+        if task.solution_style == "boxed":
+            return None
+        error = task.teacher_carry_error if split == "train" else 0.0
+        return p.scratchpad(sloppy, error)
+
     _write_jsonl(
         paths["train"],
-        [item(p, split="train", index=i, prompt_style=style) for i, p in enumerate(train)],
+        [
+            item(p, split="train", index=i, prompt_style=style, solution=solution(p, "train"))
+            for i, p in enumerate(train)
+        ],
     )
     _write_jsonl(
         paths["eval"],
-        [item(p, split="eval", index=i, prompt_style=style) for i, p in enumerate(held_out)],
+        [
+            item(p, split="eval", index=i, prompt_style=style, solution=solution(p, "eval"))
+            for i, p in enumerate(held_out)
+        ],
     )
     marker.write_text(json.dumps(params, indent=2))
     logger.info("wrote %d train / %d eval problems to %s", len(train), len(held_out), out)

@@ -1,6 +1,7 @@
 """The demo's synthetic arithmetic task: determinism, disjoint splits, correct answers."""
 
 import json
+import re
 
 import pytest
 
@@ -44,6 +45,52 @@ def test_answers_and_solutions_are_correct(tmp_path):
         assert r["solution"] == f"\\boxed{{{expected}}}"
         assert is_correct(r["solution"], r["answer"])
     assert {r["metadata"]["op"] for r in rows} == {"+", "-", "*"}
+
+
+def test_scratchpad_solutions_are_column_additions_and_correct(tmp_path):
+    from common.tasks import Problem
+
+    assert Problem(39, "+", 85).scratchpad() == "9+5=14, 3+8+1=12, \\boxed{124}"
+    assert Problem(8, "+", 6).scratchpad() == "8+6=14, \\boxed{14}"
+    assert Problem(4, "+", 46).scratchpad() == "4+6=10, 0+4+1=5, \\boxed{50}"
+    task = ArithmeticTask(num_train=400, num_eval=100, mixed_lengths=True,
+                          solution_style="scratchpad", prompt_style="short")  # fmt: skip
+    rows = read_jsonl(write_task(tmp_path, task)["train"]) + read_jsonl(tmp_path / "eval.jsonl")
+    assert all(is_correct(r["solution"], r["answer"]) for r in rows)
+
+
+def test_sloppy_teacher_drops_carries_in_train_only_at_the_set_rate(tmp_path):
+    from common.tasks import Problem
+
+    task = ArithmeticTask(num_train=2000, num_eval=200, solution_style="scratchpad",
+                          teacher_carry_error=0.7)  # fmt: skip
+    paths = write_task(tmp_path, task)
+    train, held_out = read_jsonl(paths["train"]), read_jsonl(paths["eval"])
+    assert all(is_correct(r["solution"], r["answer"]) for r in held_out)
+    carry_step = re.compile(r"\d\+\d\+1=")  # a column that adds a carry
+    carried = [r for r in train if carry_step.search(Problem(**r["metadata"]).scratchpad())]
+    dropped = [r for r in carried if not is_correct(r["solution"], r["answer"])]
+    assert 0.6 < len(dropped) / len(carried) < 0.8
+    for r in dropped:  # the mistake is the carry and nothing else
+        m = r["metadata"]
+        assert re.search(r"\d\+\d\+0=", r["solution"]) and int(extract_boxed(r["solution"])) < m["a"] + m["b"]
+    no_carry = [r for r in train if r not in carried]
+    assert all(is_correct(r["solution"], r["answer"]) for r in no_carry)
+    assert write_task(tmp_path / "again", task) and read_jsonl(tmp_path / "again/train.jsonl") == train
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"solution_style": "scratchpad", "operators": "+-"},
+        {"teacher_carry_error": 0.5},
+        {"solution_style": "scratchpad", "teacher_carry_error": 1.5},
+        {"solution_style": "latex"},
+    ],
+)
+def test_bad_solution_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        ArithmeticTask(**bad)
 
 
 def test_files_are_reused_and_rewritten_when_params_change(tmp_path):
