@@ -44,7 +44,9 @@ def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
     return items, expected
 
 
-async def _solver_pass(model: str, items: list[Any], pool: Any, *, max_tokens: int) -> dict:
+async def _solver_pass(
+    model: str, items: list[Any], pool: Any, *, max_tokens: int, fixed_length: bool
+) -> dict:
     from common.solver_fixture import COPY_TEMPLATE
     from services.generator.engine import EngineSettings, GenerationEngine
     from services.scorer.solver import Solver, SolverSettings
@@ -57,7 +59,7 @@ async def _solver_pass(model: str, items: list[Any], pool: Any, *, max_tokens: i
     try:
         solver = Solver(
             SolverSettings(model=model, template=COPY_TEMPLATE, max_tokens=max_tokens,
-                           max_model_len=512),
+                           max_model_len=512, ignore_eos=fixed_length),
             pool=pool, engine=engine,
         )  # fmt: skip
         await solver.start()
@@ -84,9 +86,14 @@ async def _solver_pass(model: str, items: list[Any], pool: Any, *, max_tokens: i
 def run_scorer_bench(
     *, groups: int = 30, per_group: int = 4, out_path: str | Path | None = None,
     solver_dir: str | Path | None = None, max_tokens: int = 32, rule_items: int = 2000,
-    rule_workers: tuple[int, ...] = (1, 2),
+    rule_workers: tuple[int, ...] = (1, 2), answer_tokens: tuple[int, ...] = (0, 128),
 ) -> dict:  # fmt: skip
-    """Runs both solver paths and the rule benchmark; prints and returns (and writes) the JSON."""
+    """Runs both solver paths and the rule benchmark; prints and returns (and writes) the JSON.
+
+    ``answer_tokens``: solver answer lengths to measure; 0 = the copy solver's own short answers
+    (about 5 tokens, stops at end-of-sequence, ``max_tokens`` cap), N = every answer runs to N
+    tokens (``SolverSettings.ignore_eos``), the cost of a solver that reasons before it answers.
+    The first entry is the headline figure; every length is in ``by_answer_length``."""
     from prometheus_client import CollectorRegistry
 
     from common.solver_fixture import build_copy_solver
@@ -96,11 +103,20 @@ def run_scorer_bench(
     n = groups * per_group
     model = str(build_copy_solver(solver_dir or DEFAULT_SOLVER_DIR))
     items, expected = _items(n)
+    runs = {}
     with GraderPool(2, 10.0, registry=CollectorRegistry()) as pool:
         pool.wait_ready()
-        solver = asyncio.run(_solver_pass(model, items, pool, max_tokens=max_tokens))
-    if solver["batched"] != solver["sequential"]:
-        raise RuntimeError("batched and sequential solver rewards differ under greedy decoding")
+        for length in answer_tokens:
+            runs[length] = asyncio.run(
+                _solver_pass(model, items, pool, max_tokens=length or max_tokens,
+                             fixed_length=bool(length))
+            )  # fmt: skip
+            if runs[length]["batched"] != runs[length]["sequential"]:
+                raise RuntimeError(
+                    f"answer length {length}: batched and sequential solver rewards differ "
+                    "under greedy decoding"
+                )
+    solver = runs[answer_tokens[0]]
     rule = [run_rule_bench(n_items=rule_items, workers=w) for w in rule_workers]
     result = {
         "bench": "scorer",
@@ -117,6 +133,16 @@ def run_scorer_bench(
             a == b for a, b in zip(solver["batched"], expected, strict=True)
         )
         / n,
+        "by_answer_length": [
+            {
+                "answer_tokens": length or f"own (<= {max_tokens}, stops at EOS)",
+                "batched_s": round(r["batched_s"], 3),
+                "sequential_s": round(r["sequential_s"], 3),
+                "speedup": round(r["sequential_s"] / r["batched_s"], 1),
+                "solver_tokens": r["batched_tokens"],
+            }
+            for length, r in runs.items()
+        ],
         "rule_scoring": [
             {
                 k: r[k]
@@ -146,6 +172,11 @@ def format_scorer_bench(r: dict) -> str:
         f"  one call at a time   {r['sequential_s']:8.2f} s",
         f"  speed-up             {r['speedup']:8.1f} x  (target >= {r['target_speedup']:.0f} x)",
     ]
+    for row in r.get("by_answer_length", [])[1:]:
+        lines.append(
+            f"  answers of {row['answer_tokens']} tokens: batched {row['batched_s']:.2f} s, "
+            f"one at a time {row['sequential_s']:.2f} s, speed-up {row['speedup']:.1f} x"
+        )
     for rule in r["rule_scoring"]:
         lines.append(
             f"rule scoring, {rule['workers']} worker(s): {rule['items_per_s']} items/s "

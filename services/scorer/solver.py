@@ -35,6 +35,9 @@ class SolverSettings:
     gpu_memory_utilization: float = 0.3
     max_model_len: int = 1024
     dtype: str = "auto"
+    # Benchmarks only: every answer runs to max_tokens (the cost of a long-reasoning solver with
+    # a small test model); the answer graded is still the text before the first end-of-sequence.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if "{question}" not in self.template or "{response}" not in self.template:
@@ -92,6 +95,13 @@ class Solver:
         room = self.s.max_model_len - self.s.max_tokens
         return ids[-room:] if len(ids) > room else ids  # keep the end: the guideline's conclusion
 
+    def _before_eos(self, token_ids: Sequence[int]) -> str:
+        ids = list(token_ids)
+        eos = self.tokenizer.eos_token_id
+        if eos in ids:
+            ids = ids[: ids.index(eos)]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     async def answers(self, items: Sequence[ScoreItem]) -> list[list[str]]:
         """``samples`` solver answers per item; all requests go to the engine concurrently."""
         from services.generator.engine import SamplingSettings
@@ -102,6 +112,7 @@ class Solver:
             temperature=self.s.temperature,
             max_tokens=self.s.max_tokens,
             seed=None,
+            ignore_eos=self.s.ignore_eos,
         )
         stamp = time.monotonic_ns()
 
@@ -115,6 +126,8 @@ class Solver:
                 self.prompt_ids(item.prompt, response), sampling, request_id=f"solver-{stamp}-{i}"
             )
             self.solver_tokens += sum(len(s.token_ids) for s in samples)
+            if self.s.ignore_eos:
+                return [self._before_eos(s.token_ids) for s in samples]
             return [s.text for s in samples]
 
         self.last_batch_requests = len(items)
