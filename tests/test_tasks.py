@@ -73,10 +73,15 @@ def test_sloppy_teacher_drops_carries_in_train_only_at_the_set_rate(tmp_path):
     assert 0.6 < len(dropped) / len(carried) < 0.8
     for r in dropped:  # the mistake is the carry and nothing else
         m = r["metadata"]
-        assert re.search(r"\d\+\d\+0=", r["solution"]) and int(extract_boxed(r["solution"])) < m["a"] + m["b"]
+        assert (
+            re.search(r"\d\+\d\+0=", r["solution"])
+            and int(extract_boxed(r["solution"])) < m["a"] + m["b"]
+        )
     no_carry = [r for r in train if r not in carried]
     assert all(is_correct(r["solution"], r["answer"]) for r in no_carry)
-    assert write_task(tmp_path / "again", task) and read_jsonl(tmp_path / "again/train.jsonl") == train
+    assert (
+        write_task(tmp_path / "again", task) and read_jsonl(tmp_path / "again/train.jsonl") == train
+    )
 
 
 @pytest.mark.parametrize(
