@@ -62,9 +62,10 @@ def test_reduced_demo_prints_accuracy_before_and_after(tmp_path: Path):
     evals = [r for r in rows if r.get("kind") == "eval"]
     assert [s["step"] for s in steps] == list(range(1, 2 * CYCLES + 1))
     assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] == 2 * CYCLES
-    # The warm-up worked: the policy answers some held-out problems and earns reward.
-    assert evals[0]["accuracy"] > 0.05, evals[0]
-    assert sum(s["reward_mean"] for s in steps) > 0
-    # No assertion that reward rises: over 20 steps the rise (~0.01) is below the step-to-step
-    # noise (~0.035 per batch of 64), so such a check would be flaky. README "The demo" has the
-    # measured before/after numbers of full runs.
+    # The warm-up worked: the policy answers the problems without a carry (~0.6 held out).
+    assert evals[0]["accuracy"] > 0.3, evals[0]
+    # RL removes the sloppy teacher's dropped carries. Measured (README "The demo"): 0.59 → 0.955
+    # after 20 steps on seed 0; the bar leaves room for seed and scheduling noise.
+    assert evals[-1]["accuracy"] >= evals[0]["accuracy"] + 0.15, evals
+    first, last = steps[:5], steps[-5:]
+    assert sum(s["reward_mean"] for s in last) > sum(s["reward_mean"] for s in first), steps
