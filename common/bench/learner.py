@@ -155,8 +155,10 @@ def run_learner_bench(
     response_tokens: int = 128,
     hidden: int = 256,
     layers: int = 4,
+    repeats: int = 2,
     out_path: str | Path | None = None,
 ) -> dict:
+    """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B)."""
     import tempfile
 
     from common.config_load import load_config
@@ -204,9 +206,20 @@ def run_learner_bench(
             vocab=256,
             seed=0,
         )
-        service_s = _service(cfg, groups, tmp / "run")
-        bare_s = _bare(cfg, groups, model_dir, cycles)
-    responses = (cycles - 1) * prompts * per_prompt  # timed cycles only
+        # A-B-B-A order, so neither path always runs first (on a cold allocator) or last
+        services: list[float] = []
+        bares: list[float] = []
+        for i, first in enumerate(("service", "bare")[: max(1, min(repeats, 2))]):
+            order = (first, "bare" if first == "service" else "service")
+            for path in order:
+                if path == "service":
+                    run_cfg = cfg.model_copy(deep=True)
+                    run_cfg.run.name = f"bench-learner-{i}"  # fresh streams per repeat
+                    services.append(_service(run_cfg, groups, tmp / f"run{i}"))
+                else:
+                    bares.append(_bare(cfg, groups, model_dir, cycles))
+        service_s, bare_s = sum(services), sum(bares)
+    responses = (cycles - 1) * prompts * per_prompt * len(services)  # timed cycles only
     result: dict[str, Any] = {
         "benchmark": "learner",
         "settings": {
@@ -217,9 +230,13 @@ def run_learner_bench(
             "response_tokens": response_tokens,
             "hidden": hidden,
             "layers": layers,
+            "repeats": len(services),
+            "timed": "cycles 1.. of each path (cycle 0 is a warm-up)",
         },
         "service_seconds": service_s,
         "bare_seconds": bare_s,
+        "service_seconds_each": services,
+        "bare_seconds_each": bares,
         "service_responses_per_s": responses / service_s,
         "bare_responses_per_s": responses / bare_s,
         "ratio_service_over_bare": bare_s / service_s,

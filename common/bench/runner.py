@@ -26,7 +26,14 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "weights": {"total_mb": 64, "repeats": 2},
         "scorer": {"rule_items": 400, "answer_tokens": (0, 64)},
         "generator": {"max_tokens": 32, "rounds": 1, "hidden_size": 128, "num_layers": 2},
-        "learner": {"cycles": 3, "prompts": 8, "response_tokens": 64, "hidden": 128, "layers": 2},
+        "learner": {
+            "cycles": 3,
+            "prompts": 8,
+            "response_tokens": 64,
+            "hidden": 128,
+            "layers": 2,
+            "repeats": 1,
+        },
         "pipeline": {"quick": True},
         "peer": {"quick": True},
     }
