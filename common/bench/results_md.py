@@ -103,7 +103,7 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
         ", ".join(f"{k.removeprefix('ratio_')} **{v:.2f}**" for k, v in ratios.items())
         or "see JSON"
     )
-    load = r.get("machine", {}).get("load_average", [None])[0]
+    load = (r.get("machine", {}).get("load_average") or r.get("load_average") or [None])[0]
     return [
         f"| {name} | | see `results/{name}.json` | {text} | | {'n/a' if load is None else f'{load:.1f}'} | `tether bench {name.split('_')[0]}{' --quick' if name.endswith('_quick') else ''}` |"
     ]
