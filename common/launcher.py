@@ -56,6 +56,23 @@ class Child:
             except ProcessLookupError:
                 pass
 
+    def reap_group(self) -> None:
+        """SIGKILL whatever is left of this child's process group once its leader has exited.
+
+        A service killed with SIGKILL (OOM killer, a test, a node agent) cannot stop its own
+        children: vLLM's engine-core process and the math-verify workers outlive it, orphaned,
+        holding RAM (or GPU memory) until the machine reboots. Each child runs in its own session,
+        so its process group id is its pid and survives the leader."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            log.info("%s: killed the processes it left behind", self.name)
+        except ProcessLookupError:
+            pass  # nothing was left
+        except PermissionError:  # pgid reused by someone else's group: not ours to kill
+            pass
+
 
 def cpu_thread_env(cfg: TetherConfig, env: dict[str, str]) -> dict[str, str]:
     """On a CPU-only machine, share the cores between the services instead of letting every
@@ -161,6 +178,7 @@ class Supervisor:
             code = c.proc.poll()
             if code is None:
                 continue
+            c.reap_group()
             if c is self.learner and code == 0:
                 return False
             if self.stopping:
@@ -189,6 +207,9 @@ class Supervisor:
         _wait(others, 30.0)
         for c in self.children:
             c.signal(signal.SIGKILL)
+        _wait(self.children, 5.0)
+        for c in self.children:
+            c.reap_group()
 
 
 def _wait(children: list[Child], timeout_s: float) -> None:

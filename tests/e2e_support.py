@@ -102,6 +102,30 @@ def _status_docs(r: redis.Redis, name: str) -> list[dict[str, Any]]:
     return [json.loads(v) for v in r.hgetall(f"{name}:status").values()]
 
 
+def leftover_processes(redis_url: str, timeout_s: float = 10.0) -> list[str]:
+    """Processes still running with this run's Redis URL in their environment (the launcher sets
+    ``TETHER_RUN__REDIS_URL`` for every service; their children inherit it), after waiting up to
+    ``timeout_s`` for them to go. Zombies do not count."""
+    needle = f"TETHER_RUN__REDIS_URL={redis_url}".encode()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def run_training(
     config: Path,
     *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e_support import run_training, write_config
+from tests.e2e_support import leftover_processes, run_training, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,8 @@ def test_kill_generator_scorer_and_learner_mid_run(redis_server, tmp_path):
     assert sorted(r.killed) == ["generator-0", "learner-0", "scorer-0"]
     for name in ("generator-0", "scorer-0", "learner"):
         assert f"{name} exited with code" in r.output  # the launcher saw it die and restarted it
+    # The SIGKILLed services' children (vLLM's engine core, grader workers) were killed too.
+    assert leftover_processes(redis_server.url) == []
 
     # Every step ran; a step redone after the learner's restart trained the same batch.
     by_step: dict[int, set[str]] = {}
