@@ -160,6 +160,7 @@ def _update(svc: _Service, pub: Any, named: list, version: int, port: int) -> di
     """Publish ``version``; time the publisher and the generator's own pause-load-resume."""
     s0 = svc.metric(port, "tether_generator_weight_update_seconds_sum")
     start = time.perf_counter()
+    svc.bus.set("weights:publishing", version)  # announce first, as the learner does
     report = pub.publish(named, version)
     if report.per_member != {"bench-0": "ok"}:
         raise RuntimeError(f"weight update {version} failed: {report.per_member}")
@@ -267,6 +268,10 @@ def run_generator_bench(
         weights = _weights_part(svc, pub, named, port, repeats=update_repeats, texts=texts)
     finally:
         engine.shutdown()
+        pending = asyncio.all_tasks(loop)  # the engine's output handler: end it before closing
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
         svc.stop()
         pub.close()
