@@ -272,6 +272,21 @@ class Bus:
         self.metrics.duplicates.labels(stream, group).inc(len(flags) - sum(flags))
         return int(sum(flags))
 
+    def prune_done(self, group: str, older_than_s: float) -> int:
+        """Forget dedupe ids committed more than ``older_than_s`` ago (the done-set's score is the
+        commit time). Returns how many were removed."""
+        key, cutoff = self.key(f"done:{group}"), time.time() - older_than_s
+        return int(
+            self.call(lambda: self.redis.zremrangebyscore(key, "-inf", cutoff), what="ZREMRANGE")
+        )
+
+    def done_retention_s(self) -> float:
+        """How long a dedupe id must be remembered. A duplicate commit needs the entry to be
+        redelivered, which happens after ``claim_idle_ms`` of idleness, at most
+        ``max_deliveries`` times; keep ids for twice that, and never less than six hours."""
+        s = self.settings
+        return max(6 * 3600.0, 2.0 * s.claim_idle_ms / 1000.0 * s.max_deliveries)
+
     def is_done(self, group: str, dedupe_id: str) -> bool:
         key = self.key(f"done:{group}")
         return self.call(lambda: self.redis.zscore(key, dedupe_id), what="ZSCORE") is not None

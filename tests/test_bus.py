@@ -167,6 +167,23 @@ def test_trim_respects_the_slowest_group(redis_server) -> None:
     assert [d.msg.prompt_id for d in slow.read(10)] == ["p1", "p2", "p3"]
 
 
+def test_done_set_forgets_only_ids_older_than_the_retention(redis_server) -> None:
+    bus = new_bus(redis_server)
+    c = bus.consumer("in", "w", "c")
+    for i in range(3):
+        bus.publish("in", prompt(i))
+    taken = c.read(3)
+    c.commit(taken, dedupe_ids=[d.msg.prompt_id for d in taken])
+    key = bus.key("done:w")
+    bus.redis.zadd(key, {"p0": time.time() - 7200})  # committed two hours ago
+    assert bus.prune_done("w", 3600) == 1
+    assert not bus.is_done("w", "p0") and bus.is_done("w", "p1") and bus.is_done("w", "p2")
+    # retention covers every possible redelivery: claim_idle × max_deliveries, twice over
+    s = bus.settings
+    assert bus.done_retention_s() >= 2 * s.claim_idle_ms / 1000 * s.max_deliveries
+    assert bus.done_retention_s() >= 6 * 3600
+
+
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="socket_timeout_s"):
         BusSettings(block_ms=10_000, socket_timeout_s=5)

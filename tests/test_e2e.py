@@ -71,3 +71,14 @@ def test_trackers_got_the_per_step_metrics(short_run):
     data = runs[0].read_bytes()
     for key in (b"train/reward_mean", b"train/loss", b"eval/accuracy", b"policy_version"):
         assert key in data, key
+
+
+def test_learner_trims_what_every_group_acknowledged(short_run, redis_server):
+    """Streams do not grow for the whole run: the learner's housekeeping trimmed the prompts the
+    generators had acknowledged (the run dispatched one prompt per group, plus evaluations)."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    dispatched = CYCLES * PROMPTS  # train prompts; held-out prompts come on top
+    assert r.xlen("e2e:prompts") < dispatched
+    assert "tether_learner_stream_trimmed_entries_total" in short_run.metric_names

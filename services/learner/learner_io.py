@@ -42,6 +42,12 @@ class _Metrics:
             "optimizer steps between a trajectory's policy and the learner's",
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
         )
+        self.trimmed = m(
+            "Counter",
+            "tether_learner_stream_trimmed_entries_total",
+            "stream entries trimmed after every consumer group acknowledged them",
+            ["stream"],
+        )
         self.eval_accuracy = m(
             "Gauge",
             "tether_learner_eval_accuracy",
@@ -84,6 +90,7 @@ class LearnerIO:
         self.publisher = self._start_publisher()
         self.metrics_path = run_dir / "metrics.jsonl"
         self.trackers = Trackers(cfg, run_dir)
+        self._last_housekeeping = 0.0
 
     def _start_publisher(self):
         from common.weight_sync import WeightPublisher
@@ -117,6 +124,30 @@ class LearnerIO:
         if self.trained_deliveries:
             self.consumer.ack(self.trained_deliveries)
             self.trained_deliveries = []
+
+    def housekeep(self, *, every_s: float = 30.0) -> None:
+        """Bound Redis memory over a long run: trim each stream to the entries some consumer
+        group still has to read or acknowledge, and forget dedupe ids older than the bus's
+        retention. Runs at most every ``every_s`` seconds; a failure is logged, never fatal."""
+        now = time.monotonic()
+        if now - self._last_housekeeping < every_s:
+            return
+        self._last_housekeeping = now
+        try:
+            trimmed = {
+                s: self.bus.trim_acked(s) for s in (runtime.PROMPTS, runtime.GROUPS, runtime.SCORED)
+            }
+            keep = self.bus.done_retention_s()
+            pruned = sum(
+                self.bus.prune_done(g, keep) for g in (runtime.GENERATORS, runtime.SCORERS)
+            )
+        except Exception as exc:  # noqa: BLE001 - housekeeping must not stop training
+            log.warning("bus housekeeping failed (will retry): %s", exc)
+            return
+        for stream, n in trimmed.items():
+            self.metrics.trimmed.labels(stream).inc(n)
+        if any(trimmed.values()) or pruned:
+            log.debug("bus housekeeping: trimmed %s, forgot %d dedupe ids", trimmed, pruned)
 
     # ------------------------------------------------------------------ dispatch and weights
     def dispatch(self, version: int, *, first_cycle: int) -> None:

@@ -278,6 +278,8 @@ class LearnerService:
             before = self.version
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
+            if self.io is not None:
+                self.io.housekeep()
             every = self.cfg.learner.checkpoint_every_steps
             if (
                 every
@@ -290,6 +292,7 @@ class LearnerService:
             if self.next_cycle >= run.num_cycles:
                 self.io.start_eval(self.version)
                 self.io.finish_evals(timeout_s=300.0)
+            self.io.housekeep(every_s=0.0)
             self.io.close()
 
     def _agree(self, go_on: bool) -> bool:
