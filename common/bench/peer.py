@@ -184,13 +184,14 @@ def run_tether(
     work: Path,
     timeout_s: float,
     threads: int | None = None,
+    off_policy: str = "decoupled",
 ) -> dict[str, Any]:
     from common.bench.pipeline import analyse, drive_run, write_bench_config
     from common.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(work / "redis", appendonly=False).start()
     try:
-        name = f"peer-tether-{int(time.time())}"
+        name = f"peer-tether-{off_policy}-{int(time.time())}"
         cfg = write_bench_config(
             work / f"{name}.toml",
             name=name,
@@ -199,6 +200,7 @@ def run_tether(
             train=train,
             run_dir=work / "runs",
             max_staleness=1,
+            off_policy=off_policy,
         )
         run = drive_run(
             cfg,
@@ -224,8 +226,15 @@ def run_peer_bench(
     tether_result: dict[str, Any] | None = None,
     threads: int | None = None,
 ) -> dict[str, Any]:
-    """TRL vs Tether (async, default staleness) on one workload; ``tether_result`` reuses a
-    pipeline bench's async measurement of the same workload instead of running Tether again."""
+    """TRL vs Tether (async, one cycle of overlap) on one workload, Tether run twice:
+
+    - ``tether``: the same algorithm as TRL's GRPOTrainer with ``num_iterations = 1`` — one
+      forward/backward per response, the PPO ratio anchored to the log-probs of the policy that
+      sampled (``learner.off_policy = "none"``; TRL uses the detached current log-probs). This is
+      the headline ratio: equal work per response.
+    - ``tether_decoupled``: Tether's default (decoupled PPO), which adds a proximal log-prob
+      forward pass per cycle to correct for the one step of staleness; ``tether_result`` reuses
+      a pipeline bench's async measurement of the same workload for this one."""
     w = workload or preset(quick, size)
     root = Path(work_dir).resolve()
     model, train = prepare(root, w)
@@ -234,7 +243,11 @@ def run_peer_bench(
         w, model=model, train=train, work=root / "trl", timeout_s=timeout_s, threads=threads
     )
     trl["load_average_after"] = list(os.getloadavg())
-    tether = tether_result or run_tether(
+    tether = run_tether(
+        w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads,
+        off_policy="none",
+    )  # fmt: skip
+    decoupled = tether_result or run_tether(
         w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads
     )
     result = {
@@ -246,9 +259,12 @@ def run_peer_bench(
         "threads_per_process": threads,
         "command": command("peer", quick=quick, size=size, threads=threads),
         "trl": trl,
-        "tether": tether,
-        "tether_reused_from_pipeline_bench": tether_result is not None,
+        "tether": {**tether, "off_policy": "none"},
+        "tether_decoupled": {**decoupled, "off_policy": "decoupled"},
+        "tether_decoupled_reused_from_pipeline_bench": tether_result is not None,
         "ratio_tether_over_trl": tether["trained_responses_per_s"] / trl["trained_responses_per_s"],
+        "ratio_tether_decoupled_over_trl": decoupled["trained_responses_per_s"]
+        / trl["trained_responses_per_s"],
     }
     print(format_peer(result))
     if out_path is not None:
@@ -269,7 +285,19 @@ def format_peer(r: dict[str, Any]) -> str:
             f"peer bench: {w['params'] / 1e6:.1f} M params, {w['prompts_per_cycle']}×{w['responses_per_prompt']} × {w['response_tokens']} tokens, "
             f"load avg {r['machine']['load_average'][0]:.1f} on {r['machine']['cpu_count']} CPUs (shared)",
             f"TRL GRPOTrainer ({p['generation_path']}): {p['step_seconds']:.1f} s/step{gen}, {p['trained_responses_per_s']:.2f} responses/s",
-            f"Tether (async):  {t['cycle_seconds']:.1f} s/step, {t['trained_responses_per_s']:.2f} responses/s",
-            f"ratio Tether/TRL {r['ratio_tether_over_trl']:.2f}",
+            f"Tether (async, same algorithm as TRL): {t['cycle_seconds']:.1f} s/step, {t['trained_responses_per_s']:.2f} responses/s",
+            *(
+                [
+                    f"Tether (async, decoupled PPO: + proximal log-prob pass): {d['cycle_seconds']:.1f} s/step, {d['trained_responses_per_s']:.2f} responses/s"
+                ]
+                if (d := r.get("tether_decoupled"))
+                else []
+            ),
+            f"ratio Tether/TRL {r['ratio_tether_over_trl']:.2f}"
+            + (
+                f" (decoupled: {r['ratio_tether_decoupled_over_trl']:.2f})"
+                if "ratio_tether_decoupled_over_trl" in r
+                else ""
+            ),
         ]
     )

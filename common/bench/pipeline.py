@@ -55,6 +55,7 @@ def write_bench_config(
     train: Path,
     run_dir: Path,
     max_staleness: int,
+    off_policy: str = "decoupled",
 ) -> Path:
     path.write_text(
         f"""[run]
@@ -78,6 +79,7 @@ lr = {w.lr}
 lr_schedule = "constant"
 micro_batch_size = {w.micro_batch_size}
 checkpoint_every_steps = 0
+off_policy = "{off_policy}"
 
 [generator]
 ignore_eos = true

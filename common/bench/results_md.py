@@ -89,10 +89,18 @@ def _row_peer(r: dict[str, Any]) -> list[str]:
         if p.get("generate_seconds_per_step")
         else ""
     )
+    d = r.get("tether_decoupled")
+    same = " (same algorithm as TRL: no proximal pass)" if d else ""
+    notes = (
+        f"Tether with decoupled PPO (+ proximal log-prob pass): {d['cycle_seconds']:.1f} s/step, "
+        f"ratio {r['ratio_tether_decoupled_over_trl']:.2f}"
+        if d
+        else "older run: Tether with decoupled PPO only"
+    )
     return [
-        f"| peer | {r['workload']['params'] / 1e6:.1f} M, {r['workload']['response_tokens']} tok | Tether {t['cycle_seconds']:.1f} s/step, "
+        f"| peer | {r['workload']['params'] / 1e6:.1f} M, {r['workload']['response_tokens']} tok | Tether{same} {t['cycle_seconds']:.1f} s/step, "
         f"{t['trained_responses_per_s']:.2f} resp/s; TRL ({p['generation_path']}) {p['step_seconds']:.1f} s/step{gen}, "
-        f"{p['trained_responses_per_s']:.2f} resp/s | **{r['ratio_tether_over_trl']:.2f}** (Tether/TRL) | | "
+        f"{p['trained_responses_per_s']:.2f} resp/s | **{r['ratio_tether_over_trl']:.2f}** (Tether/TRL) | {notes} | "
         f"{r['machine']['load_average'][0]:.1f} | `{r['command']}` |"
     ]
 
