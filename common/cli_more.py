@@ -53,6 +53,13 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
         help="the embedded default: build a tiny model and task, run Tether end to end on this CPU",
     )
     add_config_args(demo)
+    demo.add_argument(
+        "--assets",
+        metavar="DIR",
+        default=None,
+        help="where the tiny model, task files and warm-up go (default: <run dir>/assets); "
+        "runs that name the same directory share one warm-up",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     bus = sub.add_parser(
@@ -87,7 +94,17 @@ def add_more_verbs(sub: argparse._SubParsersAction, add_config_args: AddConfigAr
     )
     bench.add_argument(
         "what",
-        choices=["bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "all"],
+        choices=[
+            "bus",
+            "weights",
+            "scorer",
+            "generator",
+            "learner",
+            "pipeline",
+            "peer",
+            "quality",
+            "all",
+        ],
         help="which benchmark",
     )
     bench.add_argument(

@@ -98,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
         args.config = str(DEMO_CONFIG)
     cfg = load_from_args(args).config
     run_dir = Path(cfg.run.run_dir) / cfg.run.name
-    assets = prepare_assets(run_dir / "assets", seed=cfg.run.seed)
+    assets_dir = Path(args.assets) if getattr(args, "assets", None) else run_dir / "assets"
+    assets = prepare_assets(assets_dir, seed=cfg.run.seed)
     overrides = [
         f"run.model={json.dumps(str(assets.model_dir))}",
         f"data.train_path={json.dumps(str(assets.data_dir / 'train.jsonl'))}",

@@ -105,6 +105,25 @@ def _row_peer(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def _row_quality(r: dict[str, Any]) -> list[str]:
+    def when(k: str) -> str:
+        got = r[k]["reached"]
+        return f"{got['seconds']:.0f} s (step {got['step']})" if got else "not reached"
+
+    ratios = ", ".join(
+        f"TRL/{k.removeprefix('tether_')} **{r[f'ratio_trl_time_over_{k}']:.2f}**"
+        for k in ("tether_async", "tether_sync")
+        if f"ratio_trl_time_over_{k}" in r
+    )
+    return [
+        f"| quality | demo (0.56 M) | time to held-out accuracy ≥ {r['target_accuracy']:.2f}: "
+        f"Tether async {when('tether_async')}, Tether sync {when('tether_sync')}, "
+        f"TRL {when('trl')} | {ratios or 'n/a'} (time ratios) | greedy, 200 held-out problems; "
+        f"evaluated every {r['settings']['eval_every_steps']} steps | "
+        f"{r['machine']['load_average'][0]:.1f} | `{r['command']}` |"
+    ]
+
+
 def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
     ratios = {k: v for k, v in r.items() if k.startswith("ratio") and isinstance(v, (int, float))}
     text = (
@@ -129,6 +148,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_pipeline(r)
         elif kind == "peer":
             rows += _row_peer(r)
+        elif kind == "quality":
+            rows += _row_quality(r)
         else:
             rows += _row_generic(f.stem, r)
     table = [

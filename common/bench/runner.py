@@ -15,7 +15,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ORDER = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer")
+ORDER = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality")
 
 
 def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
@@ -36,6 +36,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         },
         "pipeline": {"quick": True},
         "peer": {"quick": True},
+        "quality": {"quick": True},
     }
     return presets[what]
 
@@ -70,7 +71,7 @@ def run_one(
             what,
         )
         return None
-    e2e = what in ("pipeline", "peer")
+    e2e = what in ("pipeline", "peer", "quality")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
     suffix += f"_t{threads}" if threads and e2e else ""
     out = out_dir / f"{what}{suffix}.json"
