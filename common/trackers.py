@@ -1,9 +1,10 @@
 """Experiment trackers the learner writes per-step metrics to: TensorBoard event files in the run
 directory and Weights & Biases when configured (``learner.trackers``).
 
-Both are optional imports. A tracker the user asked for but that is not installed is a config
-error named at start-up (before any model loads), not a silent no-op: ``check_trackers`` runs in
-the learner's preflight. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
+Both are imported only when configured. A tracker the user asked for but that is not installed
+is a config error named at start-up (exit 2, before Redis or any model starts), not a silent
+no-op: ``require_trackers`` runs when `tether train` prepares the run directory and when
+`tether learner` starts. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
 ``WANDB_DIR``); ``learner.wandb_mode = "offline"`` writes the run under
 ``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
 """
