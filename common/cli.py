@@ -107,6 +107,10 @@ def _cmd_service(name: str) -> Callable[[argparse.Namespace], int]:
             return 0
         import importlib
 
+        if name != "train":
+            from common.runtime import stop_with_supervisor
+
+            stop_with_supervisor()
         module = importlib.import_module(
             f"services.{name}.main" if name != "train" else "common.launcher"
         )

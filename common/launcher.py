@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import runtime
 from common.config import TetherConfig
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class Supervisor:
         self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
         self.progress = progress
         env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
+        env[runtime.SUPERVISOR_ENV] = str(os.getpid())  # services stop if the launcher dies
         env.update(cpu_thread_env(cfg, env))
         cli = [sys.executable, "-m", "common.cli"]
         conf = ["--config", str(config_path)]

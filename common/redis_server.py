@@ -95,6 +95,7 @@ class EmbeddedRedis:
             f"dir {self.data_dir.resolve()}",
             f"logfile {self.log_path.resolve()}",
             "daemonize no",
+            f"pidfile {self.pid_path.resolve()}",
             'save ""',
             f"appendonly {'yes' if self.appendonly else 'no'}",
             "appendfsync everysec",
@@ -116,12 +117,13 @@ class EmbeddedRedis:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._stop_orphan()
         fixed_port = self.port is not None
         for attempt in range(3):
             if not fixed_port:
                 self.port = free_port()
             self.proc = subprocess.Popen(
-                [str(self.binary), str(self._write_config())],
+                [str(self.binary), str(self._write_config().resolve())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             if self._wait_ready():
@@ -157,6 +159,31 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    @property
+    def pid_path(self) -> Path:
+        return self.data_dir / "server.pid"
+
+    def _stop_orphan(self, timeout_s: float = 10.0) -> None:
+        """A server left running on this data directory by a launcher that was SIGKILLed (the
+        services stop with their launcher; this server cannot, as it is not ours to change):
+        SIGTERM it, so two servers never share one AOF. Only this server binary running in this
+        directory is touched."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+            cwd = os.readlink(f"/proc/{pid}/cwd")  # the server chdirs to its `dir`
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except (OSError, ValueError):
+            return  # no pid file, or nobody by that pid (or not Linux)
+        if cwd != str(self.data_dir.resolve()) or exe != self.binary.name:
+            return  # the pid was reused by something else
+        log.warning("stopping a server left running on %s (pid %d)", self.data_dir, pid)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the server flushes the AOF and exits), SIGKILL after ``timeout_s``."""
         if self.proc is None or self.proc.poll() is not None:
@@ -179,3 +206,12 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited (a zombie waiting to be reaped has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

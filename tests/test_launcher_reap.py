@@ -51,3 +51,67 @@ def test_sigkilled_child_leaves_no_orphan(tmp_path):
         assert time.monotonic() < deadline, "the orphaned grandchild is still running"
         time.sleep(0.05)
     child.reap_group()  # nothing left: a no-op
+
+
+# A stand-in launcher: starts one service-like child the way `tether train` does (own session,
+# TETHER_SUPERVISOR_PID set), writes the child's pid, then waits to be killed.
+LAUNCHER = """
+import os, subprocess, sys, time
+env = dict(os.environ, TETHER_SUPERVISOR_PID=str(os.getpid()))
+child = subprocess.Popen([sys.executable, "-c",
+    "from common import runtime; runtime.stop_with_supervisor(); "
+    "import time; open(sys.argv[1], 'w').write('up'); time.sleep(300)".replace("sys.argv[1]", repr(sys.argv[2]))],
+    env=env, start_new_session=True)
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(300)
+"""
+
+
+def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
+    import subprocess
+
+    pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(pid_file), str(up_file)],
+                                cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (up_file.exists() and pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        launcher.kill()  # SIGKILL: the launcher cannot tell anyone
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child):
+            assert time.monotonic() < deadline, "the service outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_starts(tmp_path):
+    """`tether train --resume` after a SIGKILLed launcher: the old server (still running, by
+    design: it is not ours to signal) is stopped first, so two servers never share one AOF."""
+    from common.redis_server import EmbeddedRedis
+
+    old = EmbeddedRedis(tmp_path / "data").start()
+    orphan = old.pid
+    assert orphan is not None
+    old.proc = None  # as if its starter had died: nobody holds the Popen any more
+    new = EmbeddedRedis(tmp_path / "data")
+    try:
+        new.start()
+        assert not _alive(orphan)
+        assert new.pid != orphan and _alive(new.pid)
+    finally:
+        new.stop()
+        try:
+            os.kill(orphan, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
