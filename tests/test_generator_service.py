@@ -193,10 +193,11 @@ def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):
             assert {v for _, v in s.version_spans} <= {0, 1}
             straddling += len(s.version_spans) == 2
     # In most runs some v0 responses carry two spans ([(0, 0), (k, 1)]): the update landed
-    # mid-response. In about one run in four none did (every running response came out all v0 or
-    # all v1) although they were still unfinished when v1 was sent; suspected cause: the cache
-    # clear at the pause preempts running requests and vLLM relabels their recomputed tokens.
-    # Open question recorded in the issue notes; what must hold either way is checked above.
+    # mid-response. In about one run in four none does. vLLM labels each output step with the
+    # version current at that step (OutputProcessor.track_weight_version) and never relabels, so
+    # such a response either finished before the pause took effect (all v0) or was taken from
+    # Redis but not yet running in the engine when it did (all v1). What must hold either way —
+    # honest, ordered spans — is checked above.
     print(f"responses spanning the in-flight update: {straddling} of {len(running) * N}")
     assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "1")
 
