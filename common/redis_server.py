@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from common.runtime import pid_running
+
 log = logging.getLogger(__name__)
 
 
@@ -179,9 +181,9 @@ class EmbeddedRedis:
         log.warning("stopping a server left running on %s (pid %d)", self.data_dir, pid)
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while _running(pid) and time.monotonic() < deadline:
+        while pid_running(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _running(pid):
+        if pid_running(pid):
             os.kill(pid, signal.SIGKILL)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -206,12 +208,3 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and has not exited (a zombie waiting to be reaped has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"

@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -293,3 +294,13 @@ def stop_with_supervisor() -> None:
     except ProcessLookupError:
         log.warning("the launcher (pid %s) is gone; stopping", supervisor)
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def pid_running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited; a zombie (exited, not yet reaped) has.
+    Linux (/proc); False where /proc is missing."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

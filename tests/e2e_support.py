@@ -22,6 +22,8 @@ from typing import Any
 
 import redis
 
+from common.runtime import pid_running
+
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
 TYPE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ")
 
@@ -116,8 +118,7 @@ def leftover_processes(redis_url: str, timeout_s: float = 10.0) -> list[str]:
             try:
                 if needle not in (entry / "environ").read_bytes().split(b"\0"):
                     continue
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
+                if pid_running(int(entry.name)):
                     found.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
             except OSError:  # gone meanwhile, or not ours to read
                 continue

@@ -9,6 +9,7 @@ import sys
 import time
 
 from common.launcher import Child
+from common.runtime import pid_running
 
 # The leader starts a grandchild that ignores SIGTERM and outlives it (as vLLM's engine core
 # outlives a SIGKILLed generator), writes the grandchild's pid, then sleeps.
@@ -19,16 +20,6 @@ g = subprocess.Popen([sys.executable, "-c",
 open(sys.argv[1], "w").write(str(g.pid))
 time.sleep(300)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped by init) counts as gone
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_sigkilled_child_leaves_no_orphan(tmp_path):
@@ -44,10 +35,10 @@ def test_sigkilled_child_leaves_no_orphan(tmp_path):
     grandchild = int(pid_file.read_text())
     os.kill(child.proc.pid, signal.SIGKILL)  # the leader only, as the OOM killer would
     child.proc.wait(10)
-    assert _alive(grandchild), "without reaping, the grandchild outlives its parent"
+    assert pid_running(grandchild), "without reaping, the grandchild outlives its parent"
     child.reap_group()
     deadline = time.monotonic() + 10
-    while _alive(grandchild):
+    while pid_running(grandchild):
         assert time.monotonic() < deadline, "the orphaned grandchild is still running"
         time.sleep(0.05)
     child.reap_group()  # nothing left: a no-op
@@ -79,11 +70,11 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
             assert time.monotonic() < deadline, "the child never started"
             time.sleep(0.05)
         child = int(pid_file.read_text())
-        assert _alive(child)
+        assert pid_running(child)
         launcher.kill()  # SIGKILL: the launcher cannot tell anyone
         launcher.wait(10)
         deadline = time.monotonic() + 10
-        while _alive(child):
+        while pid_running(child):
             assert time.monotonic() < deadline, "the service outlived its launcher"
             time.sleep(0.05)
     finally:
@@ -107,8 +98,8 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
     new = EmbeddedRedis(tmp_path / "data")
     try:
         new.start()
-        assert not _alive(orphan)
-        assert new.pid != orphan and _alive(new.pid)
+        assert not pid_running(orphan)
+        assert new.pid != orphan and pid_running(new.pid)
     finally:
         new.stop()
         try:
