@@ -29,6 +29,7 @@ from common.bench.workload import (
     machine_info,
     prepare,
     preset,
+    trl_task,
 )
 
 log = logging.getLogger(__name__)
@@ -37,27 +38,15 @@ log = logging.getLogger(__name__)
 def _trl_child(spec_path: str) -> None:
     """Entry of the child process: train with TRL, write step end times to the spec's out file."""
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.tasks import is_correct, read_jsonl
+    from common.tasks import read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
     w = Workload(**spec["workload"])
     rows = read_jsonl(spec["train"])
-    data = Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-            for r in rows
-        ]
-    )
-
-    def rule_reward(completions, answer, **_):
-        return [
-            1.0 if is_correct(c[0]["content"], a) else 0.0
-            for c, a in zip(completions, answer, strict=True)
-        ]
+    data, rule_reward = trl_task(rows)
 
     steps = w.timed_cycles + 1
     times: list[float] = []

@@ -82,10 +82,10 @@ def tether_curve(run_dir: Path) -> dict[str, Any]:
 def _trl_child(spec_path: str) -> None:
     """Child process: GRPOTrainer on the demo task with a greedy held-out evaluation callback."""
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from common.bench.workload import trl_task
     from common.datasets import encode_prompt
     from common.tasks import is_correct, read_jsonl
 
@@ -95,16 +95,7 @@ def _trl_child(spec_path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     train = read_jsonl(spec["train"])
     held_out = read_jsonl(spec["eval"])
-    data = Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-            for r in train
-        ]
-    )
-
-    def rule_reward(completions, answer, **_):
-        return [1.0 if is_correct(c[0]["content"], a) else 0.0
-                for c, a in zip(completions, answer, strict=True)]  # fmt: skip
+    data, rule_reward = trl_task(train)
 
     prompts = [encode_prompt(tok, r["prompt"]) for r in held_out]
     width = max(map(len, prompts))

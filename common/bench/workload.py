@@ -151,3 +151,27 @@ def machine_info() -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "shared machine: other agents' jobs run on the same cores (see load_average)",
     }
+
+
+def trl_task(rows: list[dict[str, Any]]) -> tuple[Any, Any]:
+    """The arithmetic task for TRL's ``GRPOTrainer``: a conversational ``datasets.Dataset``
+    (the chat template is applied by TRL, as Tether's generator applies it) and the rule reward
+    (1.0 for the right boxed integer, else 0.0) that Tether's scorer also gives."""
+    from datasets import Dataset
+
+    from common.tasks import is_correct
+
+    data = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in rows
+        ]
+    )
+
+    def rule_reward(completions, answer, **_):
+        return [
+            1.0 if is_correct(c[0]["content"], a) else 0.0
+            for c, a in zip(completions, answer, strict=True)
+        ]
+
+    return data, rule_reward

@@ -100,7 +100,7 @@ class Solver:
         eos = self.tokenizer.eos_token_id
         if eos in ids:
             ids = ids[: ids.index(eos)]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     async def answers(self, items: Sequence[ScoreItem]) -> list[list[str]]:
         """``samples`` solver answers per item; all requests go to the engine concurrently."""
