@@ -30,12 +30,11 @@ def missing_trackers(cfg: TetherConfig) -> list[str]:
     """Configured trackers whose package is not importable, each with how to install it."""
     import importlib.util
 
-    module = {"tensorboard": "tensorboard", "wandb": "wandb"}
-    return [
-        f"learner.trackers includes {name!r} but the {module[name]!r} package is not installed: "
+    return [  # each tracker's package has the tracker's name
+        f"learner.trackers includes {name!r} but the {name!r} package is not installed: "
         f"{_INSTALL[name]}, or remove {name!r} from learner.trackers."
         for name in cfg.learner.trackers
-        if importlib.util.find_spec(module[name]) is None
+        if importlib.util.find_spec(name) is None
     ]
 
 

@@ -209,15 +209,18 @@ def run_learner_bench(
         # A-B-B-A order, so neither path always runs first (on a cold allocator) or last
         services: list[float] = []
         bares: list[float] = []
-        for i, first in enumerate(("service", "bare")[: max(1, min(repeats, 2))]):
-            order = (first, "bare" if first == "service" else "service")
+
+        def service(i: int) -> None:
+            run_cfg = cfg.model_copy(deep=True)
+            run_cfg.run.name = f"bench-learner-{i}"  # fresh streams per repeat
+            services.append(_service(run_cfg, groups, tmp / f"run{i}"))
+
+        def bare(i: int) -> None:
+            bares.append(_bare(cfg, groups, model_dir, cycles))
+
+        for i, order in enumerate([(service, bare), (bare, service)][: max(1, min(repeats, 2))]):
             for path in order:
-                if path == "service":
-                    run_cfg = cfg.model_copy(deep=True)
-                    run_cfg.run.name = f"bench-learner-{i}"  # fresh streams per repeat
-                    services.append(_service(run_cfg, groups, tmp / f"run{i}"))
-                else:
-                    bares.append(_bare(cfg, groups, model_dir, cycles))
+                path(i)
         service_s, bare_s = sum(services), sum(bares)
     responses = (cycles - 1) * prompts * per_prompt * len(services)  # timed cycles only
     result: dict[str, Any] = {
