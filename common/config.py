@@ -314,13 +314,19 @@ class WeightsConfig(_Section):
         0, ge=0, le=65535, description="weight store port; 0 = pick a free one (launcher)"
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="auto = nccl on GPU, gloo on CPU"
+        "auto",
+        description="auto = gloo (host memory over TCP, any placement); nccl = GPU to GPU, "
+        "the learner and each generator on different GPUs",
     )
     timeout_s: float = Field(
         120.0, gt=0.0, description="deadline of one weight broadcast to one generator"
     )
     bucket_mb: float = Field(
         64.0, gt=0.0, description="tensors are flattened into buckets of this size"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of published weights; auto = the learner's compute dtype (bf16 on GPU)",
     )
 
 

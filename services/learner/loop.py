@@ -72,6 +72,11 @@ class LearnerService:
         model_dir, tok_dir = policy_paths(self.cfg)
         ln, run = self.cfg.learner, self.cfg.run
         dtype = None if ln.dtype == "auto" else getattr(torch, ln.dtype)
+        compute = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        wd = self.cfg.weights.dtype
+        # generators run in the compute dtype: fp32 masters would double the bytes of a publish
+        self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
+        self._publish_staging = model_mod.HostStaging()
         self.model = model_mod.load_policy(
             model_dir,
             device=self.device,
@@ -122,7 +127,9 @@ class LearnerService:
         from services.learner.model import full_state_dict_cpu
 
         with self.timer.phase("syncing_weights"):
-            state = full_state_dict_cpu(self.model)
+            state = full_state_dict_cpu(
+                self.model, dtype=self.publish_dtype, staging=self._publish_staging
+            )
             if self.io is not None:
                 self.io.publish_weights(state, self.version)
 

@@ -79,7 +79,7 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.model import full_state_dict_cpu, setup_distributed
+    from services.learner.model import HostStaging, full_state_dict_cpu, setup_distributed
     from services.learner.train_step import train_step
 
     rank, world_size, _ = setup_distributed()
@@ -103,6 +103,11 @@ def main() -> None:
                 extra_state={"policy_version": 1},
             )
     weights = full_state_dict_cpu(model)
+    # The publish path: bf16 gathers into reused staging buffers (two, used in turn).
+    staging = HostStaging()
+    staged_fp32 = full_state_dict_cpu(model, staging=staging)
+    staged_bf16 = full_state_dict_cpu(model, staging=staging, dtype=torch.bfloat16)
+    kept = {k: v.clone() for k, v in staged_bf16.items()}
     # Resume a fresh model from the step-1 checkpoint and redo step 2.
     model2, optimizer2, scheduler2 = build_training(
         args.model, fsdp=True, gradient_checkpointing=True
@@ -110,9 +115,14 @@ def main() -> None:
     extra = load_checkpoint(out / "run", model=model2, optimizer=optimizer2, scheduler=scheduler2)
     resumed = train_step(model2, optimizer2, scheduler2, mbs, token_mean_nll, grad_clip=GRAD_CLIP)
     resumed_weights = full_state_dict_cpu(model2)
+    # a third staged gather reuses the first buffer and must leave the second one's tensors alone
+    full_state_dict_cpu(model2, staging=staging)
     if rank == 0:
         save_file(weights, str(out / "fsdp_weights.safetensors"))
         save_file(resumed_weights, str(out / "resumed_weights.safetensors"))
+        save_file(staged_fp32, str(out / "staged_fp32.safetensors"))
+        save_file(staged_bf16, str(out / "staged_bf16.safetensors"))
+        save_file(kept, str(out / "staged_bf16_kept.safetensors"))
         report = {
             "world_size": world_size,
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr} for s in stats],
