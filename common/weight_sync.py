@@ -6,7 +6,12 @@ Membership
     appending ``<member>:<epoch>`` to a join list. The publisher's acceptor thread (or
     ``publish_to_new_members()``) picks joins up within ``accept_interval_s`` and both sides build
     a 2-process group (``ProcessGroupGloo``, or ``ProcessGroupNCCL`` with ``backend="nccl"``:
-    same code) over ``PrefixStore("wsync/<member>/<epoch>/", store)`` with ``timeout_s``.
+    same code) over ``PrefixStore("wsync/<member>/<epoch>/", store)`` with ``timeout_s``. The
+    publisher writes its backend to the store and a receiver (``backend="auto"``) follows it, so
+    both sides always agree; with NCCL the buffers live on each side's current GPU, and every
+    collective is polled against the deadline (``finish``): NCCL's ``wait()`` does not block,
+    and a stuck transfer aborts only that member's group. The NCCL pair has not been run here
+    (one GPU at most; NCCL refuses two ranks on one device); gloo is the default.
 
 Why one group per member and not one per membership epoch
     A shared group makes every member wait for the slowest one and a peer that dies mid-broadcast
@@ -62,6 +67,9 @@ logger = logging.getLogger(__name__)
 MAGIC = 0x7E7E_0001
 ALIGN = 64
 _JOIN_SEQ = "wsync/join_seq"
+_BACKEND_KEY = "wsync/backend"  # set by the publisher: receivers use the learner's choice
+_GPU_KEY = "wsync/learner_gpu"  # NCCL: the learner's GPU, so a generator on it can say so
+NCCL_WATCHDOG_MARGIN_S = 60.0
 
 
 class WeightSyncError(RuntimeError):
@@ -107,6 +115,28 @@ def _dtype(name: str):
     if not isinstance(dt, torch.dtype):
         raise WeightSyncError(f"header names unknown dtype {name!r}")
     return dt
+
+
+def _default_device(backend: str) -> str:
+    """Where update buffers live: this process's current GPU for NCCL, host memory for gloo."""
+    if backend == "gloo":
+        return "cpu"
+    if backend != "nccl":
+        raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            'weights.backend = "nccl" needs a CUDA GPU in both the learner and the generator '
+            '(on different GPUs: NCCL refuses two ranks on one device); use "gloo" (the default)'
+        )
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _gpu_uuid(device: str) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
 def build_layout(named: list[tuple[str, Any]], version: int, bucket_bytes: int) -> dict:
@@ -155,7 +185,9 @@ def make_pair_group(store, rank: int, *, backend: str, timeout_s: float):
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        # Our own deadline (``finish``) aborts a stuck transfer first; NCCL's watchdog, which tears
+        # the whole process down on a timeout, gets a later one.
+        opts._timeout = timedelta(seconds=timeout_s + NCCL_WATCHDOG_MARGIN_S)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
     raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
 
@@ -169,7 +201,32 @@ def broadcast(pg, tensor):
     return pg.broadcast([tensor], opts)
 
 
-def send_update(pg, header: bytes, version: int, units: list, digest) -> None:
+def finish(pg, work, deadline: float | None) -> None:
+    """Wait for one collective, bounded by ``deadline`` (``time.monotonic()``; None = the group's
+    own timeout).
+
+    gloo's ``wait()`` blocks the caller and honours the group's timeout. NCCL's only orders the
+    GPU stream and returns at once: completion is polled instead, and a transfer still running at
+    the deadline (a peer that died or hangs) aborts the pairwise communicator — only this member
+    is lost — instead of leaving NCCL's watchdog to kill the process later.
+    """
+    if type(pg).__name__ != "ProcessGroupNCCL":
+        work.wait()
+        return
+    while not work.is_completed():
+        if deadline is not None and time.monotonic() >= deadline:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - the member is dropped either way
+                logger.warning("aborting the NCCL weight group failed", exc_info=True)
+            raise WeightSyncError("NCCL weight transfer did not finish before the deadline")
+        time.sleep(0.0005)
+    work.wait()  # raises the collective's error, if any
+
+
+def send_update(
+    pg, header: bytes, version: int, units: list, digest, deadline: float | None = None
+) -> None:
     """Learner side of one update (steps 1-4 of the module docstring). ``digest`` is a
     zero-argument callable returning the 16-byte checksum; it is called after the units went out."""
     import torch
@@ -178,24 +235,26 @@ def send_update(pg, header: bytes, version: int, units: list, digest) -> None:
     meta = torch.tensor([MAGIC, version, len(header)], dtype=torch.int64, device=dev)
     hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
     for t in [meta, hdr, *units]:  # one op in flight: gloo runs queued ops on parallel threads
-        broadcast(pg, t).wait()
+        finish(pg, broadcast(pg, t), deadline)
     tail = torch.frombuffer(bytearray(digest()), dtype=torch.uint8).to(dev)
-    broadcast(pg, tail).wait()
+    finish(pg, broadcast(pg, tail), deadline)
 
 
-def receive_update(pg, *, device: str = "cpu", on_unit=None, staging=None) -> tuple:
+def receive_update(
+    pg, *, device: str = "cpu", on_unit=None, staging=None, deadline: float | None = None
+) -> tuple:
     """Generator side of one update: staging buffer (``staging`` is reused if big enough),
     incremental hash, verify, then hand out. Returns (version, named, checksum, staging)."""
     import torch
     import xxhash
 
     meta = torch.zeros(3, dtype=torch.int64, device=device)
-    broadcast(pg, meta).wait()
+    finish(pg, broadcast(pg, meta), deadline)
     magic, version, hlen = (int(x) for x in meta.cpu())
     if magic != MAGIC or not 0 < hlen < (1 << 30):
         raise WeightSyncError(f"bad update preamble (magic {magic:#x}, header {hlen} bytes)")
     hdr = torch.zeros(hlen, dtype=torch.uint8, device=device)
-    broadcast(pg, hdr).wait()
+    finish(pg, broadcast(pg, hdr), deadline)
     layout = json.loads(bytes(hdr.cpu().numpy()))
     if layout.get("version") != version:
         raise WeightSyncError("header version does not match the preamble")
@@ -210,7 +269,7 @@ def receive_update(pg, *, device: str = "cpu", on_unit=None, staging=None) -> tu
     h = xxhash.xxh3_128()
     work: Any = broadcast(pg, staging[units[0][0] : units[0][1]]) if units else None
     for k, (_, _, first, last) in enumerate(units):
-        work.wait()
+        finish(pg, work, deadline)
         if k + 1 < len(units):  # hash unit k while unit k+1 arrives
             work = broadcast(pg, staging[units[k + 1][0] : units[k + 1][1]])
         for name, t in named[first:last]:
@@ -218,7 +277,7 @@ def receive_update(pg, *, device: str = "cpu", on_unit=None, staging=None) -> tu
         if on_unit is not None:
             on_unit(k)
     tail = torch.zeros(16, dtype=torch.uint8, device=device)
-    broadcast(pg, tail).wait()
+    finish(pg, broadcast(pg, tail), deadline)
     sent = bytes(tail.cpu().numpy()).hex()
     if sent != h.hexdigest():
         raise WeightSyncError(
@@ -286,7 +345,7 @@ class WeightPublisher:
 
     def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
                  bucket_bytes: int = 64 << 20, accept_interval_s: float = 0.2,
-                 device: str = "cpu", auto_accept: bool = True) -> None:  # fmt: skip
+                 device: str | None = None, auto_accept: bool = True) -> None:  # fmt: skip
         if timeout_s <= 0 or bucket_bytes < ALIGN:
             raise ValueError(
                 f"weight sync needs timeout_s > 0 and bucket_bytes >= {ALIGN}; got "
@@ -295,9 +354,12 @@ class WeightPublisher:
         import torch.distributed as dist
 
         self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
-        self.device = device
+        self.device = device or _default_device(backend)
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        self._store.set(_BACKEND_KEY, backend)
+        if backend == "nccl":
+            self._store.set(_GPU_KEY, _gpu_uuid(self.device))
         self._members: dict[str, _Member] = {}
         self._latest: _Update | None = None
         self._lock = threading.Lock()
@@ -443,8 +505,12 @@ class WeightPublisher:
             if m.version_sent >= update.version:
                 return "ok"
             m.store.set("pending", str(update.version))
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.set_device(torch.device(self.device))  # this sender thread's device
             send_update(m.pg, update.header, update.version, update.units,
-                        lambda: update.wait_digest(deadline))  # fmt: skip
+                        lambda: update.wait_digest(deadline), deadline)  # fmt: skip
             m.version_sent = update.version
             return "ok"
         except Exception as e:
@@ -477,8 +543,8 @@ class WeightPublisher:
 class WeightReceiver:
     """Generator side: ``join()``, then ``poll()`` cheaply and ``receive()`` when one is pending."""
 
-    def __init__(self, host: str, port: int, member_id: str, *, backend: str = "gloo",
-                 timeout_s: float = 60.0, device: str = "cpu") -> None:  # fmt: skip
+    def __init__(self, host: str, port: int, member_id: str, *, backend: str = "auto",
+                 timeout_s: float = 60.0, device: str | None = None) -> None:  # fmt: skip
         if not member_id or ":" in member_id or ";" in member_id or "/" in member_id:
             raise ValueError(f"member_id must be non-empty without ':', ';' or '/': {member_id!r}")
         self.host, self.port, self.member_id = host, port, member_id
@@ -503,6 +569,21 @@ class WeightReceiver:
             if self._store is None:
                 self._store = dist.TCPStore(self.host, self.port, is_master=False,
                                             timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+            # the publisher sets the key before it can be reached; a store without it is gloo
+            has_key = self._store.check([_BACKEND_KEY])
+            announced = self._store.get(_BACKEND_KEY).decode() if has_key else "gloo"
+            if self.backend not in ("auto", announced):
+                raise WeightSyncError(
+                    f"this generator was set to backend {self.backend!r} but the learner "
+                    f"publishes over {announced!r}: set weights.backend the same on both"
+                )
+            self.backend = announced
+            self.device = self.device or _default_device(announced)
+            if announced == "nccl" and self._store.get(_GPU_KEY).decode() == _gpu_uuid(self.device):
+                raise WeightSyncError(
+                    f"the learner and generator {self.member_id!r} share GPU {self.device}: NCCL "
+                    'cannot connect two ranks on one GPU; set weights.backend = "gloo"'
+                )
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
             self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
             self._store.append("wsync/joins", f"{self.member_id}:{epoch};")
@@ -547,7 +628,11 @@ class WeightReceiver:
             time.sleep(0.02)
         try:
             version, named, _, buf = receive_update(
-                self._pg, device=self.device, on_unit=on_unit, staging=self._spare
+                self._pg,
+                device=self.device or "cpu",
+                on_unit=on_unit,
+                staging=self._spare,
+                deadline=time.monotonic() + self.timeout_s,
             )
         except Exception as e:
             self._pg = None  # the group is in an unknown state: rejoin

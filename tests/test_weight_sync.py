@@ -227,6 +227,9 @@ def test_corrupted_and_partial_updates_are_rejected_and_previous_version_kept():
 def test_publisher_rejects_non_increasing_versions_and_bad_settings():
     with pytest.raises(ValueError, match="timeout_s"):
         WeightPublisher("127.0.0.1", 0, timeout_s=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            WeightPublisher("127.0.0.1", 0, backend="nccl")
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=2.0, auto_accept=False)
     try:
         assert pub.publish([("x", torch.ones(3))], 5).per_member == {}
@@ -318,3 +321,46 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
     assert _rpc(llm, "tether_version") == 1
     assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
     assert _greedy(llm) == after
+
+
+def test_receiver_takes_the_learners_backend_and_refuses_a_conflicting_one():
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=5.0)
+    try:
+        rx = WeightReceiver("127.0.0.1", pub.port, "told")  # backend "auto": asks the store
+        rx.join()
+        assert (rx.backend, rx.device) == ("gloo", "cpu")
+        with pytest.raises(WeightSyncError, match="publishes over 'gloo'"):
+            WeightReceiver("127.0.0.1", pub.port, "wrong", backend="nccl").join()
+    finally:
+        pub.close()
+
+
+class ProcessGroupNCCL:
+    """A named fake of an NCCL pair group (no NCCL on this machine): ``finish`` recognises NCCL
+    groups by class name and polls their work instead of trusting ``wait()``."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _StuckWork:
+    """An NCCL collective whose peer is gone: never completes; ``wait()`` would return at once."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("finish must not trust wait() for NCCL")
+
+
+def test_nccl_transfer_past_its_deadline_aborts_the_pair_group():
+    from common.weight_sync import finish
+
+    pg = ProcessGroupNCCL()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="did not finish before the deadline"):
+        finish(pg, _StuckWork(), time.monotonic() + 0.3)
+    assert pg.aborted and 0.3 <= time.monotonic() - t0 < 5

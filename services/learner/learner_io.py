@@ -96,6 +96,8 @@ class LearnerIO:
         from common.weight_sync import WeightPublisher
 
         w = self.cfg.weights
+        # auto = gloo: host memory over TCP works for every placement (a generator on the
+        # learner's own GPU too); nccl is opt-in (see WeightsConfig.backend)
         backend = w.backend if w.backend != "auto" else "gloo"
         pub = WeightPublisher(
             w.host,
