@@ -54,10 +54,15 @@ def build_tiny_model(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 1024,
+    vocab_size: int | None = None,
     seed: int = 0,
     overwrite: bool = False,
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; reuse it if present.
+
+    ``vocab_size`` (default: the tokenizer's size) pads the embedding and the tied LM head to a
+    real tokenizer's vocabulary, e.g. 151936 for Qwen2.5, so a benchmark pays the LM head's cost;
+    the extra rows are never produced by this tokenizer.
 
     Returns the directory. ``overwrite=False`` keeps an existing complete build (the marker file
     ``tether_tiny.json`` records the parameters that made it).
@@ -75,13 +80,19 @@ def build_tiny_model(
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
     }
+    if vocab_size is not None:
+        params["vocab_size"] = vocab_size  # absent when defaulted: older markers still match
     marker = out / "tether_tiny.json"
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
+    if vocab_size is not None and vocab_size < len(tokenizer):
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        )
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=params["intermediate_size"],
         num_hidden_layers=num_layers,

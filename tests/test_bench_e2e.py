@@ -91,6 +91,22 @@ def test_readme_has_a_row_and_the_command_per_result(tmp_path):
     assert "| 3.5 |" in text
     assert "bus_over_bare **0.80**" in text
     assert "Scale on paper" in text and "| sync |" in text
+    assert "on a GPU (measured)" not in text and "FSDP rank, assumed" in text
+
+    # GPU results (bench/gpu/check.py) add their section and replace the plan's assumed train rate
+    gpu = results / "gpu"
+    gpu.mkdir()
+    (gpu / "env.json").write_text(
+        json.dumps({"ok": True, "device": "H100", "torch": "2", "nccl": "2"})
+    )
+    for name, hidden, rate in (("learner", 256, 30000.0), ("learner3b", 2048, 9000.0)):
+        rec = {"ok": True, "settings": {"hidden": hidden, "params": 3e9},
+               "service_train_tokens_per_s": rate, "bare_train_tokens_per_s": rate / 0.9,
+               "ratio_service_over_bare": 0.9, "service_phase_seconds": {"working": 30.0}}  # fmt: skip
+        (gpu / f"{name}.json").write_text(json.dumps(rec))
+    text = write_readme(results, tmp_path / "README.md").read_text()
+    assert "| Qwen2.5-3B shape, 3072 tok | 3,000 M | 9,000 tok/s | 10,000 tok/s | 0.90 |" in text
+    assert "Train 9,000 tokens/s per FSDP rank, measured on one H100" in text
 
 
 def test_unknown_benchmark_is_refused(tmp_path):

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,13 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
     from services.learner.train_step import train_step
 
     _, _, device = setup_distributed()
-    model = load_policy(model_dir, device=device)
+    ln = cfg.learner
+    model = load_policy(  # as LearnerService.setup loads it
+        model_dir,
+        device=device,
+        param_dtype=None if ln.dtype == "auto" else getattr(torch, ln.dtype),
+        gradient_checkpointing=ln.gradient_checkpointing,
+    )
     opt = optim.build_optimizer(model, lr=cfg.learner.lr)
     sched = optim.build_scheduler(
         opt, optim.build_schedule(total_steps=cycles * cfg.run.train_steps_per_cycle)
@@ -109,7 +116,9 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
     return time.perf_counter() - t0
 
 
-def _service(cfg, groups: list[Any], run_dir: Path) -> float:
+def _service(
+    cfg, groups: list[Any], run_dir: Path, phases_out: dict[str, float] | None = None
+) -> float:
     """Pre-publish the groups, run LearnerService; seconds from the first collect to the end of
     training (start-up, the initial publish and the final checkpoint excluded)."""
     from common.bus import Bus
@@ -126,9 +135,12 @@ def _service(cfg, groups: list[Any], run_dir: Path) -> float:
     marks: list[float] = []
     original = svc.train_cycle
 
+    phases: list[dict[str, float]] = []
+
     def timed(cycle, samples):
         original(cycle, samples)
         marks.append(time.perf_counter())
+        phases.append(svc.timer.snapshot())
 
     svc.train_cycle = timed  # type: ignore[method-assign]
     while svc.next_cycle < cfg.run.num_cycles:
@@ -143,7 +155,39 @@ def _service(cfg, groups: list[Any], run_dir: Path) -> float:
     elapsed = marks[-1] - marks[0]  # cycle 0 warms the allocator and kernels: not timed
     assert svc.io is not None
     svc.io.close()
+    if phases_out is not None:  # where the timed cycles' time went (working, syncing_weights, ...)
+        for k, v in phases[-1].items():
+            phases_out[k] = phases_out.get(k, 0.0) + v - phases[0].get(k, 0.0)
     return elapsed
+
+
+def _release_memory() -> None:
+    """Free the finished path's model before the next loads (one GPU holds one at a time)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def _param_count(model_dir: str) -> int:
+    """Parameters of the model (tied weights once), counted on the meta device: nothing loaded."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
 
 
 def run_learner_bench(
@@ -155,10 +199,21 @@ def run_learner_bench(
     response_tokens: int = 128,
     hidden: int = 256,
     layers: int = 4,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    overrides: Sequence[str] = (),
     repeats: int = 2,
     out_path: str | Path | None = None,
 ) -> dict:
-    """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B)."""
+    """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B).
+
+    The model is a randomly initialised Qwen2 of the given shape (``vocab`` pads the embedding to a
+    real tokenizer's size); ``overrides`` are extra ``key=value`` config settings for both paths,
+    e.g. ``learner.micro_batch_size=1`` or ``learner.gradient_checkpointing=true`` for a large
+    model on one GPU. On a CUDA machine both paths run the GPU path (NCCL group, FSDP2, bf16).
+    """
     import tempfile
 
     from common.config_load import load_config
@@ -174,7 +229,10 @@ def run_learner_bench(
             tmp / "model",
             hidden_size=hidden,
             num_layers=layers,
-            num_heads=max(4, hidden // 64),
+            num_heads=heads or max(4, hidden // 64),
+            num_kv_heads=kv_heads,
+            intermediate_size=intermediate,
+            vocab_size=vocab,
             max_position_embeddings=prompt_tokens + response_tokens + 8,
         )
     )
@@ -195,6 +253,7 @@ def run_learner_bench(
                 f"run.max_prompt_tokens={prompt_tokens}",
                 f"run.max_response_tokens={response_tokens}",
                 "learner.lr=1e-5",
+                *overrides,
             ],
             env={},
         ).config
@@ -209,20 +268,24 @@ def run_learner_bench(
         # A-B-B-A order, so neither path always runs first (on a cold allocator) or last
         services: list[float] = []
         bares: list[float] = []
+        service_phases: dict[str, float] = {}
 
         def service(i: int) -> None:
             run_cfg = cfg.model_copy(deep=True)
             run_cfg.run.name = f"bench-learner-{i}"  # fresh streams per repeat
-            services.append(_service(run_cfg, groups, tmp / f"run{i}"))
+            services.append(_service(run_cfg, groups, tmp / f"run{i}", service_phases))
+            _release_memory()
 
         def bare(i: int) -> None:
             bares.append(_bare(cfg, groups, model_dir, cycles))
+            _release_memory()
 
         for i, order in enumerate([(service, bare), (bare, service)][: max(1, min(repeats, 2))]):
             for path in order:
                 path(i)
         service_s, bare_s = sum(services), sum(bares)
     responses = (cycles - 1) * prompts * per_prompt * len(services)  # timed cycles only
+    tokens = responses * (prompt_tokens + response_tokens)
     result: dict[str, Any] = {
         "benchmark": "learner",
         "settings": {
@@ -233,15 +296,26 @@ def run_learner_bench(
             "response_tokens": response_tokens,
             "hidden": hidden,
             "layers": layers,
+            "heads": heads or max(4, hidden // 64),
+            "kv_heads": kv_heads,
+            "intermediate": intermediate or 4 * hidden,
+            "vocab": vocab,
+            "params": _param_count(model_dir),
+            "overrides": list(overrides),
+            "device": _device_name(),
             "repeats": len(services),
             "timed": "cycles 1.. of each path (cycle 0 is a warm-up)",
         },
         "service_seconds": service_s,
         "bare_seconds": bare_s,
         "service_seconds_each": services,
+        "service_phase_seconds": service_phases,
         "bare_seconds_each": bares,
         "service_responses_per_s": responses / service_s,
         "bare_responses_per_s": responses / bare_s,
+        # prompt + response tokens through the step: `tether plan`'s train_tokens_per_s
+        "service_train_tokens_per_s": tokens / service_s,
+        "bare_train_tokens_per_s": tokens / bare_s,
         "ratio_service_over_bare": bare_s / service_s,
         "load_average": os.getloadavg(),
     }
