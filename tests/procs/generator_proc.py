@@ -120,14 +120,16 @@ class GeneratorProc:
     def sigkill(self) -> None:
         """SIGKILL the whole process group (the service and its vLLM engine core): a crash."""
         os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        # Reaping can lag the kill: a fresh-clone run under load saw the SIGKILLed service still
+        # unreaped after 10 s (tearing down a process with GBs mapped). It runs no code meanwhile.
+        self.proc.wait(60)
 
     def cleanup(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
+        self.proc.wait(60)
         self.log.close()
 
 
