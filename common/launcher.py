@@ -107,6 +107,9 @@ class Supervisor:
             learner_argv = [
                 sys.executable,
                 "-m",
+                "common.supervised",  # torchrun and its ranks stop if the launcher dies
+                sys.executable,
+                "-m",
                 "torch.distributed.run",
                 "--nproc_per_node",
                 str(ln.nproc_per_node),

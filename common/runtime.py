@@ -276,7 +276,8 @@ def stop_with_supervisor() -> None:
     (and holding their engines' memory) with nobody supervising them. SIGTERM, not SIGKILL, so
     each service shuts down the way it does on Ctrl-C: its engine and workers go with it. Linux
     only (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and outside `tether train`, a no-op. The signal
-    follows the parent process: for learner ranks under ``torchrun`` that is torchrun."""
+    follows the parent process: for learner ranks under ``torchrun`` that is torchrun, which the
+    launcher starts through ``common.supervised`` so that it, too, stops with the launcher."""
     import signal
     import sys
 

@@ -86,6 +86,51 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
                 pass
 
 
+# The same launcher starting a program that does not ask for the signal itself (as torchrun
+# does not), through the `common.supervised` shim the launcher uses for torchrun.
+FOREIGN_LAUNCHER = LAUNCHER.replace(
+    '[sys.executable, "-c",',
+    '[sys.executable, "-m", "common.supervised", sys.executable, "-c",',
+).replace("from common import runtime; runtime.stop_with_supervisor(); ", "import sys; ")
+
+
+def test_a_foreign_program_started_through_the_shim_stops_with_the_launcher(tmp_path):
+    import subprocess
+
+    assert (
+        "stop_with_supervisor" not in FOREIGN_LAUNCHER and "common.supervised" in FOREIGN_LAUNCHER
+    )
+    pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
+    launcher = subprocess.Popen([sys.executable, "-c", FOREIGN_LAUNCHER, str(pid_file), str(up_file)],
+                                cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not (up_file.exists() and pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the program never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())  # the shim's pid is the program's: it exec'd
+        assert pid_running(child)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while pid_running(child):
+            assert time.monotonic() < deadline, "the program outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        launcher.kill()
+        if pid_file.exists() and pid_file.read_text():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_supervised_shim_without_a_program_is_a_usage_error():
+    from common.supervised import main
+
+    assert main([]) == 2
+
+
 def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_starts(tmp_path):
     """`tether train --resume` after a SIGKILLed launcher: the old server (still running, by
     design: it is not ours to signal) is stopped first, so two servers never share one AOF."""
