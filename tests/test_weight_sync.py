@@ -364,3 +364,17 @@ def test_nccl_transfer_past_its_deadline_aborts_the_pair_group():
     with pytest.raises(WeightSyncError, match="did not finish before the deadline"):
         finish(pg, _StuckWork(), time.monotonic() + 0.3)
     assert pg.aborted and 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_joining_a_dead_weight_store_fails_at_once():
+    """A learner that died leaves its address in Redis; joining it must fail fast (a TCPStore
+    client retries a refused connection for ~2 × its timeout) so the generator re-reads it."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="not reachable"):
+        WeightReceiver("127.0.0.1", port, "late", timeout_s=120.0).join()
+    assert time.monotonic() - t0 < 5

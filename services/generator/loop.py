@@ -408,9 +408,21 @@ class GeneratorService:
                 what="XCLAIM",
             )
 
+    async def _join_until_done(self) -> None:
+        """The first join: retried until it works or the service stops, as a rejoin is — the
+        address in Redis can be a dead learner's until its restarted successor writes its own."""
+        while not self._stop.is_set():
+            try:
+                await self._join_and_receive()
+                return
+            except Exception as exc:  # noqa: BLE001 - a dead or restarting learner: try again
+                log.warning("joining the learner's weight sync failed (%s); retrying in 2 s", exc)
+                await asyncio.sleep(2.0)
+        raise asyncio.CancelledError
+
     async def run(self) -> None:
         await self._start_engine()
-        await self._join_and_receive()
+        await self._join_until_done()
         self.ready = True
         self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)  # back-pressure reads its backlog
         consumer = self.bus.consumer(runtime.PROMPTS, runtime.GENERATORS, self.sid)
