@@ -104,7 +104,10 @@ def test_two_receivers_exact_then_sigkill_mid_broadcast_then_rejoin(tmp_path):
         b.send_signal(signal.SIGKILL)
         box["thread"].join(timeout_s + 5)
         r2 = box["report"]
-        assert box["elapsed"] < timeout_s + 2.0
+        print(f"publish with a member SIGKILLed mid-broadcast: {box['elapsed']:.2f} s")
+        # A dead peer closes its sockets: gloo reports it at once (measured 0.08 s), so the
+        # learner does not sit out the deadline; only a live, stuck member costs timeout_s.
+        assert box["elapsed"] < timeout_s / 2
         assert r2.per_member["a"] == "ok"
         assert r2.per_member["b"] != "ok"
         assert "b" not in pub.members()
