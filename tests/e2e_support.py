@@ -200,3 +200,35 @@ def run_training(
     except redis.RedisError:
         pass
     return result
+
+
+def recovery_config(tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "") -> Path:
+    """A short run's config on the CI preset's warmed-up model (shared by the recovery tests)."""
+    from common.demo import prepare_assets
+
+    assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
+    return write_config(
+        tmp_path / f"{name}.toml",
+        name=name,
+        model=str(assets.model_dir),
+        data_dir=assets.data_dir,
+        run_dir=tmp_path / "runs",
+        cycles=cycles,
+        learner_extra=learner_extra,
+    )
+
+
+def assert_trained_exactly_once(r: RunResult, *, cycles: int, responses: int) -> None:
+    """Every step ran, a step redone after a learner restart trained the same batch, and the
+    learner's restored counters plus what ran after the restart cover every response."""
+    by_step: dict[int, set[str]] = {}
+    for s in r.steps:
+        by_step.setdefault(s["step"], set()).add(s["batch_digest"])
+    assert sorted(by_step) == list(range(1, cycles + 1))
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    learner = next(d for d in r.status.values() if d["service"] == "learner")
+    assert learner["version"] == cycles
+    c = learner["counters"]
+    assert (
+        c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0) == responses
+    )

@@ -58,11 +58,12 @@ time.sleep(300)
 """
 
 
-def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
+def _child_stops_with_sigkilled_launcher(tmp_path, launcher_source: str) -> None:
+    """Run a stand-in launcher, wait for its child, SIGKILL the launcher: the child must go."""
     import subprocess
 
     pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(pid_file), str(up_file)],
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_source, str(pid_file), str(up_file)],
                                 cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
     try:
         deadline = time.monotonic() + 30
@@ -75,7 +76,7 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
         launcher.wait(10)
         deadline = time.monotonic() + 10
         while pid_running(child):
-            assert time.monotonic() < deadline, "the service outlived its launcher"
+            assert time.monotonic() < deadline, "the child outlived its launcher"
             time.sleep(0.05)
     finally:
         launcher.kill()
@@ -84,6 +85,10 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
+    _child_stops_with_sigkilled_launcher(tmp_path, LAUNCHER)
 
 
 # The same launcher starting a program that does not ask for the signal itself (as torchrun
@@ -95,34 +100,11 @@ FOREIGN_LAUNCHER = LAUNCHER.replace(
 
 
 def test_a_foreign_program_started_through_the_shim_stops_with_the_launcher(tmp_path):
-    import subprocess
-
+    # the program's pid is the shim's (it exec'd); without the shim it was checked to survive
     assert (
         "stop_with_supervisor" not in FOREIGN_LAUNCHER and "common.supervised" in FOREIGN_LAUNCHER
     )
-    pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
-    launcher = subprocess.Popen([sys.executable, "-c", FOREIGN_LAUNCHER, str(pid_file), str(up_file)],
-                                cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while not (up_file.exists() and pid_file.exists() and pid_file.read_text()):
-            assert time.monotonic() < deadline, "the program never started"
-            time.sleep(0.05)
-        child = int(pid_file.read_text())  # the shim's pid is the program's: it exec'd
-        assert pid_running(child)
-        launcher.kill()
-        launcher.wait(10)
-        deadline = time.monotonic() + 10
-        while pid_running(child):
-            assert time.monotonic() < deadline, "the program outlived its launcher"
-            time.sleep(0.05)
-    finally:
-        launcher.kill()
-        if pid_file.exists() and pid_file.read_text():
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _child_stops_with_sigkilled_launcher(tmp_path, FOREIGN_LAUNCHER)
 
 
 def test_supervised_shim_without_a_program_is_a_usage_error():
