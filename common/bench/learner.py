@@ -94,12 +94,14 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
             t0 = time.perf_counter()  # cycle 0 warms the allocator and kernels: not timed
         samples = samples_from_groups(groups[c * per_cycle : (c + 1) * per_cycle])
         algorithm.assign_advantages(samples, cfg)
-        for s, lp in zip(
-            samples,
-            algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
-            strict=True,
-        ):
-            s.old_logp = lp
+        if cfg.learner.off_policy != "none" and not algorithm.proximal_is_current(cfg):
+            # as LearnerService._prepare
+            for s, lp in zip(
+                samples,
+                algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
+                strict=True,
+            ):
+                s.old_logp = lp
         for idx in steps_of_cycle(
             len(samples),
             batch=cfg.run.train_batch_size,

@@ -172,14 +172,41 @@ def recompute_logprobs(
     return [values[o : o + len(s.response_ids)] for o, s in zip(offsets, samples, strict=True)]
 
 
-def make_loss_fn(cfg: TetherConfig, *, denominator: float, stats_out: list[dict[str, float]]):
+def proximal_is_current(cfg: TetherConfig) -> bool:
+    """True when the proximal policy of decoupled PPO / TIS is the very policy being trained.
+
+    The proximal log-probs are the learner's, recomputed with the weights a cycle starts with.
+    With one optimizer step per cycle and one pass over its data, every sample is trained on by
+    exactly those weights, so the training forward's own log-probs (detached) are the proximal
+    ones: the separate recompute pass over the whole cycle (a forward of every token, about a
+    quarter of a step's compute) is skipped. This is what TRL does with ``num_iterations = 1``.
+    """
+    return (
+        cfg.learner.off_policy != "none"
+        and cfg.run.train_steps_per_cycle == 1
+        and cfg.run.passes_per_cycle == 1
+    )
+
+
+def make_loss_fn(
+    cfg: TetherConfig,
+    *,
+    denominator: float,
+    stats_out: list[dict[str, float]],
+    proximal_from_forward: bool | None = None,
+):
     """The per-micro-batch loss: clipped policy loss (+ KL term, − entropy bonus), aggregated
-    over the WHOLE step's ``denominator`` so micro-batch losses simply add up."""
+    over the WHOLE step's ``denominator`` so micro-batch losses simply add up.
+
+    ``proximal_from_forward`` (default: ``proximal_is_current(cfg)``): anchor the ratio to this
+    forward pass's own log-probs, detached, instead of the micro-batch's recomputed ``old_logp``."""
 
     from services.learner.model import token_logprobs_and_entropy
 
     ln = cfg.learner
     want_entropy = ln.entropy_coef != 0
+    if proximal_from_forward is None:
+        proximal_from_forward = proximal_is_current(cfg)
 
     def loss_fn(model: Any, mb: dict[str, torch.Tensor]):
         mask = mb["loss_mask"] * mb["weight"].unsqueeze(-1)
@@ -193,9 +220,13 @@ def make_loss_fn(cfg: TetherConfig, *, denominator: float, stats_out: list[dict[
             temperature=_sampling_temperature(cfg),
         )
         off = ln.off_policy
+        if off == "none":
+            anchor = mb["behaviour_logp"]
+        else:
+            anchor = logp.detach() if proximal_from_forward else mb["old_logp"]
         token_loss, stats = losses.policy_loss(
             logp=logp,
-            old_logp=mb["old_logp"] if off != "none" else mb["behaviour_logp"],
+            old_logp=anchor,
             advantages=mb["advantage"],
             mask=mask,
             behaviour_logp=mb["behaviour_logp"] if off != "none" else None,

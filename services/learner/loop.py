@@ -77,6 +77,12 @@ class LearnerService:
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
         self._publish_staging = model_mod.HostStaging()
+        if algorithm.proximal_is_current(self.cfg):
+            log.info(
+                "%s: proximal log-probs come from each step's own forward pass (one optimizer "
+                "step per cycle, one pass): no recompute pass",
+                ln.off_policy,
+            )
         self.model = model_mod.load_policy(
             model_dir,
             device=self.device,
@@ -162,7 +168,7 @@ class LearnerService:
         self.counters["filtered_samples"] += (
             algorithm.assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
         )
-        if ln.off_policy != "none":
+        if ln.off_policy != "none" and not algorithm.proximal_is_current(self.cfg):
             for s, lp in zip(
                 samples,
                 algorithm.recompute_logprobs(
