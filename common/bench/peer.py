@@ -249,7 +249,8 @@ def run_peer_bench(
         "command": command("peer", quick=quick, size=size, threads=threads),
         "trl": trl,
         "tether": {**tether, "off_policy": "none"},
-        "tether_decoupled": {**decoupled, "off_policy": "decoupled"},
+        # one optimizer step per cycle: the proximal log-probs come from the training forward
+        "tether_decoupled": {**decoupled, "off_policy": "decoupled", "proximal_pass": False},
         "tether_decoupled_reused_from_pipeline_bench": tether_result is not None,
         "ratio_tether_over_trl": tether["trained_responses_per_s"] / trl["trained_responses_per_s"],
         "ratio_tether_decoupled_over_trl": decoupled["trained_responses_per_s"]
@@ -260,6 +261,13 @@ def run_peer_bench(
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _proximal_note(d: dict[str, Any]) -> str:
+    """Results before one-step cycles skipped the recompute pass have no ``proximal_pass``."""
+    if d.get("proximal_pass", True):
+        return ": + proximal log-prob pass"
+    return ": proximal log-probs from the training forward"
 
 
 def format_peer(r: dict[str, Any]) -> str:
@@ -277,7 +285,7 @@ def format_peer(r: dict[str, Any]) -> str:
             f"Tether (async, same algorithm as TRL): {t['cycle_seconds']:.1f} s/step, {t['trained_responses_per_s']:.2f} responses/s",
             *(
                 [
-                    f"Tether (async, decoupled PPO: + proximal log-prob pass): {d['cycle_seconds']:.1f} s/step, {d['trained_responses_per_s']:.2f} responses/s"
+                    f"Tether (async, decoupled PPO{_proximal_note(d)}): {d['cycle_seconds']:.1f} s/step, {d['trained_responses_per_s']:.2f} responses/s"
                 ]
                 if (d := r.get("tether_decoupled"))
                 else []

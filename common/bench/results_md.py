@@ -111,9 +111,14 @@ def _row_peer(r: dict[str, Any]) -> list[str]:
         else ""
     )
     d = r.get("tether_decoupled")
-    same = " (same algorithm as TRL: no proximal pass)" if d else ""
+    same = " (same algorithm as TRL: no off-policy correction)" if d else ""
+    how = (
+        "+ proximal log-prob pass"
+        if d and d.get("proximal_pass", True)
+        else "proximal log-probs from the training forward"
+    )
     notes = (
-        f"Tether with decoupled PPO (+ proximal log-prob pass): {d['cycle_seconds']:.1f} s/step, "
+        f"Tether with decoupled PPO ({how}): {d['cycle_seconds']:.1f} s/step, "
         f"ratio {r['ratio_tether_decoupled_over_trl']:.2f}"
         if d
         else "older run: Tether with decoupled PPO only"
@@ -243,7 +248,8 @@ def gpu_section(gpu_dir: Path) -> str:
     lines += [
         "",
         f"3B shape: 120 responses × (512 + 2560) tokens per step, micro-batches of 2, gradient "
-        f"checkpointing, decoupled PPO (a proximal log-prob pass per cycle). Per timed cycle the "
+        f"checkpointing, decoupled PPO with a proximal log-prob pass (measured before one-step "
+        f"cycles took those log-probs from the training forward). Per timed cycle the "
         f"service spent {phases.get('working', 0):.1f} s training and "
         f"{phases.get('syncing_weights', 0):.1f} s publishing weights.",
     ]
