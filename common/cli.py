@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     from common.cli_more import add_more_verbs
 
     add_more_verbs(sub, _add_config_args)
+    from common.plan_cli import add_plan_verb
+
+    add_plan_verb(sub)
     return parser
 
 

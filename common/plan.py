@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -135,3 +136,55 @@ def rates_from_pipeline(result: dict[str, Any], *, prompt_tokens: int) -> StageR
         train_tokens_per_s=n * (prompt_tokens + w["response_tokens"]) / train_s,
         sync_bytes_per_s=4 * w["params"] / sync_s,
     )
+
+
+# Rates for Qwen2.5-3B on one H100 per role, bf16. Generation, scoring and the weight broadcast
+# are assumed (no CUDA vLLM or second GPU was available to measure them): vLLM decode of ~120
+# concurrent sequences of a 3B model ≈ 6 k tokens/s; the solver scorer (seed 001) batched on one
+# GPU ≈ 5 responses/s (≈ 2 k-token prompt, ≈ 1 k-token answer); NCCL publish ≈ 10 GB/s. Training
+# was guessed at ≈ 40 % MFU ≈ 16.5 k tokens/s per rank; `gpu_rates` replaces it with the learner
+# service's rate measured on an H100 when bench/results/gpu/learner3b.json is there.
+GPU_ASSUMED = {
+    "generate_tokens_per_s": 6000.0,
+    "score_responses_per_s": 5.0,
+    "train_tokens_per_s": 16500.0,
+    "sync_bytes_per_s": 10e9,
+}
+
+
+def gpu_rates(results_dir: Path | None = None) -> tuple[dict[str, float], bool]:
+    """The GPU rates above, with the train rate measured on an H100 (``gpu/learner3b.json`` under
+    ``results_dir``, default the repository's bench/results) when that result exists. Returns the
+    rates and whether the train rate was measured."""
+    import json
+
+    rates = dict(GPU_ASSUMED)
+    root = (
+        Path(results_dir)
+        if results_dir
+        else Path(__file__).resolve().parents[1] / "bench" / "results"
+    )
+    try:
+        big = json.loads((root / "gpu" / "learner3b.json").read_text())
+    except (OSError, ValueError):
+        return rates, False
+    if big.get("ok", True) and big.get("settings", {}).get("hidden") == 2048:
+        rates["train_tokens_per_s"] = float(big["service_train_tokens_per_s"])
+        return rates, True
+    return rates, False
+
+
+def best_split(
+    *, total_gpus: int, rates: StageRates, scorers: int = 1, scaling: float = 0.9, **work: Any
+) -> list[dict[str, Any]]:
+    """Every generator:learner split of ``total_gpus`` (at least one of each), fastest async cycle
+    first; ``work`` is ``plan``'s workload keywords."""
+    if total_gpus < 2:
+        raise ValueError("total_gpus must be >= 2: one generator and one learner rank at least")
+    out = []
+    for gens in range(1, total_gpus):
+        shape = ClusterShape(generators=gens, scorers=scorers, learner_ranks=total_gpus - gens,
+                             learner_scaling_efficiency=scaling)  # fmt: skip
+        out.append({"generators": gens, "learner_ranks": total_gpus - gens,
+                    **plan(rates=rates, shape=shape, **work)})  # fmt: skip
+    return sorted(out, key=lambda p: p["cycle_seconds"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.plan import ClusterShape, StageRates, plan, rates_from_pipeline
@@ -129,3 +131,37 @@ def test_rates_prefer_the_learners_phase_seconds_when_recorded():
     r = rates_from_pipeline(result, prompt_tokens=68)
     assert r.train_tokens_per_s == pytest.approx(120 * 100 / 9.0)
     assert r.sync_bytes_per_s == pytest.approx(4_000_000 / 1.0)
+
+
+def test_tether_plan_prints_the_prediction_and_the_balancing_split(capsys):
+    from common.cli import main
+    from common.plan import GPU_ASSUMED, StageRates, gpu_rates
+
+    assert main(["plan"]) == 0  # the seed 001 layout on Qwen2.5-3B H100 rates
+    out = capsys.readouterr().out
+    assert "bound by generate" in out
+    assert "best split of these 3 devices (async): 2 generator(s) + 1 learner rank(s)" in out
+
+    overrides = ["--generate-tps", "1000", "--train-tps", "1000", "--score-rps", "100"]
+    assert main(["plan", "--json", "--generators", "1", "--learner-ranks", "3", *overrides]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rates, _ = gpu_rates()
+    expected = plan(
+        rates=StageRates(**{**rates, "generate_tokens_per_s": 1000.0,
+                            "train_tokens_per_s": 1000.0, "score_responses_per_s": 100.0}),
+        shape=ClusterShape(generators=1, learner_ranks=3),
+        responses_per_cycle=120, prompt_tokens=512, response_tokens=3072,
+        param_bytes=int(3.09e9 * 2),
+    )  # fmt: skip
+    assert got["async"]["cycle_seconds"] == pytest.approx(expected["cycle_seconds"])
+    assert got["rates"]["sync_bytes_per_s"] == GPU_ASSUMED["sync_bytes_per_s"]
+    assert [(s["generators"], s["learner_ranks"]) for s in got["splits"]][0] == (2, 2)
+
+
+def test_tether_plan_bad_input_exits_2_naming_it(capsys):
+    from common.cli import main
+
+    assert main(["plan", "--generators", "0"]) == 2
+    assert "every count must be >= 1" in capsys.readouterr().err
+    assert main(["plan", "--train-tps", "-5"]) == 2
+    assert "train_tokens_per_s = -5.0" in capsys.readouterr().err
