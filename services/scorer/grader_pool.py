@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import signal
 import sys
 import threading
@@ -392,8 +391,10 @@ class GraderPool:
     def _replace(self, slot: int, *, cause: str) -> None:
         """SIGKILL the worker in ``slot`` (if still alive) and start a fresh one there."""
         old = self._workers[slot]
-        if old.proc.is_alive() and old.proc.pid is not None:
-            os.kill(old.proc.pid, signal.SIGKILL)
+        # Process.kill, not os.kill on the pid: the worker may exit and be reaped between a
+        # liveness check and the signal (a fresh-clone CI run hit ProcessLookupError there);
+        # multiprocessing signals only a child it has not reaped and ignores one already gone.
+        old.proc.kill()
         old.proc.join(timeout=5.0)
         old.conn.close()
         log.warning(
