@@ -120,6 +120,7 @@ class GeneratorProc:
     def sigkill(self) -> None:
         """SIGKILL the whole process group (the service and its vLLM engine core): a crash."""
         os.killpg(self.proc.pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()  # from here on nothing of it commits
         # Reaping can lag the kill: a fresh-clone run under load saw the SIGKILLed service still
         # unreaped after 10 s (tearing down a process with GBs mapped). It runs no code meanwhile.
         self.proc.wait(60)
