@@ -270,9 +270,6 @@ class HostStaging:
         return buf
 
 
-_ALIGN = 64  # byte alignment of each tensor inside a staging buffer
-
-
 def full_state_dict_cpu(
     model: torch.nn.Module,
     *,
@@ -302,14 +299,15 @@ def full_state_dict_cpu(
     def out_dtype(t: Any) -> Any:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
+    from common.weight_sync import ALIGN  # the same tensor alignment as the wire layout
+
+    on_cuda = any(t.device.type == "cuda" for _, t in items)
     flat = None
     if staging is not None and rank0:
         offsets, total = [], 0
         for _, t in items:
             offsets.append(total)
-            nbytes = t.numel() * torch.empty(0, dtype=out_dtype(t)).element_size()
-            total += -(-nbytes // _ALIGN) * _ALIGN
-        on_cuda = any(t.device.type == "cuda" for _, t in items)
+            total += -(-t.numel() * out_dtype(t).itemsize // ALIGN) * ALIGN
         flat = staging.take(max(total, 1), pinned=on_cuda)
     state: dict[str, Any] = {}
     for i, (name, tensor) in enumerate(items):
@@ -326,6 +324,6 @@ def full_state_dict_cpu(
         dst = flat[offsets[i] : offsets[i] + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t, non_blocking=t.device.type == "cuda")
         state[name] = dst
-    if flat is not None and any(t.device.type == "cuda" for _, t in items):
+    if flat is not None and on_cuda:
         torch.cuda.synchronize()  # the asynchronous copies into page-locked memory have landed
     return state
