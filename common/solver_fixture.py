@@ -15,7 +15,8 @@ model learns in a few hundred steps (copying multi-digit numbers by position too
 ``COPY_TEMPLATE`` as ``scorer.solver_template`` and ``build_copy_solver(dir)`` as
 ``scorer.solver_model``. A right number in the guideline makes the solver answer right (reward
 1), a wrong number makes it answer wrong (reward 0). Training stops when the teacher-forced
-accuracy on held-out prompts is 100 %; a marker file makes a second call reuse the result.
+accuracy on held-out prompts is 100 % with a low loss; a marker file makes a second call reuse
+the result. Training runs on one thread with deterministic kernels, so a seed gives one model.
 """
 
 from __future__ import annotations
@@ -63,23 +64,49 @@ def _examples(tok, rng: random.Random, n: int) -> list[tuple[list[int], list[int
     return out
 
 
-def _accuracy(model, batch) -> float:
-    """Fraction of held-out answers whose every token is the argmax (teacher forced)."""
+def _held_out(model, batch) -> tuple[float, float]:
+    """(exact, loss) on held-out prompts, teacher forced: the fraction of answers whose every
+    token is the argmax, and the mean cross-entropy of the answer tokens."""
     import torch
 
     ids, mask, labels = batch  # common.warmup.sft_batch order
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
     target = labels[:, 1:]
-    hit = (logits.argmax(-1) == target) | (target == -100)
-    return float(hit.all(dim=1).float().mean())
+    hit = (out.logits[:, :-1].argmax(-1) == target) | (target == -100)
+    return float(hit.all(dim=1).float().mean()), float(out.loss)
+
+
+class _Deterministic:
+    """One CPU thread and deterministic kernels while training, restored afterwards: the same
+    seed gives the same model on a machine, and no race in a reduction changes the path."""
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.threads = torch.get_num_threads()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(self.deterministic)
 
 
 def build_copy_solver(
-    out_dir: str | Path, *, max_steps: int = 3000, batch_size: int = 16, lr: float = 3e-3,
-    hidden_size: int = 64, seed: int = 0,
+    out_dir: str | Path, *, max_steps: int = 2000, batch_size: int = 16, lr: float = 1e-3,
+    hidden_size: int = 128, seed: int = 0, target_loss: float = 0.01,
 ) -> Path:  # fmt: skip
-    """Build (or reuse) the copy-the-number solver in ``out_dir``; returns the directory."""
+    """Build (or reuse) the copy-the-number solver in ``out_dir``; returns the directory.
+
+    Trains until every held-out answer is the argmax and the held-out answer loss is below
+    ``target_loss`` (so sampled answers, at a low temperature, copy too). Measured on the 2-core
+    CPU: seeds 0–3 reach it at 200 steps, a tenth of ``max_steps``. The previous recipe (hidden
+    64, lr 3e-3) plateaued at 55–57 % on one CPU and passed on another.
+    """
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
@@ -87,46 +114,47 @@ def build_copy_solver(
 
     out = Path(out_dir)
     params = {"max_steps": max_steps, "batch_size": batch_size, "lr": lr, "seed": seed,
-              "hidden_size": hidden_size, "v": 3}  # fmt: skip
+              "hidden_size": hidden_size, "target_loss": target_loss, "v": 4}  # fmt: skip
     marker = out / MARKER
     if marker.exists() and json.loads(marker.read_text()).get("params") == params:
         return out
-    # 2 heads: head_dim 32 (vLLM's CPU attention has no kernel for head_dim 16).
+    # 2 heads: head_dim 64 (vLLM's CPU attention has no kernel for head_dim 16).
     build_tiny_model(out, hidden_size=hidden_size, num_layers=2, num_heads=2, seed=seed,
                      max_position_embeddings=512, overwrite=True)  # fmt: skip
     tok = AutoTokenizer.from_pretrained(str(out))
-    model = Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    held_out = sft_batch(_examples(tok, random.Random(seed + 1), 128), tok.pad_token_id)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    started, accuracy, step = time.monotonic(), 0.0, 0
-    for step in range(1, max_steps + 1):
-        warm = min(1.0, step / 50)
-        for group in opt.param_groups:
-            group["lr"] = lr * warm
-        ids, mask, labels = sft_batch(_examples(tok, rng, batch_size), tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0:
-            model.eval()
-            accuracy = _accuracy(model, held_out)
-            model.train()
-            log.info(
-                "copy solver step %d loss %.4f held-out exact %.3f", step, loss.item(), accuracy
-            )
-            if accuracy == 1.0:
-                break
-    if accuracy < 1.0:
+    started, exact, loss, step = time.monotonic(), 0.0, float("inf"), 0
+    with _Deterministic():
+        model = Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        torch.manual_seed(seed)
+        rng = random.Random(seed)
+        held_out = sft_batch(_examples(tok, random.Random(seed + 1), 128), tok.pad_token_id)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        for step in range(1, max_steps + 1):
+            for group in opt.param_groups:
+                group["lr"] = lr * min(1.0, step / 50)
+            ids, mask, labels = sft_batch(_examples(tok, rng, batch_size), tok.pad_token_id)
+            train_loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad(set_to_none=True)
+            train_loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step % 50 == 0:
+                model.eval()
+                exact, loss = _held_out(model, held_out)
+                model.train()
+                log.info("copy solver step %d: held-out exact %.3f, loss %.4f", step, exact, loss)
+                if exact == 1.0 and loss < target_loss:
+                    break
+    if exact < 1.0 or loss >= target_loss:
         raise RuntimeError(
-            f"copy solver reached only {accuracy:.1%} held-out accuracy in {max_steps} steps; "
-            "raise max_steps"
+            f"copy solver reached held-out exact {exact:.1%} and loss {loss:.4f} (needs 100 % "
+            f"and < {target_loss}) in {max_steps} steps; it reaches them in about 200 steps on "
+            "the machines it was measured on, so this is a regression in the recipe or in the "
+            "libraries, not bad luck"
         )
     model.save_pretrained(str(out), safe_serialization=True)
-    report = {"steps": step, "seconds": round(time.monotonic() - started, 1), "accuracy": accuracy}
+    report = {"steps": step, "seconds": round(time.monotonic() - started, 1),
+              "exact": exact, "loss": round(loss, 5)}  # fmt: skip
     marker.write_text(json.dumps({"params": params, "report": report}))
     log.info("copy solver trained: %s", report)
     return out

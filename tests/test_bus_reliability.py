@@ -18,7 +18,6 @@ from common import wire
 from common.bus import Bus, BusSettings
 from common.redis_server import EmbeddedRedis
 from common.wire import PromptMsg
-from tests.conftest import test_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -69,8 +68,8 @@ def test_sigkilled_consumer_work_is_claimed_and_processed_exactly_once(redis_ser
     assert bus.backlog("in", "workers") == (0, 0)
 
 
-def test_redis_sigkill_and_restart_with_aof(tmp_path) -> None:
-    server = EmbeddedRedis(tmp_path, binary=test_server_binary()).start()
+def test_redis_sigkill_and_restart_with_aof(tmp_path, server_binary) -> None:
+    server = EmbeddedRedis(tmp_path, binary=server_binary).start()
     s = settings(server.url)
     producer_bus, consumer_bus = Bus(s, service="producer"), Bus(s, service="consumer")
     consumer = consumer_bus.consumer("in", "w", "c")
@@ -128,8 +127,8 @@ def test_redis_sigkill_and_restart_with_aof(tmp_path) -> None:
     assert late and late <= survivors
 
 
-def test_redis_restarted_empty_group_is_recreated(tmp_path) -> None:
-    server = EmbeddedRedis(tmp_path, appendonly=False, binary=test_server_binary()).start()
+def test_redis_restarted_empty_group_is_recreated(tmp_path, server_binary) -> None:
+    server = EmbeddedRedis(tmp_path, appendonly=False, binary=server_binary).start()
     try:
         bus = Bus(settings(server.url), service="test")
         consumer = bus.consumer("in", "w", "c")

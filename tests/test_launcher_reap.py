@@ -113,16 +113,19 @@ def test_supervised_shim_without_a_program_is_a_usage_error():
     assert main([]) == 2
 
 
-def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_starts(tmp_path):
+def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_starts(
+    tmp_path, server_binary
+):
     """`tether train --resume` after a SIGKILLed launcher: the old server (still running, by
-    design: it is not ours to signal) is stopped first, so two servers never share one AOF."""
+    design: it is not ours to signal) is stopped first, so two servers never share one AOF.
+    With Debian's redis-server too, whose /proc exe names redis-check-rdb (a symlink)."""
     from common.redis_server import EmbeddedRedis
 
-    old = EmbeddedRedis(tmp_path / "data").start()
+    old = EmbeddedRedis(tmp_path / "data", binary=server_binary).start()
     orphan = old.pid
     assert orphan is not None
     old.proc = None  # as if its starter had died: nobody holds the Popen any more
-    new = EmbeddedRedis(tmp_path / "data")
+    new = EmbeddedRedis(tmp_path / "data", binary=server_binary)
     try:
         new.start()
         assert not pid_running(orphan)
@@ -133,3 +136,40 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
             os.kill(orphan, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_server_of_another_directory_is_not_taken_for_an_orphan(tmp_path):
+    """The pid file names a live server, but one started on another directory (a pid file
+    copied along with a run directory, say): it is left alone."""
+    from common.redis_server import EmbeddedRedis
+
+    other = EmbeddedRedis(tmp_path / "other").start()
+    try:
+        here = EmbeddedRedis(tmp_path / "here")
+        here.data_dir.mkdir(parents=True)
+        here.pid_path.write_text(str(other.pid))
+        here.start()
+        try:
+            assert pid_running(other.pid) and here.pid != other.pid
+        finally:
+            here.stop()
+    finally:
+        other.stop()
+
+
+def test_the_embedded_server_is_the_wheels_unless_another_is_named(tmp_path, monkeypatch):
+    """A `redis-server` on PATH is not picked up silently; naming one (a path or a program on
+    PATH, `run.redis_server_binary`) is how a user asks for it; a wrong name is an error."""
+    import pytest
+
+    from common.redis_server import EmbeddedRedis, valkey_binary
+
+    impostor = tmp_path / "bin" / "redis-server"
+    impostor.parent.mkdir()
+    impostor.write_text("#!/bin/sh\nexit 1\n")
+    impostor.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{impostor.parent}:{os.environ['PATH']}")
+    assert EmbeddedRedis(tmp_path / "a").binary == valkey_binary()
+    assert EmbeddedRedis(tmp_path / "b", binary="redis-server").binary == impostor
+    with pytest.raises(FileNotFoundError, match="run.redis_server_binary = 'no-such-server'"):
+        EmbeddedRedis(tmp_path / "c", binary="no-such-server")

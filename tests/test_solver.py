@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import tempfile
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -22,9 +20,10 @@ from common.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
 from services.scorer.grader_pool import GraderPool
 from services.scorer.rewards import ScoreItem
 from services.scorer.solver import Solver, SolverSettings
+from tests.conftest import TEST_CACHE
 from tests.procs.scorer_proc import dead, make_group, publish_all, scored, test_bus
 
-CACHE = Path(tempfile.gettempdir()) / "tether-test-cache" / "copy_solver"
+CACHE = TEST_CACHE / "copy_solver"  # inside the clone: a fresh clone builds it
 
 
 class FakeAnswerSolver(Solver):

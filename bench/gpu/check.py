@@ -159,7 +159,7 @@ def step_publish3b(tiny: bool) -> dict:
             "vocab_size": 151936,
         }  # fmt: skip
     )
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "tether-gpu-publish", **shape)
+    model_dir = build_tiny_model(Path("bench/work/gpu-publish"), **shape)  # in the clone, ignored
     model = load_policy(model_dir, device=device)
     half = torch.bfloat16 if device.type == "cuda" else torch.float32
     out: dict = {}

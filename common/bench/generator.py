@@ -40,7 +40,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 256  # the config default; the bare engine's max_model_len matches the service's
-CACHE = Path(tempfile.gettempdir()) / "tether-bench-cache"
+CACHE = Path("bench/work/cache")  # inside the clone (git-ignored), like every bench's work_dir
 
 
 def _prompt_texts(count: int, *, offset: int = 0) -> list[str]:

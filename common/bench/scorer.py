@@ -19,13 +19,12 @@ import asyncio
 import json
 import logging
 import random
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-DEFAULT_SOLVER_DIR = Path(tempfile.gettempdir()) / "tether-bench-cache" / "copy_solver"
+DEFAULT_SOLVER_DIR = Path("bench/work/cache/copy_solver")  # inside the clone (git-ignored)
 
 
 def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
