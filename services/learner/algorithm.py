@@ -116,13 +116,10 @@ def step_denominator(
     cfg: TetherConfig, samples: list[Sample], step_indices: list[int], device: torch.device
 ) -> float:
     """The whole step's loss denominator (all ranks): tokens or sequences with weight > 0."""
-
+    # Every rank holds the whole step's samples, so this is already the global value: no
+    # collective. (``device`` is unused; the callers' signature is kept.)
     lengths = [len(samples[i].response_ids) for i in step_indices if samples[i].weight > 0]
-    local = losses.step_denominator(lengths, mode=cfg.learner.loss_agg)
-    rank, world = _dist_info()
-    # every rank holds the whole step's samples, so the local value is already global
-    del rank, world
-    return float(max(local, 1))
+    return float(max(losses.step_denominator(lengths, mode=cfg.learner.loss_agg), 1))
 
 
 def recompute_logprobs(
