@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from common.config_load import load_config
 from services.learner.advantages import (
     compute_advantages,
     equal_reward_group_mask,
@@ -12,6 +13,8 @@ from services.learner.advantages import (
     token_rewards_with_kl,
     whiten_tokens,
 )
+from services.learner.algorithm import assign_advantages
+from services.learner.cycle import Sample, as_batch_fields
 
 # Two groups, interleaved and with non-contiguous ids:
 #   group 7: rewards 1, 0, 0, 0  (mean 0.25)
@@ -210,3 +213,63 @@ def test_kl_in_reward_reinforce_pp_baseline_centres_rewards_per_group_first():
         eps=0.0,
     )
     torch.testing.assert_close(adv, want.float())
+
+
+def _kl_samples():
+    # k1 = behaviour - ref: row 0: 0.2, 0.4;  row 1: 0.1, 0.0, 0.3 (KL above, prompt 0)
+    return [
+        Sample(sample_id="a", group=0, prompt_ids=[5], response_ids=[6, 7],
+               behaviour_logp=[-1.0, -2.0], reward=2.0, policy_version=0,
+               ref_logp=[-1.2, -2.4]),
+        Sample(sample_id="b", group=0, prompt_ids=[5], response_ids=[8, 9, 10],
+               behaviour_logp=[-0.5, -1.5, -0.7], reward=0.0, policy_version=0,
+               ref_logp=[-0.6, -1.5, -1.0]),
+    ]  # fmt: skip
+
+
+def _token_advantages(*sets):
+    cfg = load_config(overrides=["learner.kl_coef=0.5", *sets], env={}).config
+    samples = _kl_samples()
+    assign_advantages(samples, cfg)
+    return [as_batch_fields(s)["advantage"] for s in samples]
+
+
+def test_learner_kl_in_reward_changes_the_advantages_per_token():
+    # As a loss term the KL leaves the advantages alone: grpo's +1, -1 on every token.
+    got = _token_advantages('learner.kl_type="k1"')
+    assert got[0] == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert got[1] == pytest.approx([-1.0, -1.0, -1.0], abs=1e-5)
+    # In the reward: 1 - 0.5 * (0.2 + 0.4) = 0.7, 1 - 0.5 * 0.4 = 0.8;
+    #                -1 - 0.5 * (0.1 + 0.0 + 0.3) = -1.2, -1 - 0.15 = -1.15, -1.15
+    got = _token_advantages('learner.kl_type="k1"', "learner.kl_in_reward=true")
+    assert got[0] == pytest.approx([0.7, 0.8], abs=1e-5)
+    assert got[1] == pytest.approx([-1.2, -1.15, -1.15], abs=1e-5)
+    # kl_clamp 0.3 bounds row 0's second estimate 0.4 to 0.3: 1 - 0.5 * 0.5 = 0.75, 1 - 0.15
+    got = _token_advantages(
+        'learner.kl_type="k1"', "learner.kl_in_reward=true", "learner.kl_clamp=0.3"
+    )
+    assert got[0] == pytest.approx([0.75, 0.85], abs=1e-5)
+    assert got[1] == pytest.approx([-1.2, -1.15, -1.15], abs=1e-5)
+    # kl_type picks the reward's estimator: k2 = d^2 / 2 -> row 0: 0.02, 0.08
+    got = _token_advantages('learner.kl_type="k2"', "learner.kl_in_reward=true")
+    assert got[0] == pytest.approx([1 - 0.05, 1 - 0.04], abs=1e-5)
+
+
+def test_learner_std_estimator_scales_grpo_and_reinforce_pp():
+    def advantages(*sets):
+        cfg = load_config(overrides=list(sets), env={}).config
+        samples = [
+            Sample(sample_id=str(i), group=0, prompt_ids=[1], response_ids=[2],
+                   behaviour_logp=[-1.0], reward=float(i == 0), policy_version=0)
+            for i in range(8)
+        ]  # fmt: skip
+        assign_advantages(samples, cfg)
+        return torch.tensor([as_batch_fields(s)["advantage"][0] for s in samples])
+
+    # one group of 8: the unbiased std is sqrt(8/7) times the population std
+    for est in ("grpo", "reinforce_pp"):
+        pop = advantages(f'learner.advantage_estimator="{est}"')
+        unb = advantages(f'learner.advantage_estimator="{est}"', 'learner.std_estimator="unbiased"')
+        torch.testing.assert_close(unb, pop * math.sqrt(7 / 8), atol=1e-5, rtol=1e-5)
+    # by hand: rewards 1, 0 x 7: mean 1/8, population var 7/64, unbiased var 1/8
+    assert float(unb[0]) == pytest.approx((7 / 8) / math.sqrt(1 / 8), rel=1e-5)
