@@ -238,6 +238,11 @@ class LearnerConfig(_Section):
         "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
     ] = Field("grpo", description="how rewards become advantages")
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    std_estimator: Literal["population", "unbiased"] = Field(
+        "population",
+        description="std of grpo's group normalisation and REINFORCE++'s whitening: population "
+        "(÷ n) or unbiased (÷ n − 1, as verl and TRL); a lone response's grpo advantage is 0 either way",
+    )
     filter_equal_reward_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (no signal)"
     )
@@ -256,10 +261,18 @@ class LearnerConfig(_Section):
         0.0, ge=0.0, description="KL-to-reference coefficient; 0 = no reference model"
     )
     kl_type: Literal["k1", "k2", "k3", "abs"] = Field(
-        "k3", description="KL estimator (k3 = low-variance)"
+        "k3", description="per-token KL estimator (k3 = low-variance), in the loss or the reward"
     )
     kl_in_reward: bool = Field(
-        False, description="apply KL as a per-token reward penalty instead of a loss term"
+        False,
+        description="KL as a per-token reward penalty −kl_coef·KL(behaviour ‖ reference) folded in "
+        "before the advantage estimator (advantages become per token) instead of a loss term",
+    )
+    kl_clamp: float | None = Field(
+        None,
+        gt=0.0,
+        description="clamp each token's KL estimate to [−kl_clamp, kl_clamp] (verl clamps "
+        "low_var_kl to ±10); unset = no clamp",
     )
     off_policy: Literal["none", "tis", "decoupled"] = Field(
         "decoupled",

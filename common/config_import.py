@@ -824,21 +824,28 @@ def _kl(
     coef_default: float,
     kind_default: str,
     keys: tuple[str, ...],
+    k3_clamp: float | None = None,
+    reward_note: str = "",
 ) -> None:
-    """Puts Tether's single KL term (coefficient, estimator, loss or reward)."""
+    """Puts Tether's single KL term (coefficient, estimator, loss or reward). ``k3_clamp``: the
+    bound the peer clamps its k3 estimate to (Tether's is unclamped unless kl_clamp is set)."""
     value = m.get(coef, coef_default)
     m.put("learner.kl_coef", value, (coef, *keys), _default_note(m, coef, coef_default))
-    m.put("learner.kl_in_reward", in_reward, keys)
+    m.put("learner.kl_in_reward", in_reward, keys, reward_note if in_reward else "")
     if kind:
         try:
-            m.put(
-                "learner.kl_type",
-                _kl_type(m.get(kind, kind_default)),
-                kind,
-                _default_note(m, kind, kind_default),
-            )
+            kl_type = _kl_type(m.get(kind, kind_default))
+            m.put("learner.kl_type", kl_type, kind, _default_note(m, kind, kind_default))
         except _Skip as why:
             m.drop(kind, str(why))
+            return
+        if kl_type == "k3" and k3_clamp is not None:
+            m.put(
+                "learner.kl_clamp",
+                k3_clamp,
+                kind,
+                f"{m.peer} clamps its k3 (low_var_kl) estimate to [−{k3_clamp:g}, {k3_clamp:g}]",
+            )
 
 
 # --------------------------------------------------------------------------- verl
@@ -982,6 +989,15 @@ def _verl_micro(m: _Map) -> None:
         )
 
 
+_VERL_KL_REWARD_NOTE = (
+    "both subtract kl_coef × KL(sampling policy ‖ reference) from each token's reward before the "
+    "estimator; reinforce_plus_plus matches, but for grpo, rloo and reinforce_plus_plus_baseline "
+    "verl sums a response's penalised rewards into one score for the group rule, while Tether "
+    "applies the group rule to the outcome reward and charges each token its KL-to-go "
+    "(per-token advantages), so those numbers differ"
+)
+
+
 def _verl_algorithm(m: _Map) -> None:
     table = {
         "grpo": "grpo",
@@ -1005,6 +1021,14 @@ def _verl_algorithm(m: _Map) -> None:
         m.put("learner.norm_adv_by_std", norm, nk)
     elif est:
         m.drop(nk, "verl only applies it to grpo")
+    if (est == "grpo" and norm is not False) or est in ("reinforce_pp", "reinforce_pp_baseline"):
+        why = "verl divides by the unbiased (n − 1) std: torch.std of each group in GRPO"
+        if est != "grpo":
+            why = (
+                "verl divides by the unbiased (n − 1) std: masked_whiten over tokens in REINFORCE++ "
+                "(Tether whitens over sequences unless KL is in the reward, then over tokens)"
+            )
+        m.put("learner.std_estimator", "unbiased", ek, why)
     low, high, base = _A + "clip_ratio_low", _A + "clip_ratio_high", _A + "clip_ratio"
     for key, tkey in ((low, "learner.clip_low"), (high, "learner.clip_high")):
         src = key if m.given(key) else base
@@ -1038,6 +1062,7 @@ def _verl_algorithm(m: _Map) -> None:
             coef_default=0.001,
             kind_default="low_var_kl",
             keys=(_A + "use_kl_loss",),
+            k3_clamp=10.0,
         )
         for key in reward_keys:
             m.drop(
@@ -1054,6 +1079,8 @@ def _verl_algorithm(m: _Map) -> None:
             coef_default=0.001,
             kind_default="kl",
             keys=("algorithm.use_kl_in_reward",),
+            k3_clamp=10.0,
+            reward_note=_VERL_KL_REWARD_NOTE,
         )
         m.drop(
             "algorithm.kl_ctrl.type", "Tether's KL coefficient is fixed (no adaptive controller)"
@@ -1346,6 +1373,13 @@ def _openrlhf_rest(m: _Map, steps: int | None) -> None:
     est = _estimator(m, "advantage_estimator", table, "gae")
     if est:
         m.put("learner.advantage_estimator", est, "advantage_estimator")
+    if est == "grpo":
+        m.put(
+            "learner.std_estimator",
+            "unbiased",
+            "advantage_estimator",
+            "OpenRLHF's group_norm divides by the unbiased (n − 1) std of each group",
+        )
     if m.get("use_dynamic_batch", False) and m.given("train_max_tokens_per_gpu"):
         m.put(
             "learner.max_tokens_per_micro_batch",
@@ -1867,6 +1901,7 @@ _ORDER = {
         "gradient_checkpointing",
         "advantage_estimator",
         "norm_adv_by_std",
+        "std_estimator",
         "clip_low",
         "clip_high",
         "dual_clip",
@@ -1875,6 +1910,7 @@ _ORDER = {
         "kl_coef",
         "kl_type",
         "kl_in_reward",
+        "kl_clamp",
         "eval_every_steps",
         "checkpoint_every_steps",
     ],

@@ -169,11 +169,6 @@ def _check_misc(cfg: TetherConfig) -> None:
             f"{cfg.bus.block_ms} ms, or every blocking stream read would time out (redis-py's default "
             f"socket timeout is 5 s). Fix: raise socket_timeout_s or lower block_ms."
         )
-    if cfg.learner.kl_in_reward and cfg.learner.kl_coef == 0:
-        raise ConfigError(
-            "learner.kl_in_reward = true has no effect while learner.kl_coef = 0. Fix: set kl_coef > 0 "
-            "(e.g. 0.001) or remove kl_in_reward."
-        )
     if len(cfg.learner.adam_betas) != 2 or not all(0 <= x < 1 for x in cfg.learner.adam_betas):
         raise ConfigError(
             f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]."
@@ -196,6 +191,32 @@ def _check_misc(cfg: TetherConfig) -> None:
         )
 
 
+def _check_algorithm(cfg: TetherConfig) -> None:
+    """Learner settings that would silently do nothing with the others as they are."""
+    ln = cfg.learner
+    if ln.kl_in_reward and ln.kl_coef == 0:
+        raise ConfigError(
+            "learner.kl_in_reward = true has no effect while learner.kl_coef = 0. Fix: set kl_coef > 0 "
+            "(e.g. 0.001) or remove kl_in_reward."
+        )
+    if ln.kl_clamp is not None and ln.kl_coef == 0:
+        raise ConfigError(
+            f"learner.kl_clamp = {ln.kl_clamp} has no effect while learner.kl_coef = 0 (there is no KL "
+            "term to clamp). Fix: set kl_coef > 0 or remove kl_clamp."
+        )
+    est = ln.advantage_estimator
+    uses_std = est in ("reinforce_pp", "reinforce_pp_baseline") or (
+        est == "grpo" and ln.norm_adv_by_std
+    )
+    if ln.std_estimator == "unbiased" and not uses_std:
+        what = "grpo with norm_adv_by_std = false" if est == "grpo" else f'"{est}"'
+        raise ConfigError(
+            f'learner.std_estimator = "unbiased" has no effect: advantage_estimator = {what} divides by '
+            "no standard deviation (only grpo with norm_adv_by_std = true, reinforce_pp and "
+            "reinforce_pp_baseline do). Fix: remove std_estimator, or choose one of those estimators."
+        )
+
+
 def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     """Validate and fill in derived values; returns the dotted names that were derived."""
     derived: set[str] = set()
@@ -204,4 +225,5 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _resolve_micro_batches(cfg, b, derived)
     _resolve_staleness(cfg, s, derived)
     _check_misc(cfg)
+    _check_algorithm(cfg)
     return derived

@@ -246,3 +246,28 @@ def test_greedy_with_several_samples_is_refused():
         load_config(overrides=['scorer.mode="solver"', "scorer.solver_samples=3"], env={})
     with pytest.raises(ConfigError, match="generator.temperature > 0"):
         load_config(overrides=["generator.temperature=0"], env={})
+
+
+def test_std_estimator_and_kl_clamp_defaults_and_rules():
+    ln = TetherConfig().learner
+    assert (ln.std_estimator, ln.kl_clamp) == ("population", None)
+
+    def learner(*sets):
+        return load_config(overrides=list(sets), env={}).config.learner
+
+    assert learner('learner.std_estimator="unbiased"').std_estimator == "unbiased"
+    for est in ("reinforce_pp", "reinforce_pp_baseline"):
+        learner('learner.std_estimator="unbiased"', f'learner.advantage_estimator="{est}"')
+    assert learner("learner.kl_coef=0.001", "learner.kl_clamp=10").kl_clamp == 10.0
+    # settings that would do nothing are refused, naming the setting and the fix
+    for est in ("rloo", "drgrpo"):
+        with pytest.raises(ConfigError, match=f'std_estimator = "unbiased" has no effect.*"{est}"'):
+            learner('learner.std_estimator="unbiased"', f'learner.advantage_estimator="{est}"')
+    with pytest.raises(ConfigError, match="norm_adv_by_std = false"):
+        learner('learner.std_estimator="unbiased"', "learner.norm_adv_by_std=false")
+    with pytest.raises(ConfigError, match="kl_clamp = 10.0 has no effect.*set kl_coef > 0"):
+        learner("learner.kl_clamp=10")
+    with pytest.raises(ConfigError, match="std_estimator"):
+        learner('learner.std_estimator="bessel"')
+    with pytest.raises(ConfigError, match="kl_clamp"):
+        learner("learner.kl_coef=0.001", "learner.kl_clamp=0")

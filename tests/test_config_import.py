@@ -147,6 +147,53 @@ def test_verl_default_estimator_gae_needs_a_critic(tmp_path):
     assert (r.tether["run"]["train_batch_size"], r.tether["run"]["train_steps_per_cycle"]) == (8, 2)
 
 
+def test_verl_std_and_k3_clamp_are_mapped_where_verl_uses_them():
+    t = load("verl", "verl_seed001_solver_grpo.sh").tether["learner"]
+    # grpo divides by torch.std (n - 1); the low_var_kl loss is clamped to [-10, 10]
+    assert (t["std_estimator"], t["kl_type"], t["kl_clamp"]) == ("unbiased", "k3", 10.0)
+    t = load("verl", "verl_ppo_trainer.yaml").tether["learner"]
+    assert "std_estimator" not in t and "kl_clamp" not in t  # rloo has no std; mse no clamp
+    t = load("verl", "verl_gsm8k_variables.sh").tether["learner"]
+    assert t["advantage_estimator"] == "drgrpo" and "std_estimator" not in t
+
+
+def _verl_kl_in_reward(tmp_path, *extra):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo data.train_batch_size=8 actor_rollout_ref.rollout.n=2 \\\n"
+        "  actor_rollout_ref.actor.ppo_mini_batch_size=4 algorithm.use_kl_in_reward=True \\\n"
+        "  algorithm.kl_ctrl.kl_coef=0.002 " + " ".join(extra) + "\n"
+    )
+    return import_peer_config("verl", script)
+
+
+def test_verl_kl_in_reward_maps_to_a_config_tether_accepts(tmp_path):
+    from common.config_load import load_config
+
+    r = _verl_kl_in_reward(tmp_path, "algorithm.adv_estimator=grpo")
+    t = r.tether["learner"]
+    # verl's reward penalty defaults to kl_penalty=kl (k1), which verl does not clamp
+    assert (t["kl_coef"], t["kl_in_reward"], t["kl_type"]) == (0.002, True, "k1")
+    assert "kl_clamp" not in t and t["std_estimator"] == "unbiased"
+    note = next(row.note for row in r.mapping if row.tether_key == "learner.kl_in_reward")
+    assert "per-token advantages" in note and "differ" in note
+    r = _verl_kl_in_reward(
+        tmp_path, "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_penalty=low_var_kl"
+    )
+    t = r.tether["learner"]
+    assert (t["kl_type"], t["kl_clamp"], t["std_estimator"]) == ("k3", 10.0, "unbiased")
+    assert r.problems == []
+    toml = tmp_path / "imported.toml"
+    toml.write_text(render_toml(r))
+    ln = load_config(config_file=toml, env={}).config.learner
+    assert (ln.kl_in_reward, ln.kl_type, ln.kl_clamp, ln.std_estimator) == (
+        True,
+        "k3",
+        10.0,
+        "unbiased",
+    )
+
+
 # --------------------------------------------------------------------------- OpenRLHF
 
 
@@ -175,6 +222,17 @@ def test_openrlhf_ray_job_submit():
     assert {"--colocate_all_models", "--packing_samples", "--num_episodes"} <= unmapped_keys(r)
     assert "--runtime-env-json" not in str(r.unmapped)  # ray's own flags are not OpenRLHF's
     assert r.unknown_variables == ["WANDB_API_KEY"]
+
+
+def test_openrlhf_group_norm_uses_the_unbiased_std(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m openrlhf.cli.train_ppo_ray --rollout_batch_size 8 --n_samples_per_prompt 4 "
+        "--train_batch_size 32 --advantage_estimator group_norm\n"
+    )
+    t = import_peer_config("openrlhf", script).tether["learner"]
+    assert (t["advantage_estimator"], t["std_estimator"]) == ("grpo", "unbiased")
+    assert "std_estimator" not in load("openrlhf", "openrlhf_rloo_ray_job.sh").tether["learner"]
 
 
 def test_openrlhf_uneven_and_gae_problems():

@@ -47,6 +47,31 @@ def test_kl_penalty_kinds_and_aliases():
             kl_penalty(logp, ref, kind=bad)
 
 
+def test_kl_clamp_bounds_the_estimate_and_stops_its_gradient_outside():
+    # k3 of d = -15: exp(15) - 15 - 1 = 3.3e6, clamped to 10 (verl's low_var_kl bound); d = +ln2
+    # gives ln2 - 0.5 = 0.19, inside the bound and unchanged
+    logp = torch.tensor([[-15.0, LN2]], dtype=torch.float64, requires_grad=True)
+    ref = torch.zeros(1, 2, dtype=torch.float64)
+    assert float(kl_penalty(logp.detach(), ref, kind="k3")[0, 0]) == pytest.approx(
+        math.exp(15) - 16
+    )
+    clamped = kl_penalty(logp, ref, kind="low_var_kl", clamp=10.0)
+    torch.testing.assert_close(
+        clamped.detach(), torch.tensor([[10.0, LN2 - 0.5]], dtype=torch.float64)
+    )
+    clamped.sum().backward()
+    # d k3 / d logp = 1 - exp(-d): 0 where clamped, 1 - 0.5 at d = ln2
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.5]], dtype=torch.float64))
+    # a symmetric bound for the signed estimators: k1 of +-ln2 within 0.5
+    logp, ref = lp(0.5, 0.25), lp(0.25, 0.5)
+    torch.testing.assert_close(
+        kl_penalty(logp, ref, kind="k1", clamp=0.5),
+        torch.tensor([[0.5, -0.5]], dtype=torch.float64),
+    )
+    with pytest.raises(ValueError, match="clamp must be > 0"):
+        kl_penalty(logp, ref, kind="k1", clamp=0.0)
+
+
 # Plain PPO, clip_low 0.2, clip_high 0.28, dual clip 3. Ratios are set through logp - old_logp.
 #  tok  A   ratio  -A*r   -A*clip(r,0.8,1.28)  max    dual (A<0: min(., 3|A|))  grad dL/dlogp
 #  0   +1   1.5   -1.5       -1.28            -1.28   -                         0 (clipped)

@@ -1,15 +1,21 @@
 """Advantage estimators for critic-free policy-gradient RL (GRPO family, RLOO, REINFORCE++).
 
-Everything here is sequence-level unless the name says "token": one scalar reward per
-response goes in, one scalar advantage per response comes out, and the caller broadcasts it
-to that response's tokens. `group_index[i]` names the prompt that response `i` answers
-(responses to the same prompt form a group); group ids need not be contiguous or sorted.
+`compute_advantages` is sequence-level: one scalar reward per response goes in, one scalar
+advantage per response comes out, and the caller broadcasts it to that response's tokens.
+`kl_reward_advantages` is the token-level variant used when the KL to the reference is a reward
+penalty (`learner.kl_in_reward`): one advantage per response token. `group_index[i]` names the
+prompt that response `i` answers (responses to the same prompt form a group); group ids need not
+be contiguous or sorted.
 
 Standard deviations are *population* standard deviations (divide by n, `unbiased=False`) unless
-`unbiased_std=True`: a group of size 1 then has std 0 rather than NaN, and a group whose rewards
-are all equal gets advantage exactly 0. verl and TRL use the unbiased std (divide by n - 1);
-pass `unbiased_std=True` to reproduce their numbers (groups of size 1 then use std 1).
-Arithmetic is done in float64 and the result is cast back to the rewards' dtype.
+`unbiased_std=True` (divide by n - 1, Bessel's correction, as verl and TRL do). A group of size 1
+is centred on its own reward either way, so its grpo / drgrpo / rloo advantage is 0 (and its
+reinforce_pp_baseline value is 0 before the batch whitening); with `unbiased_std` its std, which
+n - 1 = 0 leaves undefined, is taken as 1 only to avoid 0 / 0. So `unbiased_std=True` reproduces
+verl's numbers for groups of 2 or more but not for a group of one: verl's GRPO gives such a group
+mean 0 and std 1, so its advantage is the raw reward, a signal no other response confirms; Tether
+keeps 0. A group whose rewards are all equal gets advantage exactly 0. Arithmetic is done in
+float64 and the result is cast back to the rewards' dtype.
 """
 
 from __future__ import annotations
@@ -89,8 +95,8 @@ def compute_advantages(
     - ``reinforce_pp_baseline``: b = r - mean_g, then A = (b - mean_B(b)) / (std_B(b) + eps).
 
     The batch whitening of the REINFORCE++ estimators is over *sequences*. When the KL penalty is
-    folded into per-token rewards, use `token_rewards_with_kl` then `whiten_tokens` instead
-    (whitening over tokens, as REINFORCE++ does with token-level returns).
+    folded into per-token rewards, use `kl_reward_advantages` instead (token-level returns,
+    whitened over tokens, as REINFORCE++ does).
     """
     import torch
 
@@ -138,8 +144,8 @@ def token_rewards_with_kl(
     `kl` is a per-token estimate (e.g. `losses.kl_penalty(logp, ref_logp, kind="k1")`) and is
     treated as data (detached). The discount counts tensor positions, so masked gaps inside a
     row (multi-turn) still advance the discount; with the default gamma = 1 that does not
-    matter. Rows with no valid token get all-zero rewards and returns. For REINFORCE++ with a
-    KL reward, the advantages are `whiten_tokens(G, mask)`.
+    matter. Rows with no valid token get all-zero rewards and returns. `kl_reward_advantages`
+    turns these returns into advantages for each estimator.
     """
     import torch
 
@@ -169,6 +175,73 @@ def token_rewards_with_kl(
             returns[:, pos] = running
     returns = returns * m
     return rewards.to(kl.dtype), returns.to(kl.dtype)
+
+
+def kl_reward_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    estimator: str,
+    kl_coef: float,
+    norm_by_std: bool = True,
+    unbiased_std: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-token advantages [N, T] with the KL penalty folded into the reward; 0 where masked.
+
+    Every response token t earns the reward -kl_coef * kl[i, t]; the response's outcome reward,
+    shaped by the estimator's group rule, is added on its last token; the advantage of a token is
+    built from its return (the reward-to-go, gamma = 1, see `token_rewards_with_kl`). So a token
+    is charged the KL of itself and of the tokens after it, never of the ones before (they do not
+    depend on it). With K[i, t] = sum_{k >= t} m[i, k] * kl[i, k]:
+
+    - ``grpo``, ``drgrpo``, ``rloo``: A[i, t] = a_i - kl_coef * K[i, t], where a_i is
+      `compute_advantages` of the outcome rewards alone (group mean, std, leave-one-out exactly
+      as without KL). The KL part is NOT divided by the group's reward std: it is a penalty in
+      advantage units whose strength kl_coef sets, whatever the spread of a group's rewards. (verl
+      instead sums the penalised token rewards into one score per response and normalises that,
+      so in a group whose rewards are all equal its std is the KL's spread alone and the KL noise
+      is blown up to unit-size advantages. OpenRLHF shapes the outcome reward first, as here.)
+    - ``reinforce_pp``: G[i, t] = r_i - kl_coef * K[i, t]; A = `whiten_tokens`(G) over the valid
+      tokens of the whole batch (REINFORCE++'s token-level returns and token whitening).
+    - ``reinforce_pp_baseline``: as ``reinforce_pp`` with r_i - mean_g(i) in place of r_i.
+
+    `kl` is the per-token KL estimate [N, T] (treated as data), `mask` the response mask [N, T].
+    Without KL (kl = 0) the GRPO family reduces to `compute_advantages` broadcast over tokens; the
+    REINFORCE++ family then whitens over tokens rather than sequences.
+    """
+    import torch
+
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid ones: {ESTIMATORS}")
+    _check_rewards(rewards, group_index)
+    if kl.dim() != 2 or kl.shape != mask.shape or kl.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"kl {tuple(kl.shape)} and mask {tuple(mask.shape)} must both be [N, T] with "
+            f"N = {rewards.shape[0]} responses"
+        )
+    if rewards.numel() == 0 or kl.shape[1] == 0:
+        return torch.zeros_like(kl, dtype=rewards.dtype)
+    r = rewards.detach().to(torch.float64)
+    kl64 = kl.detach().to(torch.float64)
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        if estimator == "reinforce_pp_baseline":
+            r = r - _group_stats(r, group_index, unbiased=False)[0]
+        _, returns = token_rewards_with_kl(r, kl64, mask, kl_coef=kl_coef)
+        out = whiten_tokens(returns, mask, eps=eps, unbiased_std=unbiased_std)
+    else:
+        outcome = compute_advantages(
+            r,
+            group_index,
+            estimator=estimator,
+            norm_by_std=norm_by_std,
+            unbiased_std=unbiased_std,
+            eps=eps,
+        )
+        _, out = token_rewards_with_kl(outcome, kl64, mask, kl_coef=kl_coef)
+    return out.to(rewards.dtype)
 
 
 def whiten_tokens(

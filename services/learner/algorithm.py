@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TOKEN_FIELDS = ("behaviour_logp", "old_logp", "ref_logp")
-SEQ_FIELDS = ("advantage", "weight")
+TOKEN_FIELDS = ("behaviour_logp", "old_logp", "ref_logp", "advantage")
+SEQ_FIELDS = ("weight",)
 
 
 def _dist_info() -> tuple[int, int]:
@@ -50,24 +50,78 @@ def _sampling_temperature(cfg: TetherConfig) -> float:
 
 
 def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
-    """Sequence advantages per group; zero-weight the groups filtered out. Returns #filtered."""
+    """Every response token's advantage; zero-weight the groups filtered out. Returns #filtered.
+
+    Sequence-level estimators give all tokens of a response its one advantage. With
+    ``learner.kl_in_reward`` the KL penalty is folded into per-token rewards first
+    (``advantages.kl_reward_advantages``, see ``reward_kl``): the reference log-probs must have
+    been recomputed for this cycle before this is called.
+    """
     import torch
 
     ln = cfg.learner
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
-    adv = adv_mod.compute_advantages(
-        rewards, groups, estimator=ln.advantage_estimator, norm_by_std=ln.norm_adv_by_std
-    )
+    unbiased = ln.std_estimator == "unbiased"
+    if ln.kl_in_reward:
+        kl, mask = reward_kl(samples, cfg)
+        adv = adv_mod.kl_reward_advantages(
+            rewards,
+            groups,
+            kl,
+            mask,
+            estimator=ln.advantage_estimator,
+            kl_coef=ln.kl_coef,
+            norm_by_std=ln.norm_adv_by_std,
+            unbiased_std=unbiased,
+        )
+        for i, s in enumerate(samples):
+            s.advantages = adv[i, : len(s.response_ids)].tolist()
+    else:
+        seq = adv_mod.compute_advantages(
+            rewards,
+            groups,
+            estimator=ln.advantage_estimator,
+            norm_by_std=ln.norm_adv_by_std,
+            unbiased_std=unbiased,
+        )
+        for s, a in zip(samples, seq.tolist(), strict=True):
+            s.advantages = [float(a)] * len(s.response_ids)
     n_filtered = 0
     if ln.filter_equal_reward_groups:
         keep, n_filtered = adv_mod.equal_reward_group_mask(rewards, groups)
         for s, k in zip(samples, keep.tolist(), strict=True):
             if not k:
                 s.weight = 0.0
-    for s, a in zip(samples, adv.tolist(), strict=True):
-        s.advantage = float(a)
     return n_filtered
+
+
+def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty's per-token estimate [N, T] and the response mask [N, T] (float64).
+
+    The estimate is ``learner.kl_type`` (clamped by ``learner.kl_clamp``) of the behaviour
+    log-probs against the reference log-probs: KL(π_behaviour ‖ π_ref) at the tokens the
+    generator sampled. The behaviour policy is the one that drew them, so the sample average is an
+    estimate of that KL; it is also the only log-prob of that policy a stale trajectory still has
+    (the learner has moved on). verl's ``old_log_probs`` are the same quantity in its synchronous
+    loop, recomputed by its trainer; Tether's come from vLLM, so the engine mismatch (the
+    ``mismatch_*`` metrics) adds a little noise to the penalty.
+    """
+    import torch
+
+    ln = cfg.learner
+    width = max((len(s.response_ids) for s in samples), default=0)
+    behaviour = torch.zeros(len(samples), width, dtype=torch.float64)
+    ref = torch.zeros_like(behaviour)
+    mask = torch.zeros_like(behaviour)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        assert len(s.ref_logp) == n, "reference log-probs are recomputed before the advantages"
+        behaviour[i, :n] = torch.tensor(s.behaviour_logp, dtype=torch.float64)
+        ref[i, :n] = torch.tensor(s.ref_logp, dtype=torch.float64)
+        mask[i, :n] = 1.0
+    kl = losses.kl_penalty(behaviour, ref, kind=ln.kl_type, clamp=ln.kl_clamp) * mask
+    return kl, mask
 
 
 def _micro_batches(cfg: TetherConfig, lengths: Sequence[int]) -> list[list[int]]:
@@ -116,13 +170,10 @@ def step_denominator(
     cfg: TetherConfig, samples: list[Sample], step_indices: list[int], device: torch.device
 ) -> float:
     """The whole step's loss denominator (all ranks): tokens or sequences with weight > 0."""
-
+    # Every rank holds the whole step's samples, so this is already the global value: no
+    # collective. (``device`` is unused; the callers' signature is kept.)
     lengths = [len(samples[i].response_ids) for i in step_indices if samples[i].weight > 0]
-    local = losses.step_denominator(lengths, mode=cfg.learner.loss_agg)
-    rank, world = _dist_info()
-    # every rank holds the whole step's samples, so the local value is already global
-    del rank, world
-    return float(max(local, 1))
+    return float(max(losses.step_denominator(lengths, mode=cfg.learner.loss_agg), 1))
 
 
 def recompute_logprobs(
@@ -236,9 +287,16 @@ def make_loss_fn(
             clip_high=ln.clip_high,
             dual_clip=ln.dual_clip,
         )
-        if ln.kl_coef > 0 and not ln.kl_in_reward:
-            kl = losses.kl_penalty(logp, mb["ref_logp"], kind=ln.kl_type)
-            token_loss = token_loss + ln.kl_coef * kl
+        if ln.kl_coef > 0:
+            # In the reward the penalty is already in the advantages: here only its metric.
+            kl = losses.kl_penalty(
+                logp if not ln.kl_in_reward else logp.detach(),
+                mb["ref_logp"],
+                kind=ln.kl_type,
+                clamp=ln.kl_clamp,
+            )
+            if not ln.kl_in_reward:
+                token_loss = token_loss + ln.kl_coef * kl
             stats["kl_ref_mean"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
         if want_entropy:
             assert entropy is not None

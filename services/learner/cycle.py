@@ -31,7 +31,7 @@ class Sample:
     reward: float
     policy_version: int
     # filled in per cycle / per step
-    advantage: float = 0.0
+    advantages: list[float] = field(default_factory=list)  # one per response token
     old_logp: list[float] = field(default_factory=list)
     ref_logp: list[float] = field(default_factory=list)
     weight: float = 1.0  # 0 when dropped (staleness, equal-reward filter)
@@ -135,6 +135,6 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
         "behaviour_logp": s.behaviour_logp,
         "old_logp": s.old_logp or s.behaviour_logp,
         "ref_logp": s.ref_logp or [0.0] * len(s.response_ids),
-        "advantage": s.advantage,
+        "advantage": s.advantages or [0.0] * len(s.response_ids),
         "weight": s.weight,
     }

@@ -164,10 +164,9 @@ class LearnerService:
 
     # ------------------------------------------------------------------ training
     def _prepare(self, samples: list[Sample]) -> None:
+        """The cycle's reference and proximal log-probs, then its advantages (a KL reward needs
+        the reference log-probs)."""
         ln = self.cfg.learner
-        self.counters["filtered_samples"] += (
-            algorithm.assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
-        )
         if ln.off_policy != "none" and not algorithm.proximal_is_current(self.cfg):
             for s, lp in zip(
                 samples,
@@ -186,6 +185,9 @@ class LearnerService:
                 strict=True,
             ):
                 s.ref_logp = lp
+        self.counters["filtered_samples"] += (
+            algorithm.assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        )
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         limit = self.cfg.run.max_staleness

@@ -29,13 +29,19 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 _MAX_LOG_RATIO = 20.0
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, *, kind: str) -> torch.Tensor:
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, *, kind: str, clamp: float | None = None
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens; same shape as inputs.
 
     With d = logp - ref_logp:  k1 = d;  k2 = d^2 / 2;  k3 = exp(-d) + d - 1 (>= 0, low variance;
     -d is clamped to <= 20 so exp stays finite);  abs = |d|. Accepted names: k1/kl, k2/mse,
     k3/low_var_kl, abs. verl's ``full`` (KL over the whole vocabulary) needs full distributions
     and is not supported here. Gradient flows through `logp` (and `ref_logp` if it has one).
+
+    `clamp` (> 0, or None for none) bounds the estimate to [-clamp, clamp]; a token outside the
+    bound then has no gradient. verl clamps its ``low_var_kl`` (k3) to [-10, 10]; the unclamped
+    value is the true estimator, so Tether clamps only when asked (``learner.kl_clamp``).
     """
     import torch
 
@@ -44,16 +50,20 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, *, kind: str) -> torc
             f"unknown KL kind {kind!r}; valid ones: {sorted(KL_KINDS)} "
             "(k1=kl, k2=mse, k3=low_var_kl, abs)"
         )
+    if clamp is not None and not clamp > 0:
+        raise ValueError(f"clamp must be > 0 (or None for no clamp), got {clamp}")
     d = logp - ref_logp
     canon = KL_KINDS[kind]
     if canon == "k1":
-        return d
-    if canon == "k2":
-        return 0.5 * d * d
-    if canon == "abs":
-        return d.abs()
-    neg = torch.clamp(-d, max=_MAX_LOG_RATIO)
-    return torch.exp(neg) - neg - 1.0
+        kl = d
+    elif canon == "k2":
+        kl = 0.5 * d * d
+    elif canon == "abs":
+        kl = d.abs()
+    else:
+        neg = torch.clamp(-d, max=_MAX_LOG_RATIO)
+        kl = torch.exp(neg) - neg - 1.0
+    return kl if clamp is None else torch.clamp(kl, min=-clamp, max=clamp)
 
 
 def _masked_stats(x: torch.Tensor, valid: torch.Tensor, prefix: str) -> dict:
