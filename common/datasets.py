@@ -5,6 +5,13 @@ column, wrong type, empty prompt) or a prompt longer than ``max_prompt_tokens`` 
 configured policy: ``error`` raises ``DatasetError`` naming the file, the row and the fix;
 ``drop`` skips it, counts it in ``PromptSet.dropped`` and logs once with up to 3 examples.
 
+``encode_prompt`` is the one prompt encoding: the loader counts prompt tokens with it and the
+generator builds what vLLM receives with it (``prompt_of`` takes a record's or a wire
+``PromptMsg``'s prompt), so the length check and the generated prompt cannot differ. It follows
+the tokenizer's own convention, as transformers does by default: raw text gets the tokenizer's
+special tokens (BOS for Llama/Mistral/Gemma-style tokenizers); a chat-templated prompt gets none
+on top of the template, which already writes BOS where the model wants it.
+
 Order is deterministic: ``PromptSet.order(seed, epoch)`` is a permutation of the records, so a
 sampler position ``(epoch, offset)`` names the next prompt exactly (resume stores just that).
 ``prompt_id`` is stable across runs and machines: a hash of the file's name and the row number.
@@ -81,7 +88,12 @@ class PromptSet(Sequence):
 def encode_prompt(
     tokenizer: Any, prompt: str | list[dict], *, apply_chat_template: bool = True
 ) -> list[int]:
-    """Token ids of a prompt: chat template with a generation prompt, or the raw text."""
+    """Token ids of a prompt: chat template with a generation prompt, or the raw text.
+
+    Raw text is encoded with the tokenizer's special tokens (``add_special_tokens=True``, the
+    transformers default: BOS where the tokenizer adds one). The chat template's text is encoded
+    without them, as ``apply_chat_template(tokenize=True)`` does: the template writes BOS itself
+    when the model wants it, and adding it again would double it."""
     if apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -90,12 +102,18 @@ def encode_prompt(
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    elif isinstance(prompt, str):
-        text = prompt
-    else:
-        raise ValueError("a chat-list prompt needs apply_chat_template = true.")
-    # The template already holds any special tokens the model expects.
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    if not isinstance(prompt, str):
+        raise ValueError(
+            "chat-list prompt but data.apply_chat_template is false; set it to true, or give "
+            "plain-text prompts."
+        )
+    return list(tokenizer(prompt, add_special_tokens=True).input_ids)
+
+
+def prompt_of(item: Any) -> str | list[dict]:
+    """The prompt of a ``PromptRecord`` or a wire ``PromptMsg``: its chat list, else its text."""
+    return item.messages if item.messages is not None else (item.text or "")
 
 
 def _lookup(row: dict, dotted: str) -> Any:
@@ -333,8 +351,6 @@ def _make_record(row: Any, spec: _Spec, source: str, index: int) -> PromptRecord
     text, messages, truth, metadata = _parse_row(row, spec)
     token_ids = None
     if spec.tokenizer is not None:
-        if messages is not None and not spec.apply_chat_template:
-            raise ValueError("chat-list prompt but data.apply_chat_template is false")
         prompt: str | list[dict] = messages if messages is not None else text  # type: ignore[assignment]
         token_ids = encode_prompt(
             spec.tokenizer, prompt, apply_chat_template=spec.apply_chat_template
