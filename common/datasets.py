@@ -4,6 +4,7 @@
 column, wrong type, empty prompt) or a prompt longer than ``max_prompt_tokens`` gets the
 configured policy: ``error`` raises ``DatasetError`` naming the file, the row and the fix;
 ``drop`` skips it, counts it in ``PromptSet.dropped`` and logs once with up to 3 examples.
+Rows are named ``row N (0-based; line N+1)`` in a JSONL file and ``row N (0-based)`` in Parquet.
 
 ``encode_prompt`` is the one prompt encoding: the loader counts prompt tokens with it and the
 generator builds what vLLM receives with it (``prompt_of`` takes a record's or a wire
@@ -26,7 +27,10 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from common.config import TetherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,10 @@ Format = Literal["auto", "jsonl", "parquet", "verl"]
 OverlongPolicy = Literal["error", "drop"]
 VERL_ANSWER_KEY = "reward_model.ground_truth"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+EMPTY_TRAIN_PATH = (
+    "data.train_path is empty: set it to your prompts, a JSONL/Parquet file or a directory of them "
+    "(--set data.train_path=FILE); `tether demo` runs the built-in synthetic arithmetic task."
+)
 _FIX_HINT = 'fix the row, or set data.overlong_prompt_policy = "drop" to skip bad and overlong rows'
 
 
@@ -128,14 +136,14 @@ def _lookup(row: dict, dotted: str) -> Any:
     return value
 
 
-def _list_files(path: Path, split: str) -> list[Path]:
+def _list_files(path: Path, split: str, setting: str) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise DatasetError(f"dataset path {path} does not exist; check data.path.")
+        raise DatasetError(f"dataset path {path} does not exist; check {setting}.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES)
     if not files:
-        raise DatasetError(f"no .jsonl/.json/.parquet files under {path}; check data.path.")
+        raise DatasetError(f"no .jsonl/.json/.parquet files under {path}; check {setting}.")
 
     def in_split(p: Path) -> bool:
         rel = p.relative_to(path)
@@ -148,7 +156,7 @@ def _list_files(path: Path, split: str) -> list[Path]:
         return files
     raise DatasetError(
         f"no file for split {split!r} under {path} (expected e.g. {split}.parquet or "
-        f"{split}/...); point the {split} data path at the right file."
+        f"{split}/...); point {setting} at the right file."
     )
 
 
@@ -273,11 +281,13 @@ def load_prompts(
     max_prompt_tokens: int | None = None,
     overlong_policy: OverlongPolicy = "error",
     split: str = "train",
+    setting: str = "the dataset path",
 ) -> PromptSet:
     """Load and validate every prompt under ``path`` (file or directory). See module docstring.
 
     ``answer_key`` and ``metadata_keys`` may be dotted paths into nested columns
-    (``reward_model.ground_truth``). With a ``tokenizer`` each record gets ``prompt_token_ids``.
+    (``reward_model.ground_truth``). With a ``tokenizer`` each record gets ``prompt_token_ids``
+    (``encode_prompt``). ``setting`` names where ``path`` came from in messages (data.train_path).
     """
     if format not in ("auto", "jsonl", "parquet", "verl"):
         raise ValueError(f"format={format!r}: use auto, jsonl, parquet or verl.")
@@ -290,9 +300,9 @@ def load_prompts(
         and apply_chat_template
         and not getattr(tokenizer, "chat_template", None)
     ):
-        raise ValueError(
-            "the tokenizer has no chat template; set data.apply_chat_template = false "
-            "to feed raw text, or use a tokenizer that has one."
+        raise DatasetError(
+            "data.apply_chat_template is true but the tokenizer has no chat template; set "
+            "data.apply_chat_template = false to feed raw text, or use a tokenizer that has one."
         )
     spec = _Spec(
         fmt=format,
@@ -306,10 +316,11 @@ def load_prompts(
     root = Path(path)
     records: list[PromptRecord] = []
     problems: dict[str, list[str]] = {}
-    for file in _list_files(root, split):
+    for file in _list_files(root, split, setting):
         source = file.name if root.is_file() else str(file.relative_to(root))
-        for i, row in _read_rows(file, _file_format(file, spec)):
-            where = f"{file}: row {i}"
+        fmt = _file_format(file, spec)
+        for i, row in _read_rows(file, fmt):
+            where = f"{file}: row {i} (0-based{f'; line {i + 1}' if fmt == 'jsonl' else ''})"
             try:
                 records.append(_make_record(row, spec, source, i))
             except _Overlong as e:
@@ -335,6 +346,32 @@ def load_prompts(
     if not records:
         raise DatasetError(f"no usable prompts in {root} (dropped: {_counts(problems)}).")
     return PromptSet(records=records, dropped=_counts(problems))
+
+
+def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+    """(train, eval or None) as the config names them: the learner's data, and what `tether
+    train` checks before it starts anything. Raises ``DatasetError`` naming the setting or row.
+    Without a ``tokenizer`` rows are checked but not tokenised (no length check)."""
+    d, run = cfg.data, cfg.run
+    if not d.train_path:
+        raise DatasetError(EMPTY_TRAIN_PATH)
+
+    def load(path: str, split: str) -> PromptSet:
+        return load_prompts(
+            path,
+            format=d.format,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            metadata_keys=d.metadata_keys,
+            tokenizer=tokenizer,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_tokens=run.max_prompt_tokens if tokenizer is not None else None,
+            overlong_policy=d.overlong_prompt_policy,
+            split=split,
+            setting=f"data.{split}_path",
+        )
+
+    return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
 
 
 def _counts(problems: dict[str, list[str]]) -> dict[str, int]:

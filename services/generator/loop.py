@@ -116,9 +116,9 @@ class GeneratorService:
             )
         )
         await self.engine.start()
-        from transformers import AutoTokenizer
+        from common.model_paths import policy_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        self.tokenizer = policy_tokenizer(self.cfg)
 
     async def _weight_address(self) -> tuple[str, int]:
         w = self.cfg.weights

@@ -20,13 +20,15 @@ def run_dir_of(cfg: TetherConfig) -> Path:
 
 def main(cfg: TetherConfig, args) -> int:
     from common.datasets import DatasetError
-    from common.trackers import require_trackers
+    from common.preflight import preflight
+
+    # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
+    checked = preflight(cfg, "learner")
     from services.learner.loop import LearnerService
 
-    require_trackers(cfg)  # ConfigError → exit 2 before the model loads
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    svc = LearnerService(cfg, run_dir=run_dir)
+    svc = LearnerService(cfg, run_dir=run_dir, datasets=checked.datasets)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: svc.stop())
     rank = int(os.environ.get("RANK", "0"))
