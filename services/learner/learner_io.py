@@ -131,10 +131,14 @@ class LearnerIO:
         self.eval_history = list(extra.get("eval_history", []))
 
     def ack_trained(self, next_cycle: int) -> None:
-        """Acknowledge the entries of every cycle below ``next_cycle`` (now in a checkpoint)."""
-        if self.trained_deliveries:
-            self.consumer.ack(self.trained_deliveries)
-            self.trained_deliveries = []
+        """Acknowledge the scored entries of every cycle below ``next_cycle``: the checkpoint
+        just written holds their training. Entries of a cycle collected but not yet trained stay
+        pending, so a crash before the checkpoint that holds them delivers them again."""
+        done = [d for d in self.trained_deliveries if d.msg.group.cycle < next_cycle]
+        self.trained_deliveries = [
+            d for d in self.trained_deliveries if d.msg.group.cycle >= next_cycle
+        ]
+        self.consumer.ack(done)
 
     def housekeep(self, *, every_s: float = 30.0) -> None:
         """Bound Redis memory over a long run: trim each stream to the entries some consumer
