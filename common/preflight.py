@@ -146,7 +146,9 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
     except ConfigError as exc:
         return [str(exc)]
     except ValueError as exc:  # BusSettings: scheme, run name, timeouts
-        return [f"{exc}; check run.redis_url, run.name and [bus]."]
+        raw = cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL", "")
+        text = str(exc).replace(raw, safe_url(raw)) if raw else str(exc)  # no password shown
+        return [f"{text}; check run.redis_url, run.name and [bus]."]
     where = f"Redis at {safe_url(url)} (run.redis_url, --redis-url)"
     try:
         ping_once(url, timeout_s=PING_TIMEOUT_S)

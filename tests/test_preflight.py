@@ -172,6 +172,12 @@ def test_generator_alone_unreachable_redis(tmp_path, model):
     refused(r, tmp_path, "tether generator", "PING", "start the server or correct the URL")
 
 
+def test_scorer_alone_bad_redis_url_scheme_without_showing_the_password(tmp_path):
+    r = tether(tmp_path, "scorer", "--redis-url", "http://user:hunter2@example:6379/0")
+    line = refused(r, tmp_path, "tether scorer", "scheme must be redis://", "run.redis_url")
+    assert "hunter2" not in line
+
+
 def test_generator_alone_tokenizer_without_chat_template(tmp_path, model, redis_server):
     base = tmp_path / "base-tok"
     base.mkdir()
