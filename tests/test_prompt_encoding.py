@@ -97,3 +97,19 @@ def test_chat_template_bos_is_not_doubled(tokenizer):
         assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
         # encoding the template's text with special tokens, as raw text is, would double it
         assert tokenizer(text).input_ids[:2] == [tokenizer.bos_token_id] * 2
+
+
+@pytest.mark.parametrize("template", [True, False], ids=["template", "raw"])
+def test_solver_prompt_uses_the_same_encoding(tokenizer, template):
+    from services.scorer.solver import Solver, SolverSettings
+
+    settings = SolverSettings(model="unused", template="Q: {question}\nG: {response}",
+                              apply_chat_template=template)  # fmt: skip
+    solver = Solver(settings, pool=None)
+    solver.tokenizer = tokenizer  # what Solver.start loads from the solver's directory
+    ids = solver.prompt_ids("Count the cats.", "so 7")
+    assert ids == encode_prompt(
+        tokenizer, "Q: Count the cats.\nG: so 7", apply_chat_template=template
+    )
+    if tokenizer.bos_token is not None:  # BOS once, raw or templated
+        assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
