@@ -173,10 +173,11 @@ class EmbeddedRedis:
         try:
             pid = int(self.pid_path.read_text().strip())
             cwd = os.readlink(f"/proc/{pid}/cwd")  # the server chdirs to its `dir`
-            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+            exe = os.readlink(f"/proc/{pid}/exe")
         except (OSError, ValueError):
             return  # no pid file, or nobody by that pid (or not Linux)
-        if cwd != str(self.data_dir.resolve()) or exe != self.binary.name:
+        # resolved: Debian's redis-server is a symlink to redis-check-rdb, the exe it runs as
+        if cwd != str(self.data_dir.resolve()) or exe != os.path.realpath(self.binary):
             return  # the pid was reused by something else
         log.warning("stopping a server left running on %s (pid %d)", self.data_dir, pid)
         os.kill(pid, signal.SIGTERM)
