@@ -76,18 +76,42 @@ def is_nogroup(e: Exception) -> bool:
     return isinstance(e, redis.ResponseError) and str(e).startswith("NOGROUP")
 
 
+def make_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> Any:
+    """A redis-py client with explicit timeouts and no built-in retries (``Bus.call`` retries)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        socket_keepalive=True,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+    )
+
+
+def ping_once(url: str, *, timeout_s: float) -> None:
+    """One PING, ``timeout_s`` to connect and to answer, no retry; redis-py's error if it fails."""
+    client = make_client(url, socket_timeout_s=timeout_s, connect_timeout_s=timeout_s)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its user and password, for messages."""
+    u = urlparse(url)
+    return f"{u.scheme}://{u.hostname}:{u.port}" if u.hostname else u.scheme + "://"
+
+
 class Bus:
     """One service's handle on the bus. Stream arguments are short names ("groups")."""
 
     def __init__(self, settings: BusSettings, *, service: str) -> None:
         self.settings, self.service = settings, service
         self.metrics = bus_metrics()
-        self.redis: Any = redis.Redis.from_url(
+        self.redis: Any = make_client(
             settings.url,
-            socket_timeout=settings.socket_timeout_s,
-            socket_connect_timeout=settings.connect_timeout_s,
-            socket_keepalive=True,
-            retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),  # our own retry loop below
+            socket_timeout_s=settings.socket_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
         )
         self._commit_script = self.redis.register_script(_COMMIT_LUA)
 
@@ -120,8 +144,7 @@ class Bus:
                 delay = min(delay * 2, 2.0)
 
     def _safe_url(self) -> str:
-        u = urlparse(self.settings.url)
-        return f"{u.scheme}://{u.hostname}:{u.port}" if u.hostname else u.scheme + "://"
+        return safe_url(self.settings.url)
 
     def ping(self) -> bool:
         return bool(self.call(self.redis.ping, what="PING"))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from common.config import CYCLE_KEYS, DEPRECATED_ALIASES, ConfigError
+from common.preflight import PreflightError
 
 EXIT_USAGE = 2
 
@@ -195,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
+    except PreflightError as exc:  # one paragraph: the setting or the row, and the fix
+        text = " ".join(str(exc).splitlines())
+        print(f"tether {args.verb}: cannot start: {text}", file=sys.stderr)
+        return EXIT_USAGE
     except ConfigError as exc:
         print(f"tether: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE

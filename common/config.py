@@ -103,11 +103,12 @@ class RunConfig(_Section):
 
 class DataConfig(_Section):
     train_path: str = Field(
-        "", description="JSONL/Parquet file or directory; empty = the demo's synthetic task"
+        "",
+        description="JSONL/Parquet file or directory (required; `tether demo` sets its synthetic task)",
     )
     eval_path: str = Field(
         "",
-        description="held-out prompts, same formats; empty = none (or the demo's held-out split)",
+        description="held-out prompts, same formats; empty = no held-out evaluation",
     )
     format: Literal["auto", "jsonl", "parquet", "verl"] = Field("auto", description="file format")
     prompt_key: str = Field("prompt", description="column holding the prompt text or chat list")

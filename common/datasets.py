@@ -4,6 +4,14 @@
 column, wrong type, empty prompt) or a prompt longer than ``max_prompt_tokens`` gets the
 configured policy: ``error`` raises ``DatasetError`` naming the file, the row and the fix;
 ``drop`` skips it, counts it in ``PromptSet.dropped`` and logs once with up to 3 examples.
+Rows are named ``row N (0-based; line N+1)`` in a JSONL file and ``row N (0-based)`` in Parquet.
+
+``encode_prompt`` is the one prompt encoding: the loader counts prompt tokens with it and the
+generator builds what vLLM receives with it (``prompt_of`` takes a record's or a wire
+``PromptMsg``'s prompt), so the length check and the generated prompt cannot differ. It follows
+the tokenizer's own convention, as transformers does by default: raw text gets the tokenizer's
+special tokens (BOS for Llama/Mistral/Gemma-style tokenizers); a chat-templated prompt gets none
+on top of the template, which already writes BOS where the model wants it.
 
 Order is deterministic: ``PromptSet.order(seed, epoch)`` is a permutation of the records, so a
 sampler position ``(epoch, offset)`` names the next prompt exactly (resume stores just that).
@@ -19,7 +27,10 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from common.config import TetherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +38,10 @@ Format = Literal["auto", "jsonl", "parquet", "verl"]
 OverlongPolicy = Literal["error", "drop"]
 VERL_ANSWER_KEY = "reward_model.ground_truth"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+EMPTY_TRAIN_PATH = (
+    "data.train_path is empty: set it to your prompts, a JSONL/Parquet file or a directory of them "
+    "(--set data.train_path=FILE); `tether demo` runs the built-in synthetic arithmetic task."
+)
 _FIX_HINT = 'fix the row, or set data.overlong_prompt_policy = "drop" to skip bad and overlong rows'
 
 
@@ -81,7 +96,12 @@ class PromptSet(Sequence):
 def encode_prompt(
     tokenizer: Any, prompt: str | list[dict], *, apply_chat_template: bool = True
 ) -> list[int]:
-    """Token ids of a prompt: chat template with a generation prompt, or the raw text."""
+    """Token ids of a prompt: chat template with a generation prompt, or the raw text.
+
+    Raw text is encoded with the tokenizer's special tokens (``add_special_tokens=True``, the
+    transformers default: BOS where the tokenizer adds one). The chat template's text is encoded
+    without them, as ``apply_chat_template(tokenize=True)`` does: the template writes BOS itself
+    when the model wants it, and adding it again would double it."""
     if apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -90,12 +110,18 @@ def encode_prompt(
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    elif isinstance(prompt, str):
-        text = prompt
-    else:
-        raise ValueError("a chat-list prompt needs apply_chat_template = true.")
-    # The template already holds any special tokens the model expects.
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    if not isinstance(prompt, str):
+        raise ValueError(
+            "chat-list prompt but data.apply_chat_template is false; set it to true, or give "
+            "plain-text prompts."
+        )
+    return list(tokenizer(prompt, add_special_tokens=True).input_ids)
+
+
+def prompt_of(item: Any) -> str | list[dict]:
+    """The prompt of a ``PromptRecord`` or a wire ``PromptMsg``: its chat list, else its text."""
+    return item.messages if item.messages is not None else (item.text or "")
 
 
 def _lookup(row: dict, dotted: str) -> Any:
@@ -110,14 +136,14 @@ def _lookup(row: dict, dotted: str) -> Any:
     return value
 
 
-def _list_files(path: Path, split: str) -> list[Path]:
+def _list_files(path: Path, split: str, setting: str) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise DatasetError(f"dataset path {path} does not exist; check data.path.")
+        raise DatasetError(f"dataset path {path} does not exist; check {setting}.")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _SUFFIXES)
     if not files:
-        raise DatasetError(f"no .jsonl/.json/.parquet files under {path}; check data.path.")
+        raise DatasetError(f"no .jsonl/.json/.parquet files under {path}; check {setting}.")
 
     def in_split(p: Path) -> bool:
         rel = p.relative_to(path)
@@ -130,7 +156,7 @@ def _list_files(path: Path, split: str) -> list[Path]:
         return files
     raise DatasetError(
         f"no file for split {split!r} under {path} (expected e.g. {split}.parquet or "
-        f"{split}/...); point the {split} data path at the right file."
+        f"{split}/...); point {setting} at the right file."
     )
 
 
@@ -255,11 +281,13 @@ def load_prompts(
     max_prompt_tokens: int | None = None,
     overlong_policy: OverlongPolicy = "error",
     split: str = "train",
+    setting: str = "the dataset path",
 ) -> PromptSet:
     """Load and validate every prompt under ``path`` (file or directory). See module docstring.
 
     ``answer_key`` and ``metadata_keys`` may be dotted paths into nested columns
-    (``reward_model.ground_truth``). With a ``tokenizer`` each record gets ``prompt_token_ids``.
+    (``reward_model.ground_truth``). With a ``tokenizer`` each record gets ``prompt_token_ids``
+    (``encode_prompt``). ``setting`` names where ``path`` came from in messages (data.train_path).
     """
     if format not in ("auto", "jsonl", "parquet", "verl"):
         raise ValueError(f"format={format!r}: use auto, jsonl, parquet or verl.")
@@ -272,9 +300,9 @@ def load_prompts(
         and apply_chat_template
         and not getattr(tokenizer, "chat_template", None)
     ):
-        raise ValueError(
-            "the tokenizer has no chat template; set data.apply_chat_template = false "
-            "to feed raw text, or use a tokenizer that has one."
+        raise DatasetError(
+            "data.apply_chat_template is true but the tokenizer has no chat template; set "
+            "data.apply_chat_template = false to feed raw text, or use a tokenizer that has one."
         )
     spec = _Spec(
         fmt=format,
@@ -288,10 +316,11 @@ def load_prompts(
     root = Path(path)
     records: list[PromptRecord] = []
     problems: dict[str, list[str]] = {}
-    for file in _list_files(root, split):
+    for file in _list_files(root, split, setting):
         source = file.name if root.is_file() else str(file.relative_to(root))
-        for i, row in _read_rows(file, _file_format(file, spec)):
-            where = f"{file}: row {i}"
+        fmt = _file_format(file, spec)
+        for i, row in _read_rows(file, fmt):
+            where = f"{file}: row {i} (0-based{f'; line {i + 1}' if fmt == 'jsonl' else ''})"
             try:
                 records.append(_make_record(row, spec, source, i))
             except _Overlong as e:
@@ -319,6 +348,32 @@ def load_prompts(
     return PromptSet(records=records, dropped=_counts(problems))
 
 
+def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
+    """(train, eval or None) as the config names them: the learner's data, and what `tether
+    train` checks before it starts anything. Raises ``DatasetError`` naming the setting or row.
+    Without a ``tokenizer`` rows are checked but not tokenised (no length check)."""
+    d, run = cfg.data, cfg.run
+    if not d.train_path:
+        raise DatasetError(EMPTY_TRAIN_PATH)
+
+    def load(path: str, split: str) -> PromptSet:
+        return load_prompts(
+            path,
+            format=d.format,
+            prompt_key=d.prompt_key,
+            answer_key=d.answer_key,
+            metadata_keys=d.metadata_keys,
+            tokenizer=tokenizer,
+            apply_chat_template=d.apply_chat_template,
+            max_prompt_tokens=run.max_prompt_tokens if tokenizer is not None else None,
+            overlong_policy=d.overlong_prompt_policy,
+            split=split,
+            setting=f"data.{split}_path",
+        )
+
+    return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
+
+
 def _counts(problems: dict[str, list[str]]) -> dict[str, int]:
     return {reason: len(v) for reason, v in problems.items()}
 
@@ -333,8 +388,6 @@ def _make_record(row: Any, spec: _Spec, source: str, index: int) -> PromptRecord
     text, messages, truth, metadata = _parse_row(row, spec)
     token_ids = None
     if spec.tokenizer is not None:
-        if messages is not None and not spec.apply_chat_template:
-            raise ValueError("chat-list prompt but data.apply_chat_template is false")
         prompt: str | list[dict] = messages if messages is not None else text  # type: ignore[assignment]
         token_ids = encode_prompt(
             spec.tokenizer, prompt, apply_chat_template=spec.apply_chat_template

@@ -87,7 +87,21 @@ def cpu_thread_env(cfg: TetherConfig, env: dict[str, str]) -> dict[str, str]:
 
 
 class RunFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _refusal(log_path: Path) -> str:
+    """The last `tether ...` error line a service that exited 2 wrote to its log, if any."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, log_path.stat().st_size - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [ln for ln in lines if ln.startswith("tether") and ("error" in ln or "cannot" in ln)]
+    return said[-1] if said else ""
 
 
 class Supervisor:
@@ -156,9 +170,12 @@ class Supervisor:
                 f"{c.name} crashed {len(c.crashes)} times within {CRASH_WINDOW_S:.0f} s (last exit code {code}); "
                 f"stopping the run. See its log: {c.log_path}"
             )
-        if code == 2:
+        if code == 2:  # the preflight passed here, so the service found something it did not
+            said = _refusal(c.log_path)
             raise RunFailed(
-                f"{c.name} refused its configuration or data (exit code 2); see {c.log_path}"
+                f"{c.name} refused its configuration or data (exit code 2)"
+                f"{': ' + said if said else ''}; see {c.log_path}",
+                exit_code=2,
             )
         delay = min(30.0, 2.0 ** len(c.crashes))
         c.next_start = now + delay
@@ -229,9 +246,11 @@ def _wait(children: list[Child], timeout_s: float) -> None:
 
 
 def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig, Path]:
-    """The run directory, with the resolved config written once (reused by --resume)."""
+    """The config to run (with --resume, the one saved in the run directory), checked by the
+    preflight before anything is created or started, and its run directory, with the resolved
+    config written once (reused by --resume)."""
     from common.config_explain import resolved_toml
-    from common.trackers import require_trackers
+    from common.preflight import preflight
 
     if resume:
         from common.config_load import load_config
@@ -245,9 +264,9 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
                 f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?"
             )
         cfg = load_config(config_file=saved).config
-        require_trackers(cfg)
+        preflight(cfg, "train")
         return cfg, run_dir
-    require_trackers(cfg)
+    preflight(cfg, "train")
     run_dir = Path(cfg.run.run_dir) / cfg.run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(resolved_toml(cfg))
@@ -290,7 +309,7 @@ def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
         code = 130
     except RunFailed as exc:
         log.error("%s", exc)
-        code = 1
+        code = exc.exit_code
     finally:
         sup.shutdown()
         if progress is not None:

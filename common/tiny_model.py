@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS_TOKEN = "<s>"  # only with bos=True: a tokenizer that adds BOS, like Llama's, Mistral's, Gemma's
 
 # A ChatML template like Qwen's, so `apply_chat_template` works for chat-style datasets.
 CHAT_TEMPLATE = (
@@ -22,9 +23,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out_dir: str | Path):
-    """Byte-level BPE with the 256 byte symbols and no merges, plus ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(out_dir: str | Path, *, bos: bool = False):
+    """Byte-level BPE with the 256 byte symbols and no merges, plus ChatML special tokens.
+
+    ``bos=True``: the tokenizer also adds ``<s>`` in front of raw text (a ``TemplateProcessing``
+    post-processor, as Llama's does) and its chat template writes ``<s>`` itself."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -32,15 +36,22 @@ def build_tokenizer(out_dir: str | Path):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS + ([BOS_TOKEN] if bos else []))
+    if bos:
+        bos_id = tok.token_to_id(BOS_TOKEN)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        bos_token=None,
+        bos_token=BOS_TOKEN if bos else None,
         unk_token=None,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = ("{{ bos_token }}" if bos else "") + CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -56,13 +67,15 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     vocab_size: int | None = None,
     seed: int = 0,
+    bos: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; reuse it if present.
 
     ``vocab_size`` (default: the tokenizer's size) pads the embedding and the tied LM head to a
     real tokenizer's vocabulary, e.g. 151936 for Qwen2.5, so a benchmark pays the LM head's cost;
-    the extra rows are never produced by this tokenizer.
+    the extra rows are never produced by this tokenizer. ``bos``: a tokenizer that adds BOS
+    (``build_tokenizer``).
 
     Returns the directory. ``overwrite=False`` keeps an existing complete build (the marker file
     ``tether_tiny.json`` records the parameters that made it).
@@ -82,11 +95,13 @@ def build_tiny_model(
     }
     if vocab_size is not None:
         params["vocab_size"] = vocab_size  # absent when defaulted: older markers still match
+    if bos:
+        params["bos"] = True  # likewise
     marker = out / "tether_tiny.json"
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
+    tokenizer = build_tokenizer(out, bos=bos)
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens"
@@ -102,7 +117,7 @@ def build_tiny_model(
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         use_sliding_window=False,
     )
     torch.manual_seed(seed)

@@ -319,15 +319,6 @@ def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...] = ()):
     return _METRICS[name]
 
 
-def observe_generator_update(*, version: int, seconds: float) -> None:
-    """Record a finished update in the generator service's process (the worker extension runs
-    inside vLLM's engine process, whose metrics nobody scrapes: it returns these numbers)."""
-    _metric("Histogram", "tether_generator_weight_update_seconds", "Weight update time").observe(
-        seconds
-    )
-    _metric("Gauge", "tether_generator_policy_version", "Policy version loaded").set(version)
-
-
 # ----------------------------------------------------------------------------- learner side
 
 

@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from common import wire
+from common.datasets import encode_prompt
 from common.weight_sync import WeightPublisher
 from tests.procs.generator_proc import (
     GeneratorProc,
@@ -51,7 +53,9 @@ def cluster(redis_server, tmp_path_factory):
     from common.tiny_model import build_tiny_model
 
     base = tmp_path_factory.mktemp("gen")
-    model = build_tiny_model(base / "tiny", seed=3)
+    # a tokenizer that adds BOS (like Llama's): its chat template writes <s>, and vLLM must run
+    # exactly the ids the generator sends, with that one BOS
+    model = build_tiny_model(base / "tiny", seed=3, bos=True)
     run = f"g{uuid.uuid4().hex[:8]}"
     bus = make_bus(redis_server.url, run)
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)
@@ -127,8 +131,11 @@ def test_joins_receives_v0_and_generates_groups_with_logprobs(cluster):
     assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "0")
 
     pids = [f"t1-{i}" for i in range(4)]
-    publish_prompts(c.bus, [prompt(pid, index=i) for i, pid in enumerate(pids)])
-    wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 120, "4 groups", list(c.procs.values()))
+    chat = wire.PromptMsg(prompt_id="t1-chat", cycle=0, index=4, ground_truth="8", messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "4 + 4?"}])  # fmt: skip
+    publish_prompts(c.bus, [prompt(pid, index=i) for i, pid in enumerate(pids)] + [chat])
+    wait_until(lambda: {*pids, chat.prompt_id} <= set(_by_id(c.bus)), 120, "5 groups",
+               list(c.procs.values()))  # fmt: skip
 
     from transformers import AutoTokenizer
 
@@ -142,6 +149,11 @@ def test_joins_receives_v0_and_generates_groups_with_logprobs(cluster):
                                        add_generation_prompt=True, tokenize=False)  # fmt: skip
         assert g.prompt_token_ids.tolist() == tok(text, add_special_tokens=False).input_ids
         assert g.ground_truth == str(2 * i)
+        ids = g.prompt_token_ids.tolist()  # the loader's encoding, with one BOS
+        assert ids == encode_prompt(tok, prompt(pid, index=i).text)
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    _check_shape(out[chat.prompt_id], chat.prompt_id)
+    assert out[chat.prompt_id].prompt_token_ids.tolist() == encode_prompt(tok, chat.messages)
     assert len({s.response_token_ids.tobytes() for g in out.values() for s in g.samples}) > 1
 
     tokens = 0.0
@@ -149,7 +161,7 @@ def test_joins_receives_v0_and_generates_groups_with_logprobs(cluster):
         _, text = http_get(port, "/metrics")
         assert metric_value(text, "tether_generator_policy_version") == 0
         tokens += metric_value(text, "tether_generator_tokens_total") or 0.0
-    assert tokens == len(pids) * N * TOKENS
+    assert tokens == (len(pids) + 1) * N * TOKENS
 
 
 def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.bus import Bus
@@ -119,3 +120,59 @@ def test_dispatch_positions_are_a_function_of_the_cycle(redis_server, tmp_path):
     assert d.dispatch_ready(2, first_cycle=0) == [2]
     msgs = bus.redis.xrange(bus.key(PROMPTS))
     assert len(msgs) == 12
+
+
+def _scored(cycle: int, index: int):
+    from common import wire
+
+    trajectories = [
+        wire.Trajectory(
+            sample_id=f"c{cycle}/{index}/{i}", sample_index=i,
+            response_token_ids=np.arange(3, dtype=np.uint32),
+            behaviour_logprobs=np.full(3, -0.5, dtype=np.float32),
+            policy_version=0, version_spans=[(0, 0)], finish_reason="stop",
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    group = wire.TrajectoryGroup(
+        group_id=f"c{cycle}/{index}", prompt_id=f"c{cycle}/{index}", cycle=cycle, index=index,
+        split="train", prompt_token_ids=np.arange(4, dtype=np.uint32), prompt_text="1+1?",
+        ground_truth="2", metadata={}, generator_id="gen-0", samples=trajectories,
+    )  # fmt: skip
+    return wire.ScoredGroup(group, [1.0, 0.0], [{}, {}], ["", ""], "scorer-0", 0.1)
+
+
+def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp_path):
+    """A checkpoint holds the training of the cycles below ``next_cycle``: only their scored
+    entries are acknowledged; a cycle collected but not trained stays pending (redelivered
+    after a crash)."""
+    from common.runtime import SCORED, PhaseTimer
+    from services.learner.learner_io import LearnerIO
+
+    c = cfg(
+        f"run.redis_url={json.dumps(redis_server.url)}",
+        'run.name="acks"',
+        "learner.trackers=[]",
+        prompts_per_cycle=2,
+        responses_per_prompt=2,
+        train_steps_per_cycle=1,
+        num_cycles=4,
+    )
+    io = LearnerIO(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
+                   datasets=(_prompts(tmp_path), None))  # fmt: skip
+    try:
+        for cycle in (0, 1):
+            for index in range(2):
+                io.bus.publish(SCORED, _scored(cycle, 2 * cycle + index))
+        assert len(io.collect(0, stop=lambda: False) or []) == 2
+        assert len(io.collect(1, stop=lambda: False) or []) == 2  # collected, not yet trained
+
+        def pending() -> int:
+            return int(io.bus.redis.xpending(io.bus.key(SCORED), "learner")["pending"])
+
+        io.ack_trained(1)  # the checkpoint after cycle 0
+        assert pending() == 2
+        io.ack_trained(2)
+        assert pending() == 0
+    finally:
+        io.close()

@@ -214,18 +214,29 @@ class GenerationEngine:
     async def generate_group(
         self, prompt_token_ids: list[int], sampling: SamplingSettings, request_id: str
     ) -> list[Sample]:
-        """Sample ``sampling.n`` responses to one tokenised prompt; ordered by response index."""
+        """Sample ``sampling.n`` responses to one tokenised prompt; ordered by response index.
+
+        vLLM takes token ids as they are (a text prompt would be tokenised again, with BOS
+        added): the prompt it ran is checked to be exactly ``prompt_token_ids``, the ids the
+        learner trains on, so nothing (a second BOS) can slip in between."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt (no token ids).")
         params = sampling.to_vllm()
+        sent = list(prompt_token_ids)
         started = time.perf_counter()
         final = None
         async for out in self.llm.generate(
-            {"prompt_token_ids": list(prompt_token_ids)}, params, request_id=request_id
+            {"prompt_token_ids": sent}, params, request_id=request_id
         ):
             final = out
         seconds = time.perf_counter() - started
         assert final is not None and final.finished, f"request {request_id} did not finish"
+        ran = final.prompt_token_ids
+        if ran is not None and list(ran) != sent:
+            raise RuntimeError(
+                f"request {request_id}: vLLM ran a prompt of {len(ran)} token ids, not the "
+                f"{len(sent)} sent (starts {list(ran)[:4]} vs {sent[:4]})"
+            )
         completions = sorted(final.outputs, key=lambda c: c.index)
         if len(completions) != sampling.n:
             raise RuntimeError(

@@ -116,9 +116,9 @@ class GeneratorService:
             )
         )
         await self.engine.start()
-        from transformers import AutoTokenizer
+        from common.model_paths import policy_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        self.tokenizer = policy_tokenizer(self.cfg)
 
     async def _weight_address(self) -> tuple[str, int]:
         w = self.cfg.weights
@@ -229,21 +229,13 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ one prompt
     def _prompt_ids(self, msg: wire.PromptMsg) -> list[int]:
-        if msg.messages is not None and self.cfg.data.apply_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                msg.messages, add_generation_prompt=True, tokenize=False
-            )
-        elif msg.messages is not None:
-            text = "\n".join(m["content"] for m in msg.messages)
-        elif self.cfg.data.apply_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.text or ""}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        else:
-            text = msg.text or ""
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        """What vLLM receives: the loader's encoding (``encode_prompt``), which the learner's
+        length check counted, so the two cannot differ. ValueError when it cannot be encoded."""
+        from common.datasets import encode_prompt, prompt_of
+
+        return encode_prompt(
+            self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
+        )
 
     def _sampling(self, split: str):
         from services.generator.engine import SamplingSettings
@@ -288,8 +280,12 @@ class GeneratorService:
 
     async def _generate_and_commit(self, consumer, d) -> None:
         msg: wire.PromptMsg = d.msg
+        try:
+            ids = self._prompt_ids(msg)
+        except ValueError as exc:  # e.g. a chat list with data.apply_chat_template = false
+            await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
+            return
         await self._gate(msg.min_policy_version)
-        ids = self._prompt_ids(msg)
         started = time.time()
         samples = await self.engine.generate_group(
             ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"

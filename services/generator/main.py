@@ -7,10 +7,11 @@ from common.config import TetherConfig
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.model_paths import policy_paths
+    from common.preflight import preflight
+
+    preflight(cfg, "generator")  # model, tokenizer, Redis: exit 2 before the engine starts
     from services.generator.loop import GeneratorService
 
-    policy_paths(cfg)  # config errors before the engine starts
     sid = runtime.service_id("generator", getattr(args, "service_id", None))
     svc = GeneratorService(cfg, sid=sid)
 

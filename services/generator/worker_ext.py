@@ -16,8 +16,9 @@ the methods below run inside the worker process through ``collective_rpc``:
 
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
 service decides what to do with requests in flight. Errors are returned, not raised, so a bad
-update never takes the engine core down. Metrics: the numbers returned here are recorded by the
-generator service with ``common.weight_sync.observe_generator_update`` in its own process.
+update never takes the engine core down. Metrics: this runs in vLLM's engine-core process, which
+nobody scrapes, so it returns its numbers (version, bytes, seconds) and the generator service
+records them in its own process (``services/generator/loop.py``, ``_apply_update``).
 """
 
 from __future__ import annotations

@@ -10,11 +10,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import runtime, wire
 from common.config import TetherConfig
 from common.trackers import Trackers
+
+if TYPE_CHECKING:
+    from common.datasets import PromptSet
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,13 @@ class _Metrics:
 
 class LearnerIO:
     def __init__(
-        self, cfg: TetherConfig, *, run_dir: Path, redis_url: str | None, timer: runtime.PhaseTimer
+        self,
+        cfg: TetherConfig,
+        *,
+        run_dir: Path,
+        redis_url: str | None,
+        timer: runtime.PhaseTimer,
+        datasets: tuple[PromptSet, PromptSet | None] | None = None,
     ) -> None:
         from common.bus import Bus
         from services.learner.data import load_datasets
@@ -77,7 +86,7 @@ class LearnerIO:
 
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
         self.metrics = _Metrics()
-        train, eval_set = load_datasets(cfg)
+        train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="learner")
         self.consumer = self.bus.consumer(runtime.SCORED, runtime.LEARNER, "learner-0")
         self.bus.ensure_group(runtime.PROMPTS, runtime.GENERATORS)
@@ -122,10 +131,14 @@ class LearnerIO:
         self.eval_history = list(extra.get("eval_history", []))
 
     def ack_trained(self, next_cycle: int) -> None:
-        """Acknowledge the entries of every cycle below ``next_cycle`` (now in a checkpoint)."""
-        if self.trained_deliveries:
-            self.consumer.ack(self.trained_deliveries)
-            self.trained_deliveries = []
+        """Acknowledge the scored entries of every cycle below ``next_cycle``: the checkpoint
+        just written holds their training. Entries of a cycle collected but not yet trained stay
+        pending, so a crash before the checkpoint that holds them delivers them again."""
+        done = [d for d in self.trained_deliveries if d.msg.group.cycle < next_cycle]
+        self.trained_deliveries = [
+            d for d in self.trained_deliveries if d.msg.group.cycle >= next_cycle
+        ]
+        self.consumer.ack(done)
 
     def housekeep(self, *, every_s: float = 30.0) -> None:
         """Bound Redis memory over a long run: trim each stream to the entries some consumer

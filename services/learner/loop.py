@@ -25,7 +25,7 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import runtime
 from common.config import TetherConfig
@@ -33,12 +33,25 @@ from services.learner import algorithm
 from services.learner.cycle import Sample, broadcast_samples, samples_from_groups, steps_of_cycle
 from services.learner.learner_io import LearnerIO
 
+if TYPE_CHECKING:
+    from common.datasets import PromptSet
+
 log = logging.getLogger(__name__)
 
 
 class LearnerService:
-    def __init__(self, cfg: TetherConfig, *, run_dir: Path, redis_url: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TetherConfig,
+        *,
+        run_dir: Path,
+        redis_url: str | None = None,
+        datasets: tuple[PromptSet, PromptSet | None] | None = None,
+    ) -> None:
+        """``datasets``: the (train, eval) prompt sets when the caller loaded them already (the
+        preflight of `tether learner`); else rank 0 loads them."""
         self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
+        self.datasets = datasets
         self.timer = runtime.PhaseTimer("learner")
         self.version = 0
         self.next_cycle = 0
@@ -55,7 +68,13 @@ class LearnerService:
 
         self.rank, self.world, self.device = model_mod.setup_distributed()
         self.io = (
-            LearnerIO(self.cfg, run_dir=self.run_dir, redis_url=self.redis_url, timer=self.timer)
+            LearnerIO(
+                self.cfg,
+                run_dir=self.run_dir,
+                redis_url=self.redis_url,
+                timer=self.timer,
+                datasets=self.datasets,
+            )
             if self.rank == 0
             else None
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 
 from common import runtime
@@ -19,24 +18,21 @@ def run_dir_of(cfg: TetherConfig) -> Path:
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.datasets import DatasetError
-    from common.trackers import require_trackers
+    from common.preflight import preflight
+
+    # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
+    checked = preflight(cfg, "learner")
     from services.learner.loop import LearnerService
 
-    require_trackers(cfg)  # ConfigError → exit 2 before the model loads
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    svc = LearnerService(cfg, run_dir=run_dir)
+    svc = LearnerService(cfg, run_dir=run_dir, datasets=checked.datasets)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: svc.stop())
     rank = int(os.environ.get("RANK", "0"))
     health = status = None
     try:
-        try:
-            svc.setup_io_first()
-        except DatasetError as exc:
-            print(f"tether learner: dataset error: {exc}", file=sys.stderr)
-            return 2
+        svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
         if rank == 0:
             assert svc.io is not None
             health = runtime.HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()

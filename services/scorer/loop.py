@@ -138,11 +138,11 @@ class ScorerService:
         self.rewards = RewardScorer(spec, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.model_paths import policy_paths
+        from common.model_paths import solver_path
         from services.scorer.solver import Solver, SolverSettings
 
         s, run = self.cfg.scorer, self.cfg.run
-        model = s.solver_model or policy_paths(self.cfg)[0]
+        model = solver_path(self.cfg)
         self.solver = Solver(
             SolverSettings(
                 model=model,

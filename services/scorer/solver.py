@@ -86,12 +86,11 @@ class Solver:
         await self.engine.start()
 
     def prompt_ids(self, question: str, response: str) -> list[int]:
+        from common.datasets import encode_prompt  # the policy's prompt encoding (BOS included)
+
         text = self.s.template.format(question=question, response=response)
-        if self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        chat = bool(self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None))
+        ids = encode_prompt(self.tokenizer, text, apply_chat_template=chat)
         room = self.s.max_model_len - self.s.max_tokens
         return ids[-room:] if len(ids) > room else ids  # keep the end: the guideline's conclusion
 

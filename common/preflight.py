@@ -1,0 +1,190 @@
+"""Preflight: what `tether train` and each service check before anything expensive starts.
+
+Bad input must cost seconds and lose nothing, so every entry point calls ``preflight(cfg, role)``
+after its config is resolved and before it starts Redis, a subprocess, an engine or a model:
+
+====================================  =======  ==========  =========  ===========
+check                                 train    learner     generator  scorer
+====================================  =======  ==========  =========  ===========
+learner.trackers installed            yes      yes         -          -
+policy model + tokenizer directories  yes      yes         yes        solver mode
+solver model directory                solver   -           -          solver mode
+data.train_path / eval_path exist     yes      rank 0      -          -
+Redis URL answers one PING in 2 s     if set   rank 0 (*)  yes (*)    yes (*)
+tokenizer loads; chat template        yes      rank 0      yes        -
+every dataset row, token lengths      yes      rank 0      -          -
+====================================  =======  ==========  =========  ===========
+
+(*) Not when `tether train` started the service: it pinged (or started the server) itself, and
+a service it restarts during a Redis outage must wait for Redis, not exit 2 and stop the run.
+
+The on-disk checks and the PING come first and are reported together; then the tokenizer is
+loaded (transformers; a few seconds) and every row is read with the loader the learner uses
+(``common.datasets.prompt_sets_for``). ``tether train`` with an empty ``run.redis_url`` starts
+an embedded server, so there is nothing to ping. Any problem raises ``PreflightError`` (a
+``ConfigError``): the CLI prints it as one paragraph and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from common.config import ConfigError
+
+if TYPE_CHECKING:
+    from common.config import TetherConfig
+    from common.datasets import PromptSet
+
+Role = Literal["train", "learner", "generator", "scorer"]
+PING_TIMEOUT_S = 2.0
+
+
+class PreflightError(ConfigError):
+    """Input Tether cannot run with; the message names the setting or the row and the fix."""
+
+
+@dataclass
+class Checked:
+    """What the checks loaded and the caller may reuse instead of loading it again."""
+
+    datasets: tuple[PromptSet, PromptSet | None] | None = None
+
+
+def preflight(cfg: TetherConfig, role: Role) -> Checked:
+    """Check ``cfg`` for ``role`` (see the module docstring); raise ``PreflightError``."""
+    lead = role != "learner" or os.environ.get("RANK", "0") == "0"  # rank 0 reads data, Redis
+    needs_data = role == "train" or (role == "learner" and lead)
+    problems = _on_disk(cfg, role, needs_data=needs_data)
+    if lead and not _supervised(role):
+        problems += _redis(cfg, role)
+    if len(problems) == 1:
+        raise PreflightError(problems[0])
+    if problems:
+        numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        raise PreflightError(f"{len(problems)} problems: {numbered}")
+    if not (needs_data or role == "generator"):
+        return Checked()
+    tokenizer = _tokenizer(cfg)
+    if not needs_data:
+        return Checked()
+    from common.datasets import DatasetError, prompt_sets_for
+
+    try:
+        return Checked(datasets=prompt_sets_for(cfg, tokenizer))
+    except (DatasetError, ValueError) as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
+    from common.model_paths import policy_paths, solver_path
+
+    checks: list[Any] = []
+    if role in ("train", "learner"):
+        from common.trackers import require_trackers
+
+        checks.append(lambda: require_trackers(cfg))
+    if role != "scorer":
+        checks.append(lambda: policy_paths(cfg))
+    if cfg.scorer.mode == "solver" and (role == "scorer" or cfg.scorer.solver_model):
+        checks.append(lambda: solver_path(cfg))  # train: the policy, when empty, is checked above
+    if needs_data:
+        checks.append(lambda: _data_paths(cfg))
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _data_paths(cfg: TetherConfig) -> None:
+    """The cheap part of the data check, before the tokenizer loads (importing transformers
+    takes 5-20 s on a busy 2-core machine): the paths exist and, unless bad rows are to be
+    dropped, every row has the right shape (the same loader, without token counts)."""
+    from common.datasets import EMPTY_TRAIN_PATH, DatasetError, prompt_sets_for
+
+    d = cfg.data
+    if not d.train_path:
+        raise ConfigError(EMPTY_TRAIN_PATH)
+    for setting, path in (("data.train_path", d.train_path), ("data.eval_path", d.eval_path)):
+        if path and not Path(path).exists():
+            raise ConfigError(
+                f"{setting} = {path!r} does not exist. Fix: point it at a JSONL/Parquet file or "
+                "a directory of them."
+            )
+    if d.overlong_prompt_policy == "error":
+        try:
+            prompt_sets_for(cfg, None)
+        except DatasetError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def _supervised(role: Role) -> bool:
+    """A service `tether train` started: the launcher checked the URL (or started the server)
+    already, and a service it restarts while Redis is briefly down must wait for it (the bus
+    reconnects with back-off), not exit 2, which stops the whole run."""
+    from common.runtime import SUPERVISOR_ENV
+
+    return role != "train" and bool(os.environ.get(SUPERVISOR_ENV))
+
+
+def _redis(cfg: TetherConfig, role: Role) -> list[str]:
+    """One PING of the Redis URL the role would use, with a short timeout and no retry."""
+    import redis
+
+    from common.bus import ping_once, safe_url
+    from common.runtime import bus_settings_for
+
+    if role == "train" and not cfg.run.redis_url:
+        return []  # `tether train` starts an embedded server
+    try:
+        url = bus_settings_for(cfg).url
+    except ConfigError as exc:
+        return [str(exc)]
+    except ValueError as exc:  # BusSettings: scheme, run name, timeouts
+        raw = cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL", "")
+        text = str(exc).replace(raw, safe_url(raw)) if raw else str(exc)  # no password shown
+        return [f"{text}; check run.redis_url, run.name and [bus]."]
+    where = f"Redis at {safe_url(url)} (run.redis_url, --redis-url)"
+    try:
+        ping_once(url, timeout_s=PING_TIMEOUT_S)
+    except redis.AuthenticationError as exc:  # a ConnectionError: first
+        return [f"{where} refused the credentials ({exc}). Fix the user:password in the URL."]
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        fix = (
+            "start the server, correct the URL, or leave run.redis_url empty so that `tether "
+            "train` starts an embedded server"
+            if role == "train"
+            else "start the server or correct the URL"
+        )
+        return [f"{where} did not answer a PING within {PING_TIMEOUT_S:g} s ({exc}). Fix: {fix}."]
+    except redis.ResponseError as exc:  # NOAUTH and the like
+        return [f"{where} answered PING with an error ({exc}). Fix the URL's user:password."]
+    except ValueError as exc:  # from_url: not a URL redis-py can use
+        return [f"run.redis_url = {safe_url(url)!r} is not a usable Redis URL ({exc})."]
+    return []
+
+
+def _tokenizer(cfg: TetherConfig) -> Any:
+    """The policy tokenizer; refuses data.apply_chat_template without a chat template."""
+    from common.model_paths import policy_paths, policy_tokenizer
+
+    try:
+        tokenizer = policy_tokenizer(cfg)
+    except (OSError, ValueError) as exc:
+        raise PreflightError(
+            f"cannot load the tokenizer from {policy_paths(cfg)[1]!r} ({exc}); point "
+            "run.tokenizer (or run.model) at a Hugging Face tokenizer directory."
+        ) from None
+    if cfg.data.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise PreflightError(
+            f"data.apply_chat_template is true but the tokenizer in {policy_paths(cfg)[1]!r} has "
+            "no chat template (a base model?). Fix: set data.apply_chat_template = false "
+            "(--set data.apply_chat_template=false) to feed raw text, or use a tokenizer that "
+            "has one."
+        )
+    return tokenizer
