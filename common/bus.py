@@ -1,4 +1,4 @@
-"""The trajectory bus: durable, acknowledged Redis Streams carrying ``common.wire`` messages.
+"""The trajectory bus: durable, acknowledged Redis Streams carrying ``common.protocol.wire`` messages.
 
 Delivery is at-least-once through consumer groups (XREADGROUP ... XACK); effects are made
 exactly-once by ``Consumer.commit``, which in one Lua script publishes downstream messages only
@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from common import wire
+from common.protocol import wire
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

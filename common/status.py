@@ -12,13 +12,9 @@ import json
 import time
 from typing import Any
 
-from common import runtime
+from common.protocol import streams as names
 
-STREAMS = [
-    (runtime.PROMPTS, runtime.GENERATORS),
-    (runtime.GROUPS, runtime.SCORERS),
-    (runtime.SCORED, runtime.LEARNER),
-]
+STREAMS = list(names.PIPELINE)
 BUSY_PHASES = ("working", "syncing_weights", "checkpointing")
 
 
@@ -61,7 +57,7 @@ def collect_status(bus) -> dict[str, Any]:
     for stream, group in STREAMS:
         lag, pending = bus.backlog(stream, group) if bus.groups_info(stream) else (0, 0)
         streams[stream] = {"group": group, "lag": lag, "pending": pending}
-    dead = int(bus.call(lambda: bus.redis.xlen(bus.key(runtime.DEAD)), what="XLEN"))
+    dead = int(bus.call(lambda: bus.redis.xlen(bus.key(names.DEAD)), what="XLEN"))
     learner = next((s for s in services if s["service"] == "learner"), {})
     counters = learner.get("counters", {})
     generated = sum(s.get("groups", 0) for s in services if s["service"] == "generator")

@@ -15,11 +15,11 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from common import wire
 from common.bus import Bus, BusSettings
 from common.bus_inspect import format_inspect, inspect_bus
+from common.protocol import streams, wire
+from common.protocol.wire import PromptMsg
 from common.redis_server import EmbeddedRedis
-from common.wire import PromptMsg
 from tests.conftest import checked_binary, server_params
 from tests.test_wire import make_group
 
@@ -185,7 +185,7 @@ def test_done_set_forgets_only_ids_older_than_the_retention(redis_server) -> Non
         bus.publish("in", prompt(i))
     taken = c.read(3)
     c.commit(taken, dedupe_ids=[d.msg.prompt_id for d in taken])
-    key = bus.key("done:w")
+    key = bus.key(streams.done_set("w"))
     bus.redis.zadd(key, {"p0": time.time() - 7200})  # committed two hours ago
     assert bus.prune_done("w", 3600) == 1
     assert not bus.is_done("w", "p0") and bus.is_done("w", "p1") and bus.is_done("w", "p2")

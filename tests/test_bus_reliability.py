@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from common import wire
 from common.bus import Bus, BusSettings
+from common.protocol import wire
+from common.protocol.wire import PromptMsg
 from common.redis_server import EmbeddedRedis
-from common.wire import PromptMsg
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from common import wire
 from common.datasets import encode_prompt
+from common.protocol import streams, wire
 from common.weight_sync import WeightPublisher
 from tests.procs.generator_proc import (
     GeneratorProc,
@@ -59,7 +59,7 @@ def cluster(redis_server, tmp_path_factory):
     run = f"g{uuid.uuid4().hex[:8]}"
     bus = make_bus(redis_server.url, run)
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)
-    bus.set("weights:addr", f"127.0.0.1:{pub.port}")  # what the learner does; no weights.port
+    bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{pub.port}")  # what the learner does; no weights.port
     sets = (f"run.max_response_tokens={TOKENS}", "generator.ignore_eos=true",
             f"run.responses_per_prompt={N}", f"bus.claim_idle_s={CLAIM_IDLE_S}",
             "generator.max_prompts_in_flight=6")  # fmt: skip
@@ -84,7 +84,7 @@ def cluster(redis_server, tmp_path_factory):
         # ~30 s each on an idle 2-core machine; minutes when it is shared
         wait_until(lambda: set(pub.members()) == set(SIDS), 600, "both engines to join", procs)
         joined = {sid: http_get(port, "/readyz")[0] for sid, port in ports.items()}
-        versions_before = {sid: bus.get(f"version:generator:{sid}") for sid in SIDS}
+        versions_before = {sid: bus.get(streams.generator_version(sid)) for sid in SIDS}
         report = pub.publish(model_weights(model), 0)
         assert report.per_member == dict.fromkeys(SIDS, "ok"), report
         for sid, port in ports.items():
@@ -128,7 +128,9 @@ def test_joins_receives_v0_and_generates_groups_with_logprobs(cluster):
     assert all(code in (0, 503) for code in c.early.values()), c.early  # engine still starting
     assert c.joined == dict.fromkeys(SIDS, 503)  # engine up, no weights yet: not ready
     assert c.versions_before == dict.fromkeys(SIDS)
-    assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "0")
+    assert {sid: c.bus.get(streams.generator_version(sid)) for sid in SIDS} == dict.fromkeys(
+        SIDS, "0"
+    )
 
     pids = [f"t1-{i}" for i in range(4)]
     chat = wire.PromptMsg(prompt_id="t1-chat", cycle=0, index=4, ground_truth="8", messages=[
@@ -186,7 +188,7 @@ def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):
                "the v0 prompts to be taken", procs)  # fmt: skip
     # they are mid-generation now (v0 passes the gate at once): send v1 without delay
     assert not set(running) & set(_by_id(c.bus)), "v0 prompts finished too fast for this test"
-    c.bus.set("weights:publishing", 1)  # the learner announces a publish before sending it
+    c.bus.set(streams.WEIGHTS_PUBLISHING, 1)  # the learner announces a publish before sending it
     report = c.pub.publish(model_weights(c.model, scale=1.5), 1)
     assert report.per_member == dict.fromkeys(SIDS, "ok"), report
     wait_until(lambda: set(gated + running) <= set(_by_id(c.bus)), 120, "gated + running", procs)
@@ -211,7 +213,9 @@ def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):
     # Redis but not yet running in the engine when it did (all v1). What must hold either way —
     # honest, ordered spans — is checked above.
     print(f"responses spanning the in-flight update: {straddling} of {len(running) * N}")
-    assert {sid: c.bus.get(f"version:generator:{sid}") for sid in SIDS} == dict.fromkeys(SIDS, "1")
+    assert {sid: c.bus.get(streams.generator_version(sid)) for sid in SIDS} == dict.fromkeys(
+        SIDS, "1"
+    )
 
 
 def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):

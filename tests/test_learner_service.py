@@ -12,9 +12,10 @@ import pytest
 from common.bus import Bus
 from common.config_load import load_config
 from common.datasets import load_prompts
+from common.protocol.staleness import min_policy_version
 from common.runtime import PROMPTS, bus_settings_for
 from services.learner.cycle import Sample, decode_samples, encode_samples, steps_of_cycle
-from services.learner.dispatch import Dispatcher, min_policy_version
+from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService
 
 
@@ -123,7 +124,7 @@ def test_dispatch_positions_are_a_function_of_the_cycle(redis_server, tmp_path):
 
 
 def _scored(cycle: int, index: int):
-    from common import wire
+    from common.protocol import wire
 
     trajectories = [
         wire.Trajectory(

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from common.protocol import streams
 from common.runtime import free_port
 from tests.procs.scorer_proc import (
     ScorerProc,
@@ -61,8 +62,8 @@ def test_rule_mode_end_to_end_metrics_and_dead_letter(redis_server, procs):
     run = _run()
     bus = test_bus(redis_server.url, run)
     for i, (gid, (gold, rows)) in enumerate(CASES.items()):
-        bus.publish("groups", make_group(gid, [r[0] for r in rows], gold, index=i))
-    bus.publish("groups", make_group("nogold", ["\\boxed{1}", "\\boxed{2}"], None, index=9))
+        bus.publish(streams.GROUPS, make_group(gid, [r[0] for r in rows], gold, index=i))
+    bus.publish(streams.GROUPS, make_group("nogold", ["\\boxed{1}", "\\boxed{2}"], None, index=9))
     port = free_port()
     p = procs(redis_server.url, run, "scorer-0", f"scorer.format_weight={FORMAT}",
               metrics_port=port)  # fmt: skip
@@ -107,14 +108,14 @@ def test_rule_mode_end_to_end_metrics_and_dead_letter(redis_server, procs):
 def test_pathological_input_times_out_and_service_keeps_going(redis_server, procs):
     run = _run()
     bus = test_bus(redis_server.url, run)
-    bus.publish("groups", make_group("tower", ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{7}"], "7"))
+    bus.publish(streams.GROUPS, make_group("tower", ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{7}"], "7"))
     port = free_port()
     p = procs(redis_server.url, run, "scorer-0", "scorer.grader_timeout_s=2", metrics_port=port)
     t0 = time.monotonic()
     wait_until(lambda: len(scored(bus)) == 1, 90, "the tower group", (p,))
     (m,) = scored(bus)
     assert m.rewards == [0.0, 1.0] and m.reasons == ["timeout", ""]
-    bus.publish("groups", make_group("after", ["\\boxed{7}", "\\boxed{8}"], "7"))
+    bus.publish(streams.GROUPS, make_group("after", ["\\boxed{7}", "\\boxed{8}"], "7"))
     wait_until(lambda: len(scored(bus)) == 2, 30, "the group after the timeout", (p,))
     assert scored(bus)[1].rewards == [1.0, 0.0]
     assert time.monotonic() - t0 < 60
@@ -139,7 +140,7 @@ def test_sigkill_mid_batch_every_group_scored_exactly_once(redis_server, procs, 
     first = procs(redis_server.url, run, "scorer-0", claim, env=env)
     wave_a = [f"a{i}" for i in range(4)]
     for i, gid in enumerate(wave_a):
-        bus.publish("groups", _slow_group(gid, i, 0.2))
+        bus.publish(streams.GROUPS, _slow_group(gid, i, 0.2))
     wait_until(lambda: len(scored(bus)) == 4, 90, "wave A", (first,))
     wave_b = [f"b{i}" for i in range(8)]  # one batch of ~8 × 1.5 s / 2 workers = 6 s
     publish_all(bus, [_slow_group(gid, 10 + i, 1.5) for i, gid in enumerate(wave_b)])
@@ -152,7 +153,7 @@ def test_sigkill_mid_batch_every_group_scored_exactly_once(redis_server, procs, 
                    claim, env=env)  # fmt: skip
     wave_c = [f"c{i}" for i in range(4)]
     for i, gid in enumerate(wave_c):
-        bus.publish("groups", _slow_group(gid, 20 + i, 0.1))
+        bus.publish(streams.GROUPS, _slow_group(gid, 20 + i, 0.1))
     everything = set(wave_a + wave_b + wave_c)
     wait_until(lambda: {m.group.group_id for m in scored(bus)} >= everything, 120,
                "every group after the restart", (second,))  # fmt: skip

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import wire
-from common.wire import (
+from common.protocol import wire
+from common.protocol.wire import (
     PromptMsg,
     ScoredGroup,
     Trajectory,

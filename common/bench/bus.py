@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def _make_groups(n: int, *, prompt_tokens: int, response_tokens: int, samples: int) -> list:
-    from common.wire import Trajectory, TrajectoryGroup
+    from common.protocol.wire import Trajectory, TrajectoryGroup
 
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, 150_000, prompt_tokens).astype(np.uint32)
@@ -124,8 +124,8 @@ def run_bus_bench(
     import redis
 
     from common.bus import Bus, BusSettings
+    from common.protocol.wire import encode
     from common.redis_server import EmbeddedRedis
-    from common.wire import encode
 
     groups = _make_groups(n_messages, prompt_tokens=prompt_tokens,
                           response_tokens=response_tokens, samples=samples_per_group)  # fmt: skip

@@ -120,7 +120,7 @@ class _Service:
         )
 
     def round(self, texts: list[str], tag: str) -> dict:
-        from common import wire
+        from common.protocol import wire
 
         msgs = [
             wire.PromptMsg(prompt_id=f"{tag}-{i}", cycle=0, index=i, text=t)

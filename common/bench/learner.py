@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 def _groups(
     cfg, *, cycles: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int
 ) -> list[Any]:
-    from common import wire
+    from common.protocol import wire
 
     rng = np.random.default_rng(seed)
     out = []

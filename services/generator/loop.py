@@ -25,8 +25,10 @@ import logging
 import time
 from typing import Any
 
-from common import runtime, wire
+from common import runtime
 from common.config import TetherConfig
+from common.protocol import streams, wire
+from common.protocol.staleness import usable
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ class GeneratorService:
             return w.host, w.port
         with self.timer.phase("waiting_input"):
             while not self._stop.is_set():
-                addr = await asyncio.to_thread(self.bus.get, "weights:addr")
+                addr = await asyncio.to_thread(self.bus.get, streams.WEIGHTS_ADDR)
                 if addr:
                     host, _, port = addr.rpartition(":")
                     return host, int(port)
@@ -171,7 +173,7 @@ class GeneratorService:
         self.metrics.version.set(self.version)
         self.metrics.update_seconds.observe(time.monotonic() - t0)
         self.metrics.update_bytes.inc(res["bytes"])
-        await asyncio.to_thread(self.bus.set, f"version:generator:{self.sid}", self.version)
+        await asyncio.to_thread(self.bus.set, streams.generator_version(self.sid), self.version)
         log.info(
             "now on policy version %d (%.1f MB in %.2f s)",
             self.version,
@@ -193,7 +195,10 @@ class GeneratorService:
         while not self._stop.is_set():
             await asyncio.sleep(0.2)
             announced, addr = await asyncio.to_thread(
-                lambda: (self.bus.get("weights:publishing"), self.bus.get("weights:addr"))
+                lambda: (
+                    self.bus.get(streams.WEIGHTS_PUBLISHING),
+                    self.bus.get(streams.WEIGHTS_ADDR),
+                )
             )
             moved = (
                 addr is not None
@@ -260,12 +265,12 @@ class GeneratorService:
 
     async def _gate(self, need: int) -> None:
         """The staleness gate: wait until the engine runs weights >= ``need``."""
-        if self.version is not None and self.version >= need:
+        if usable(self.version, oldest=need):
             return
         self._waiting_staleness += 1
         t0 = time.monotonic()
         try:
-            while self.version is None or self.version < need:
+            while not usable(self.version, oldest=need):
                 await self._version_changed.wait()
         finally:
             self._waiting_staleness -= 1
@@ -293,11 +298,11 @@ class GeneratorService:
         group = self._to_group(msg, ids, samples, started)
         self._waiting_backpressure += 1
         try:
-            await asyncio.to_thread(self.bus.wait_for_capacity, runtime.GROUPS, runtime.SCORERS)
+            await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
         finally:
             self._waiting_backpressure -= 1
         await asyncio.to_thread(
-            consumer.commit, [d], publish=[(runtime.GROUPS, group)], dedupe_ids=[group.group_id]
+            consumer.commit, [d], publish=[(streams.GROUPS, group)], dedupe_ids=[group.group_id]
         )
         n_tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_generated += n_tokens
@@ -381,7 +386,7 @@ class GeneratorService:
         Only entries the group still lists as ours are touched, and only when idle for half a
         period at least: an entry a peer claimed a moment ago (idle ~0) is never taken back."""
         period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
-        key = self.bus.key(runtime.PROMPTS)
+        key = self.bus.key(streams.PROMPTS)
         while not self._stop.is_set():
             await asyncio.sleep(period_s)
             held = set(self._held)
@@ -394,13 +399,13 @@ class GeneratorService:
     def _touch(self, key: str, held: set[str], min_idle_ms: int) -> None:
         r = self.bus.redis
         rows = self.bus.call(
-            lambda: r.xpending_range(key, runtime.GENERATORS, "-", "+", 10_000, self.sid),
+            lambda: r.xpending_range(key, streams.GENERATORS, "-", "+", 10_000, self.sid),
             what="XPENDING",
         )
         ours = [row["message_id"] for row in rows if row["message_id"].decode() in held]
         if ours:
             self.bus.call(
-                lambda: r.xclaim(key, runtime.GENERATORS, self.sid, min_idle_ms, ours, justid=True),
+                lambda: r.xclaim(key, streams.GENERATORS, self.sid, min_idle_ms, ours, justid=True),
                 what="XCLAIM",
             )
 
@@ -420,8 +425,8 @@ class GeneratorService:
         await self._start_engine()
         await self._join_until_done()
         self.ready = True
-        self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)  # back-pressure reads its backlog
-        consumer = self.bus.consumer(runtime.PROMPTS, runtime.GENERATORS, self.sid)
+        self.bus.ensure_group(streams.GROUPS, streams.SCORERS)  # back-pressure reads its backlog
+        consumer = self.bus.consumer(streams.PROMPTS, streams.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
         helpers = [
             asyncio.create_task(c)

@@ -18,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from common import wire
+    from common.protocol import wire
 
 
 @dataclass

@@ -8,12 +8,13 @@ The learner knows the cycle and the policy version, so it decides what is genera
   cycle ``c`` resumes the data exactly, and prompt ids (``c<cycle>/<position>/<record id>``) are
   the same every time a cycle is dispatched — re-dispatch after a crash is de-duplicated by the
   generators.
-- Staleness gate: cycle ``c`` is trained by optimizer steps ``c·S … c·S + S − 1`` (S =
-  train_steps_per_cycle); a trajectory of version ``v`` may be used by step ``t`` only while
-  ``t − v ≤ max_staleness``. So cycle ``c`` needs weights ``≥ c·S + S − 1 − max_staleness``
-  (``min_policy_version``), which every prompt carries, and it is dispatched as soon as the
-  learner's version reaches it: generation overlaps training by exactly what the bound allows
-  and never produces data the learner would have to drop.
+- Staleness gate (the rule is ``common.protocol.staleness``): cycle ``c`` is trained by
+  optimizer steps ``c·S … c·S + S − 1`` (S = train_steps_per_cycle); a trajectory of version
+  ``v`` may be used by step ``t`` only while ``t − v ≤ max_staleness``. So cycle ``c`` needs
+  weights ``≥ c·S + S − 1 − max_staleness`` (``min_policy_version``), which every prompt
+  carries, and it is dispatched as soon as the learner's version reaches it: generation
+  overlaps training by exactly what the bound allows and never produces data the learner would
+  have to drop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from common import runtime, wire
+from common import runtime
+from common.protocol import streams, wire
+from common.protocol.staleness import min_policy_version, usable
 
 if TYPE_CHECKING:
     from common.bus import Bus
@@ -30,10 +33,6 @@ if TYPE_CHECKING:
     from common.datasets import PromptSet
 
 log = logging.getLogger(__name__)
-
-
-def min_policy_version(cycle: int, *, steps_per_cycle: int, max_staleness: int) -> int:
-    return max(0, cycle * steps_per_cycle + steps_per_cycle - 1 - max_staleness)
 
 
 class Dispatcher:
@@ -93,7 +92,7 @@ class Dispatcher:
             need = min_policy_version(
                 c, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
             )
-            if need > version:
+            if not usable(version, oldest=need):
                 break
             for g, record in self.records_of(c):
                 msg = self._prompt(
@@ -104,7 +103,7 @@ class Dispatcher:
                     split="train",
                     min_version=need,
                 )
-                self.bus.publish(runtime.PROMPTS, msg)
+                self.bus.publish(streams.PROMPTS, msg)
             self.prompts_dispatched.labels("train").inc(run.prompts_per_cycle)
             self.dispatched_through = c
             done.append(c)
@@ -130,6 +129,6 @@ class Dispatcher:
                 split="eval",
                 min_version=version,
             )
-            self.bus.publish(runtime.PROMPTS, msg)
+            self.bus.publish(streams.PROMPTS, msg)
         self.prompts_dispatched.labels("eval").inc(len(self.eval_set))
         return len(self.eval_set)

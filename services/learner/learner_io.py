@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common import runtime, wire
+from common import runtime
 from common.config import TetherConfig
+from common.protocol import streams, wire
 from common.trackers import Trackers
 
 if TYPE_CHECKING:
@@ -88,9 +89,9 @@ class LearnerIO:
         self.metrics = _Metrics()
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="learner")
-        self.consumer = self.bus.consumer(runtime.SCORED, runtime.LEARNER, "learner-0")
-        self.bus.ensure_group(runtime.PROMPTS, runtime.GENERATORS)
-        self.bus.ensure_group(runtime.GROUPS, runtime.SCORERS)
+        self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)
+        self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
+        self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
         self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
@@ -115,7 +116,7 @@ class LearnerIO:
             timeout_s=w.timeout_s,
             bucket_bytes=int(w.bucket_mb * 2**20),
         )
-        self.bus.set("weights:addr", f"{w.host}:{pub.port}")
+        self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{pub.port}")
         log.info("weight store on %s:%d", w.host, pub.port)
         return pub
 
@@ -150,11 +151,11 @@ class LearnerIO:
         self._last_housekeeping = now
         try:
             trimmed = {
-                s: self.bus.trim_acked(s) for s in (runtime.PROMPTS, runtime.GROUPS, runtime.SCORED)
+                s: self.bus.trim_acked(s) for s in (streams.PROMPTS, streams.GROUPS, streams.SCORED)
             }
             keep = self.bus.done_retention_s()
             pruned = sum(
-                self.bus.prune_done(g, keep) for g in (runtime.GENERATORS, runtime.SCORERS)
+                self.bus.prune_done(g, keep) for g in (streams.GENERATORS, streams.SCORERS)
             )
         except Exception as exc:  # noqa: BLE001 - housekeeping must not stop training
             log.warning("bus housekeeping failed (will retry): %s", exc)
@@ -169,9 +170,11 @@ class LearnerIO:
         self.dispatcher.dispatch_ready(version, first_cycle=first_cycle)
 
     def publish_weights(self, state: dict[str, Any], version: int) -> None:
-        self.bus.set("weights:publishing", version)  # generators watch this key, not the store
+        self.bus.set(
+            streams.WEIGHTS_PUBLISHING, version
+        )  # generators watch this key, not the store
         report = self.publisher.publish(state.items(), version)
-        self.bus.set("version:learner", version)
+        self.bus.set(streams.LEARNER_VERSION, version)
         self.metrics.version.set(version)
         bad = {k: v for k, v in report.per_member.items() if v != "ok"}
         log.info(

@@ -10,8 +10,9 @@ Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (i
 Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
 
 Versions count optimizer steps. A trajectory of version ``v`` is used in the step that turns
-``t`` into ``t + 1`` only if ``t − v ≤ max_staleness``; otherwise it gets zero weight and is
-counted as dropped (the dispatcher's gate makes that rare by construction).
+``t`` into ``t + 1`` only if ``t − v ≤ max_staleness`` (``common.protocol.staleness``);
+otherwise it gets zero weight and is counted as dropped (the dispatcher's gate makes that rare
+by construction).
 
 Exactly once: scored entries are acknowledged only after a checkpoint that contains their
 training, so a SIGKILLed learner restarts from its last checkpoint, drains its own pending
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from common import runtime
 from common.config import TetherConfig
+from common.protocol.staleness import oldest_usable, usable
 from services.learner import algorithm
 from services.learner.cycle import Sample, broadcast_samples, samples_from_groups, steps_of_cycle
 from services.learner.learner_io import LearnerIO
@@ -211,12 +213,12 @@ class LearnerService:
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         limit = self.cfg.run.max_staleness
         assert limit is not None
+        oldest = oldest_usable(self.version, max_staleness=limit)
         dropped = 0
         for i in idx:
-            lag = self.version - samples[i].policy_version
             if self.io is not None:
-                self.io.metrics.staleness.observe(lag)
-            if lag > limit and samples[i].weight > 0:
+                self.io.metrics.staleness.observe(self.version - samples[i].policy_version)
+            if not usable(samples[i].policy_version, oldest=oldest) and samples[i].weight > 0:
                 samples[i].weight = 0.0
                 dropped += 1
         self.counters["dropped_stale"] += dropped

@@ -23,8 +23,9 @@ import os
 import time
 from typing import Any
 
-from common import runtime, wire
+from common import runtime
 from common.config import TetherConfig
+from common.protocol import streams, wire
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,12 @@ class ScorerService:
         ]
         with self.timer.phase("blocked_backpressure"):
             await asyncio.to_thread(
-                self.bus.wait_for_capacity, runtime.SCORED, runtime.LEARNER, count_pending=False
+                self.bus.wait_for_capacity, streams.SCORED, streams.LEARNER, count_pending=False
             )
         await asyncio.to_thread(
             consumer.commit,
             good,
-            publish=[(runtime.SCORED, m) for m in msgs],
+            publish=[(streams.SCORED, m) for m in msgs],
             dedupe_ids=[m.group.group_id for m in msgs],
         )
         self._observe(msgs, scored, seconds)
@@ -268,10 +269,10 @@ class ScorerService:
         await asyncio.to_thread(self.pool.wait_ready)
         if self.cfg.scorer.mode == "solver":
             await self._start_solver()
-        consumer = self.bus.consumer(runtime.GROUPS, runtime.SCORERS, self.sid)
+        consumer = self.bus.consumer(streams.GROUPS, streams.SCORERS, self.sid)
         # The learner's group, at id 0: scored groups published before the learner starts wait
         # for it, and back-pressure has a group to measure.
-        await asyncio.to_thread(self.bus.ensure_group, runtime.SCORED, runtime.LEARNER)
+        await asyncio.to_thread(self.bus.ensure_group, streams.SCORED, streams.LEARNER)
         self.ready = True
         log.info(
             "scorer %s ready (mode %s, %d grading workers)",

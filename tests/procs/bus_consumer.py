@@ -10,7 +10,7 @@ import argparse
 import time
 
 from common.bus import Bus, BusSettings
-from common.wire import PromptMsg
+from common.protocol.wire import PromptMsg
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common import wire
 from common.bus import Bus, BusSettings
+from common.protocol import streams, wire
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,18 +54,18 @@ def publish_prompts(bus: Bus, msgs: Sequence[wire.PromptMsg]) -> None:
     """XADD all in one MULTI/EXEC (one read can take them all)."""
     pipe = bus.redis.pipeline(transaction=True)
     for m in msgs:
-        pipe.xadd(bus.key("prompts"), {b"m": wire.encode(m)})
+        pipe.xadd(bus.key(streams.PROMPTS), {b"m": wire.encode(m)})
     pipe.execute()
 
 
 def groups(bus: Bus) -> list[wire.TrajectoryGroup]:
-    return [wire.decode(f[b"m"]) for _, f in bus.redis.xrange(bus.key("groups"))]
+    return [wire.decode(f[b"m"]) for _, f in bus.redis.xrange(bus.key(streams.GROUPS))]
 
 
 def pending_by_consumer(bus: Bus) -> dict[str, int]:
     """Pending prompt entries per generator (XPENDING summary); {} before the group exists."""
     try:
-        info = bus.redis.xpending(bus.key("prompts"), "generators")
+        info = bus.redis.xpending(bus.key(streams.PROMPTS), streams.GENERATORS)
     except Exception:  # noqa: BLE001 - no stream or group yet
         return {}
     return {c["name"].decode(): int(c["pending"]) for c in info.get("consumers") or []}
@@ -73,14 +73,14 @@ def pending_by_consumer(bus: Bus) -> dict[str, int]:
 
 def delivery_counts(bus: Bus) -> dict[str, int]:
     """Pending prompt entry id -> times delivered (a claim by another consumer adds one)."""
-    rows = bus.redis.xpending_range(bus.key("prompts"), "generators", "-", "+", 10_000)
+    rows = bus.redis.xpending_range(bus.key(streams.PROMPTS), streams.GENERATORS, "-", "+", 10_000)
     return {r["message_id"].decode(): int(r["times_delivered"]) for r in rows}
 
 
 def pending_prompt_ids(bus: Bus, consumer: str) -> set[str]:
     """Prompt ids of the entries pending to ``consumer`` (taken, not yet committed)."""
-    key = bus.key("prompts")
-    rows = bus.redis.xpending_range(key, "generators", "-", "+", 10_000, consumer)
+    key = bus.key(streams.PROMPTS)
+    rows = bus.redis.xpending_range(key, streams.GENERATORS, "-", "+", 10_000, consumer)
     out = set()
     for row in rows:
         entry_id = row["message_id"]
@@ -90,7 +90,7 @@ def pending_prompt_ids(bus: Bus, consumer: str) -> set[str]:
 
 
 def status_doc(bus: Bus, sid: str) -> dict | None:
-    raw = bus.redis.hget(bus.key("status"), f"generator:{sid}")
+    raw = bus.redis.hget(bus.key(streams.STATUS), f"generator:{sid}")
     return None if raw is None else json.loads(raw)
 
 

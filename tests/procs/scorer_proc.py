@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import wire
 from common.bus import Bus, BusSettings
+from common.protocol import streams, wire
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,25 +67,25 @@ def publish_all(bus: Bus, groups: list[wire.TrajectoryGroup]) -> None:
     """XADD all in one MULTI/EXEC, so a blocked scorer receives them in one read (one batch)."""
     pipe = bus.redis.pipeline(transaction=True)
     for g in groups:
-        pipe.xadd(bus.key("groups"), {b"m": wire.encode(g)})
+        pipe.xadd(bus.key(streams.GROUPS), {b"m": wire.encode(g)})
     pipe.execute()
 
 
 def scored(bus: Bus) -> list[wire.ScoredGroup]:
-    entries = bus.redis.xrange(bus.key("scored"))
+    entries = bus.redis.xrange(bus.key(streams.SCORED))
     return [wire.decode(fields[b"m"]) for _, fields in entries]
 
 
 def dead(bus: Bus) -> list[dict[str, str]]:
     out = []
-    for _, fields in bus.redis.xrange(bus.key("dead")):
+    for _, fields in bus.redis.xrange(bus.key(streams.DEAD)):
         out.append({k.decode(): v for k, v in fields.items()})
     return out
 
 
 def pending(bus: Bus) -> int:
     try:
-        return int(bus.redis.xpending(bus.key("groups"), "scorers")["pending"])
+        return int(bus.redis.xpending(bus.key(streams.GROUPS), streams.SCORERS)["pending"])
     except Exception:  # noqa: BLE001 - no group yet
         return 0
 

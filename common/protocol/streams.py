@@ -1,0 +1,36 @@
+"""Every Redis name Tether uses: streams, consumer groups and keys, all under the run's
+namespace ``<run>:`` (``Bus.key`` adds it)::
+
+    prompts  --(group "generators")-->  generator  --> groups
+    groups   --(group "scorers")----->  scorer     --> scored
+    scored   --(group "learner")----->  learner    (dispatches prompts, publishes weights)
+    dead     dead letters from every consumer group, with the reason
+
+Keys: ``version:learner`` (policy version = optimizer steps done), ``version:generator:<id>``,
+``weights:addr`` (host:port of the learner's weight store), ``weights:publishing`` (the version
+the learner is sending: generators watch it instead of the store), ``status`` (a hash with one
+field ``<service>:<id>`` per replica: phase seconds, counters, heartbeat; read by ``tether
+status``) and ``done:<group>`` (a consumer group's dedupe ids, scored by commit time).
+"""
+
+from __future__ import annotations
+
+PROMPTS, GROUPS, SCORED, DEAD = "prompts", "groups", "scored", "dead"
+GENERATORS, SCORERS, LEARNER = "generators", "scorers", "learner"
+PIPELINE = ((PROMPTS, GENERATORS), (GROUPS, SCORERS), (SCORED, LEARNER))  # stream, its group
+LEARNER_CONSUMER = "learner-0"  # rank 0's name in the learner's group (one learner per run)
+
+LEARNER_VERSION = "version:learner"
+WEIGHTS_ADDR = "weights:addr"
+WEIGHTS_PUBLISHING = "weights:publishing"
+STATUS = "status"
+
+
+def generator_version(sid: str) -> str:
+    """The key holding the policy version generator ``sid`` runs."""
+    return f"version:generator:{sid}"
+
+
+def done_set(group: str) -> str:
+    """The sorted set of dedupe ids ``group`` has committed (score: commit time)."""
+    return f"done:{group}"
