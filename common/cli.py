@@ -9,8 +9,9 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from common.config import CYCLE_KEYS, DEPRECATED_ALIASES, ConfigError
-from common.preflight import PreflightError
+from common.config.errors import ConfigError
+from common.config.schema import CYCLE_KEYS, DEPRECATED_ALIASES
+from common.service.preflight import PreflightError
 
 EXIT_USAGE = 2
 
@@ -60,7 +61,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args: argparse.Namespace):
     """Resolve the config from parsed arguments (raises ConfigError)."""
-    from common.config_load import load_config
+    from common.config.load import load_config
 
     flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:") and v is not None}
     return load_config(config_file=args.config, overrides=args.set, flags=flags)
@@ -78,7 +79,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_explain(args: argparse.Namespace) -> int:
-    from common.config_explain import explain
+    from common.config.explain import explain
 
     loaded = load_from_args(args)
     print(explain(loaded.config, sources=loaded.sources, warnings=loaded.warnings))
@@ -86,7 +87,7 @@ def _cmd_config_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    from common.config_explain import resolved_toml
+    from common.config.explain import resolved_toml
 
     print(resolved_toml(load_from_args(args).config))
     return 0
@@ -100,7 +101,7 @@ def _cmd_config_import(args: argparse.Namespace) -> int:
 
 def _cmd_service(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from common.config_explain import resolved_toml
+        from common.config.explain import resolved_toml
 
         loaded = load_from_args(args)
         if args.dry_run:
@@ -109,7 +110,7 @@ def _cmd_service(name: str) -> Callable[[argparse.Namespace], int]:
         import importlib
 
         if name != "train":
-            from common.runtime import stop_with_supervisor
+            from common.service.supervision import stop_with_supervisor
 
             stop_with_supervisor()
         module = importlib.import_module(

@@ -17,9 +17,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bus_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from common.bus_inspect import format_inspect, inspect_bus
+    from common.bus.inspect import format_inspect, inspect_bus
+    from common.bus.settings import bus_settings_for
     from common.cli import load_from_args
-    from common.runtime import bus_settings_for
 
     cfg = load_from_args(args).config
     report = inspect_bus(bus_settings_for(cfg, redis_url=cfg.run.redis_url or None))

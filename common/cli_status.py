@@ -92,8 +92,8 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     """``collect_status`` from the Redis at ``url``; None when it does not answer within ~2 s."""
     import redis
 
-    from common.bus import Bus, BusUnavailable
-    from common.runtime import bus_settings_for
+    from common.bus.client import Bus
+    from common.bus.settings import BusUnavailable, bus_settings_for
     from common.status import collect_status
 
     probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)

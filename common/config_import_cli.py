@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ConfigError
+from common.config.errors import ConfigError
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from common.config_import import import_peer_config, render_mapping_table, render_toml
+    from common.config.importers.render import render_mapping_table, render_toml
+    from common.config.importers.translate import import_peer_config
 
     variables = {}
     for item in args.var:

@@ -91,7 +91,7 @@ def _accuracy_summary(metrics_path: Path) -> tuple[dict | None, dict | None]:
 
 def main(args: argparse.Namespace) -> int:
     from common.cli import load_from_args
-    from common.config_load import load_config
+    from common.config.load import load_config
     from common.launcher import launch, prepare_run_dir
 
     if not args.config:

@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import runtime
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
+from common.service.supervision import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Supervisor:
         self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
         self.progress = progress
         env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
-        env[runtime.SUPERVISOR_ENV] = str(os.getpid())  # services stop if the launcher dies
+        env[SUPERVISOR_ENV] = str(os.getpid())  # services stop if the launcher dies
         env.update(cpu_thread_env(cfg, env))
         cli = [sys.executable, "-m", "common.cli"]
         conf = ["--config", str(config_path)]
@@ -249,16 +249,16 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
     """The config to run (with --resume, the one saved in the run directory), checked by the
     preflight before anything is created or started, and its run directory, with the resolved
     config written once (reused by --resume)."""
-    from common.config_explain import resolved_toml
-    from common.preflight import preflight
+    from common.config.explain import resolved_toml
+    from common.service.preflight import preflight
 
     if resume:
-        from common.config_load import load_config
+        from common.config.load import load_config
 
         run_dir = Path(resume)
         saved = run_dir / "config.toml"
         if not saved.exists():
-            from common.config import ConfigError
+            from common.config.errors import ConfigError
 
             raise ConfigError(
                 f"--resume {resume}: no config.toml there; is it a Tether run directory (runs/<name>)?"
@@ -281,7 +281,7 @@ def main(cfg: TetherConfig, args) -> int:
 
 
 def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory=None) -> int:
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
 
     redis = None
     url = cfg.run.redis_url
@@ -329,8 +329,8 @@ def _finish(cfg: TetherConfig, run_dir: Path, url: str, progress) -> None:
         if progress is not None:
             bus = progress.bus
         else:
-            from common.bus import Bus
-            from common.runtime import bus_settings_for
+            from common.bus.client import Bus
+            from common.bus.settings import bus_settings_for
 
             bus = Bus(bus_settings_for(cfg, redis_url=url), service="launcher")
         report = finish_run(run_dir, bus)

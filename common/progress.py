@@ -7,15 +7,15 @@ import logging
 import time
 from pathlib import Path
 
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
 
 log = logging.getLogger(__name__)
 
 
 class Progress:
     def __init__(self, cfg: TetherConfig, redis_url: str) -> None:
-        from common.bus import Bus
-        from common.runtime import bus_settings_for
+        from common.bus.client import Bus
+        from common.bus.settings import bus_settings_for
 
         self.cfg = cfg
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="launcher")

@@ -19,9 +19,8 @@ BUSY_PHASES = ("working", "syncing_weights", "checkpointing")
 
 
 def _services(bus) -> list[dict[str, Any]]:
-    raw = bus.call(lambda: bus.redis.hgetall(bus.key("status")), what="HGETALL status")
     out = []
-    for _, v in sorted(raw.items()):
+    for _, v in sorted(bus.read_statuses().items()):
         try:
             out.append(json.loads(v))
         except ValueError:

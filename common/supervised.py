@@ -1,7 +1,7 @@
 """`python -m common.supervised PROGRAM [ARGS...]`: become PROGRAM under the launcher's watch.
 
 `tether train` starts its services with ``TETHER_SUPERVISOR_PID`` set, and each service asks the
-kernel for SIGTERM should the launcher die (``runtime.stop_with_supervisor``). A program that is
+kernel for SIGTERM should the launcher die (``stop_with_supervisor``). A program that is
 not ours cannot ask: ``torchrun``, which runs a multi-rank learner, would outlive a SIGKILLed
 launcher together with its ranks. This shim asks on its behalf and then replaces itself with the
 program (``execvp``: same pid; the parent-death signal survives the exec).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from common import runtime
+from common.service.supervision import stop_with_supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print("usage: python -m common.supervised PROGRAM [ARGS...]", file=sys.stderr)
         return 2
-    runtime.stop_with_supervisor()
+    stop_with_supervisor()
     os.execvp(args[0], args)
     return 0  # not reached: execvp replaces this process or raises
 

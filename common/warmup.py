@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.datasets import encode_prompt
+from common.data.prompts import encode_prompt
 from common.tasks import is_correct, read_jsonl
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.redis_server import EmbeddedRedis, valkey_binary
+from common.bus.server import EmbeddedRedis, valkey_binary
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = REPO / ".cache" / "tests"

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from common.runtime import pid_running
+from common.bus.server import pid_running
 
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
 TYPE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ")

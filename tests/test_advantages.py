@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from common.config_load import load_config
+from common.config.load import load_config
 from services.learner.advantages import (
     compute_advantages,
     equal_reward_group_mask,

@@ -15,11 +15,12 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from common.bus import Bus, BusSettings
-from common.bus_inspect import format_inspect, inspect_bus
+from common.bus.client import Bus
+from common.bus.inspect import format_inspect, inspect_bus
+from common.bus.server import EmbeddedRedis
+from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from common.protocol.wire import PromptMsg
-from common.redis_server import EmbeddedRedis
 from tests.conftest import checked_binary, server_params
 from tests.test_wire import make_group
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.server import EmbeddedRedis
+from common.bus.settings import BusSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg
-from common.redis_server import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

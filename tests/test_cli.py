@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from common.config_load import load_config
+from common.config.load import load_config
 
 
 def tether(*args, env=None):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, TetherConfig
-from common.config_load import load_config
+from common.config.errors import ConfigError
+from common.config.load import load_config
+from common.config.schema import TetherConfig
 
 
 def cfg_of(**flags):
@@ -232,12 +233,12 @@ def test_missing_file():
 def test_readme_config_reference_matches_the_schema():
     from pathlib import Path
 
-    from common.config_reference import BEGIN, END, reference_markdown
+    from common.config.reference import BEGIN, END, reference_markdown
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     assert readme[start:end] == reference_markdown(), (
-        "regenerate with: python -m common.config_reference"
+        "regenerate with: python -m common.config.reference"
     )
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config_import import import_peer_config, render_mapping_table, render_toml
+from common.config.importers.render import render_mapping_table, render_toml
+from common.config.importers.translate import import_peer_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "import"
 ALL = [
@@ -168,7 +169,7 @@ def _verl_kl_in_reward(tmp_path, *extra):
 
 
 def test_verl_kl_in_reward_maps_to_a_config_tether_accepts(tmp_path):
-    from common.config_load import load_config
+    from common.config.load import load_config
 
     r = _verl_kl_in_reward(tmp_path, "algorithm.adv_estimator=grpo")
     t = r.tether["learner"]

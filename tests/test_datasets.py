@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.datasets import DatasetError, encode_prompt, load_prompts
+from common.data.datasets import DatasetError, load_prompts
+from common.data.prompts import encode_prompt
 from common.tiny_model import build_tokenizer
 
 
@@ -124,7 +125,7 @@ def test_bad_rows_dropped_counted_and_logged_once(tmp_path, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     with path.open("a") as f:
         f.write("{not json\n")
-    with caplog.at_level(logging.WARNING, logger="common.datasets"):
+    with caplog.at_level(logging.WARNING, logger="common.data.datasets"):
         ps = load_prompts(path, overlong_policy="drop")
     assert [r.text for r in ps] == ["good"]
     assert ps.dropped == {"bad_row": 6}

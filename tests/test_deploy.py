@@ -17,7 +17,7 @@ import urllib.parse
 import pytest
 import yaml
 
-from common.redis_server import free_port
+from common.ports import free_port
 from tests import deploy_tools as dt
 
 COMPOSE = dt.DEPLOY / "compose" / "docker-compose.yml"
@@ -88,7 +88,7 @@ def test_compose_services_wait_for_a_healthy_redis_with_aof_and_password():
     ids=["compose", "k8s-configmap"],
 )
 def test_deployed_tether_config_loads(toml_text, tmp_path):
-    from common.config_load import load_config
+    from common.config.load import load_config
 
     path = tmp_path / "tether.toml"
     path.write_text(toml_text)

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from common.datasets import encode_prompt
+from common.data.prompts import encode_prompt
 from services.generator.engine import EngineSettings, GenerationEngine, SamplingSettings
 
 pytestmark = pytest.mark.slow

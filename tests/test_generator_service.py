@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.datasets import encode_prompt
+from common.data.prompts import encode_prompt
 from common.protocol import streams, wire
-from common.weight_sync import WeightPublisher
+from common.weights.publisher import WeightPublisher
 from tests.procs.generator_proc import (
     GeneratorProc,
     delivery_counts,

@@ -8,8 +8,8 @@ import signal
 import sys
 import time
 
+from common.bus.server import pid_running
 from common.launcher import Child
-from common.runtime import pid_running
 
 # The leader starts a grandchild that ignores SIGTERM and outlives it (as vLLM's engine core
 # outlives a SIGKILLed generator), writes the grandchild's pid, then sleeps.
@@ -50,7 +50,7 @@ LAUNCHER = """
 import os, subprocess, sys, time
 env = dict(os.environ, TETHER_SUPERVISOR_PID=str(os.getpid()))
 child = subprocess.Popen([sys.executable, "-c",
-    "from common import runtime; runtime.stop_with_supervisor(); "
+    "from common.service.supervision import stop_with_supervisor; stop_with_supervisor(); "
     "import time; open(sys.argv[1], 'w').write('up'); time.sleep(300)".replace("sys.argv[1]", repr(sys.argv[2]))],
     env=env, start_new_session=True)
 open(sys.argv[1], "w").write(str(child.pid))
@@ -96,7 +96,10 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
 FOREIGN_LAUNCHER = LAUNCHER.replace(
     '[sys.executable, "-c",',
     '[sys.executable, "-m", "common.supervised", sys.executable, "-c",',
-).replace("from common import runtime; runtime.stop_with_supervisor(); ", "import sys; ")
+).replace(
+    "from common.service.supervision import stop_with_supervisor; stop_with_supervisor(); ",
+    "import sys; ",
+)
 
 
 def test_a_foreign_program_started_through_the_shim_stops_with_the_launcher(tmp_path):
@@ -119,7 +122,7 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
     """`tether train --resume` after a SIGKILLed launcher: the old server (still running, by
     design: it is not ours to signal) is stopped first, so two servers never share one AOF.
     With Debian's redis-server too, whose /proc exe names redis-check-rdb (a symlink)."""
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
 
     old = EmbeddedRedis(tmp_path / "data", binary=server_binary).start()
     orphan = old.pid
@@ -141,7 +144,7 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
 def test_a_server_of_another_directory_is_not_taken_for_an_orphan(tmp_path):
     """The pid file names a live server, but one started on another directory (a pid file
     copied along with a run directory, say): it is left alone."""
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
 
     other = EmbeddedRedis(tmp_path / "other").start()
     try:
@@ -162,7 +165,7 @@ def test_the_embedded_server_is_the_wheels_unless_another_is_named(tmp_path, mon
     PATH, `run.redis_server_binary`) is how a user asks for it; a wrong name is an error."""
     import pytest
 
-    from common.redis_server import EmbeddedRedis, valkey_binary
+    from common.bus.server import EmbeddedRedis, valkey_binary
 
     impostor = tmp_path / "bin" / "redis-server"
     impostor.parent.mkdir()

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.bus import Bus
-from common.config_load import load_config
-from common.datasets import load_prompts
+from common.bus.client import Bus
+from common.bus.settings import bus_settings_for
+from common.config.load import load_config
+from common.data.datasets import load_prompts
 from common.protocol.staleness import min_policy_version
-from common.runtime import PROMPTS, bus_settings_for
+from common.protocol.streams import PROMPTS
 from services.learner.cycle import Sample, decode_samples, encode_samples, steps_of_cycle
 from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService
@@ -147,7 +148,8 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
     """A checkpoint holds the training of the cycles below ``next_cycle``: only their scored
     entries are acknowledged; a cycle collected but not trained stays pending (redelivered
     after a crash)."""
-    from common.runtime import SCORED, PhaseTimer
+    from common.protocol.streams import SCORED
+    from common.telemetry.metrics import PhaseTimer
     from services.learner.learner_io import LearnerIO
 
     c = cfg(

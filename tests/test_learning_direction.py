@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config_load import load_config
+from common.config.load import load_config
 from services.learner import algorithm, optim
 from services.learner.cycle import Sample, steps_of_cycle
 from services.learner.train_step import train_step

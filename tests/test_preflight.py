@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from common.launcher import RunFailed, Supervisor
-from common.runtime import free_port
+from common.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # On-disk checks and one PING take ~2 s on the 2-core machine; the bound leaves room for a busy
@@ -202,7 +202,7 @@ def test_scorer_alone_missing_solver_model(tmp_path, redis_server):
 def test_a_service_that_refuses_later_stops_the_run_with_exit_2_and_its_reason(tmp_path):
     """Past the preflight, a service exiting 2 still ends `tether train` with code 2 and the
     service's own one-line reason, not only a pointer to its log."""
-    from common.config_load import load_config
+    from common.config.load import load_config
 
     cfg = load_config(env={}).config
     sup = Supervisor(cfg, tmp_path, redis_url="redis://127.0.0.1:1/0", config_path=tmp_path / "c")

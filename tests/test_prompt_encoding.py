@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from common.config_load import load_config
-from common.datasets import DatasetError, encode_prompt, load_prompts
+from common.config.load import load_config
+from common.data.datasets import DatasetError, load_prompts
+from common.data.prompts import encode_prompt
 from common.protocol import wire
 from common.tiny_model import BOS_TOKEN, build_tokenizer
 from services.generator.loop import GeneratorService

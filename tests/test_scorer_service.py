@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
+from common.ports import free_port
 from common.protocol import streams
-from common.runtime import free_port
 from tests.procs.scorer_proc import (
     ScorerProc,
     dead,

@@ -15,7 +15,7 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from common.config_load import load_config
+from common.config.load import load_config
 from common.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
 from services.scorer.grader_pool import GraderPool
 from services.scorer.rewards import ScoreItem

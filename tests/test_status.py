@@ -2,7 +2,7 @@
 and the status.json snapshot a finished run falls back to.
 
 Live tests use the session's real Redis-protocol server. The services' heartbeats are written by
-the real ``common.runtime.StatusReporter`` with hand-set counters (a fake of the services, not of
+the real ``common.telemetry.heartbeat.StatusReporter`` with hand-set counters (a fake of the services, not of
 Redis): what is under test is how status reads and presents them.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from common import runtime
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.settings import BusSettings
 from common.cli import _add_config_args
 from common.cli_status import (
     add_status_verbs,
@@ -25,7 +25,11 @@ from common.cli_status import (
     load_status_snapshot,
     save_status_snapshot,
 )
+from common.ports import free_port
+from common.protocol.streams import DEAD, GROUPS
 from common.status import STREAMS
+from common.telemetry.heartbeat import StatusReporter
+from common.telemetry.metrics import PhaseTimer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_thin"  # a real short run (3 steps, 2 evals)
 EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 prompts
@@ -65,15 +69,15 @@ def fake_services(url: str, run: str) -> None:
         ("scorer", "scorer-0", {"working": 2.0, "waiting_input": 90.0}, {"groups": 59, "ready": True, "mode": "rule"}),
     ]  # fmt: skip
     for service, sid, phases, extra in beats:
-        timer = runtime.PhaseTimer(service)
+        timer = PhaseTimer(service)
         timer.seconds.update(phases)  # set directly: PhaseTimer.add also feeds Prometheus
-        reporter = runtime.StatusReporter(bus, service, sid, timer, lambda e=extra: e)
+        reporter = StatusReporter(bus, service, sid, timer, lambda e=extra: e)
         reporter.started = now - 100.0
         reporter.write()
     for stream, group in STREAMS:
         bus.ensure_group(stream, group)
-    bus.redis.xadd(bus.key(runtime.GROUPS), {"m": b"a queued group"})
-    bus.redis.xadd(bus.key(runtime.DEAD), {"reason": b"test", "raw": b""})
+    bus.redis.xadd(bus.key(GROUPS), {"m": b"a queued group"})
+    bus.redis.xadd(bus.key(DEAD), {"reason": b"test", "raw": b""})
     bus.close()
 
 
@@ -155,7 +159,7 @@ def test_status_falls_back_to_the_snapshot(redis_server, tmp_path, capsys, monke
     save_status_snapshot(run_dir, live)
     # The run's embedded server is gone: nothing listens on the port in server.conf.
     (run_dir / "redis").mkdir()
-    (run_dir / "redis" / "server.conf").write_text(f"port {runtime.free_port()}\n")
+    (run_dir / "redis" / "server.conf").write_text(f"port {free_port()}\n")
     code, out, err = tether(["status", "--run", str(run_dir), "--json"], capsys)
     assert code == 0, err
     snap = json.loads(out)
@@ -197,7 +201,7 @@ def test_status_falls_back_to_the_snapshot(redis_server, tmp_path, capsys, monke
 def test_status_without_redis_or_snapshot_says_what_to_do(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
     run_dir = make_run_dir(tmp_path, "st_none")
-    url = f"redis://127.0.0.1:{runtime.free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     code, out, err = tether(["status", "--run", str(run_dir), "--redis-url", url], capsys)
     assert code == 1 and out == ""
     assert "does not answer" in err and "status.json" in err and "--redis-url" in err
@@ -230,9 +234,7 @@ def test_finish_run_saves_the_snapshot_and_writes_the_report(redis_server, tmp_p
     # Redis already gone: the report is still written, from metrics.jsonl and the old snapshot.
     (run_dir / "report.html").unlink()
     dead = Bus(
-        BusSettings(
-            url=f"redis://127.0.0.1:{runtime.free_port()}/0", run="st_finish", reconnect_max_s=0.5
-        ),
+        BusSettings(url=f"redis://127.0.0.1:{free_port()}/0", run="st_finish", reconnect_max_s=0.5),
         service="launcher",
     )
     assert finish_run(run_dir, dead) == run_dir / "report.html"

@@ -16,15 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from common.weight_sync import (  # noqa: E402
-    WeightPublisher,
-    WeightReceiver,
-    WeightSyncError,
-    build_layout,
-    make_pair_group,
-    send_update,
-    tensors_checksum,
-)
+from common.weights.checksum import tensors_checksum  # noqa: E402
+from common.weights.group import make_pair_group  # noqa: E402
+from common.weights.layout import WeightSyncError, build_layout  # noqa: E402
+from common.weights.publisher import WeightPublisher  # noqa: E402
+from common.weights.receiver import WeightReceiver  # noqa: E402
+from common.weights.transfer import send_update  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECEIVER = ROOT / "tests" / "procs" / "weight_receiver.py"
@@ -168,9 +165,9 @@ def _hand_rolled_learner(store, member: str, epoch: int):
 def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False) -> None:
     named = sorted(named)
     layout = build_layout(named, version, 1 << 20)
-    from common.weight_sync import _unit_buffers
+    from common.weights.buckets import unit_buffers
 
-    units = _unit_buffers(named, layout, "cpu")
+    units = unit_buffers(named, layout, "cpu")
     digest = bytes.fromhex(tensors_checksum(named))
     if corrupt:
         units[-1] = units[-1].clone()
@@ -360,7 +357,7 @@ class _StuckWork:
 
 
 def test_nccl_transfer_past_its_deadline_aborts_the_pair_group():
-    from common.weight_sync import finish
+    from common.weights.group import finish
 
     pg = ProcessGroupNCCL()
     t0 = time.monotonic()

@@ -138,7 +138,8 @@ def step_publish3b(tiny: bool) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from common.tiny_model import build_tiny_model
-    from common.weight_sync import WeightPublisher, tensors_checksum
+    from common.weights.checksum import tensors_checksum
+    from common.weights.publisher import WeightPublisher
     from services.learner.model import (
         HostStaging,
         full_state_dict_cpu,
@@ -203,7 +204,8 @@ def step_publish3b(tiny: bool) -> dict:
 
 
 def _same_gpu_receiver(port: int, q) -> None:
-    from common.weight_sync import WeightReceiver, WeightSyncError
+    from common.weights.layout import WeightSyncError
+    from common.weights.receiver import WeightReceiver
 
     try:
         WeightReceiver("127.0.0.1", port, "same-gpu", timeout_s=30.0).join()
@@ -217,7 +219,7 @@ def step_nccl_same_gpu(tiny: bool) -> dict:
     a message naming the fix (NCCL itself would fail later with "Duplicate GPU detected")."""
     import multiprocessing as mp
 
-    from common.weight_sync import WeightPublisher
+    from common.weights.publisher import WeightPublisher
 
     pub = WeightPublisher("127.0.0.1", 0, backend="nccl", timeout_s=30.0)
     try:

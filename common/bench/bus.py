@@ -123,9 +123,10 @@ def run_bus_bench(
     """Measure bus vs bare throughput; print a summary and return (and optionally write) JSON."""
     import redis
 
-    from common.bus import Bus, BusSettings
+    from common.bus.client import Bus
+    from common.bus.server import EmbeddedRedis
+    from common.bus.settings import BusSettings
     from common.protocol.wire import encode
-    from common.redis_server import EmbeddedRedis
 
     groups = _make_groups(n_messages, prompt_tokens=prompt_tokens,
                           response_tokens=response_tokens, samples=samples_per_group)  # fmt: skip

@@ -86,7 +86,8 @@ class _Service:
     """A `tether generator` subprocess on its own run namespace, and this side's bus."""
 
     def __init__(self, url: str, model: str, *, n: int, max_tokens: int, log_path: Path) -> None:
-        from common.bus import Bus, BusSettings
+        from common.bus.client import Bus
+        from common.bus.settings import BusSettings
 
         self.run = f"bench-gen-{uuid.uuid4().hex[:8]}"
         self.bus = Bus(
@@ -223,9 +224,9 @@ def run_generator_bench(
         raise ValueError("prompts, n, max_tokens, rounds and update_repeats must all be >= 1")
     from transformers import AutoTokenizer
 
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
     from common.tiny_model import build_tiny_model
-    from common.weight_sync import WeightPublisher
+    from common.weights.publisher import WeightPublisher
 
     model = str(
         build_tiny_model(

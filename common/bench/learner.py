@@ -123,8 +123,9 @@ def _service(
 ) -> float:
     """Pre-publish the groups, run LearnerService; seconds from the first collect to the end of
     training (start-up, the initial publish and the final checkpoint excluded)."""
-    from common.bus import Bus
-    from common.runtime import SCORED, bus_settings_for
+    from common.bus.client import Bus
+    from common.bus.settings import bus_settings_for
+    from common.protocol.streams import SCORED
     from services.learner.loop import LearnerService
 
     bus = Bus(bus_settings_for(cfg), service="bench")
@@ -218,8 +219,8 @@ def run_learner_bench(
     """
     import tempfile
 
-    from common.config_load import load_config
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
+    from common.config.load import load_config
 
     if cycles < 2:
         raise ValueError("cycles must be >= 2: the first cycle of each path is a warm-up")

@@ -176,7 +176,7 @@ def run_tether(
     off_policy: str = "decoupled",
 ) -> dict[str, Any]:
     from common.bench.pipeline import analyse, drive_run, write_bench_config
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
 
     server = EmbeddedRedis(work / "redis", appendonly=False).start()
     try:

@@ -231,7 +231,7 @@ def run_pipeline_bench(
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Run the workload async and sync; print, return and (optionally) write the JSON result."""
-    from common.redis_server import EmbeddedRedis
+    from common.bus.server import EmbeddedRedis
 
     w = workload or preset(quick, size)
     root = Path(work_dir).resolve()

@@ -87,7 +87,7 @@ def _trl_child(spec_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from common.bench.workload import trl_task
-    from common.datasets import encode_prompt
+    from common.data.prompts import encode_prompt
     from common.tasks import is_correct, read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())

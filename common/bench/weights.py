@@ -17,7 +17,8 @@ from pathlib import Path
 def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None:
     import torch
 
-    from common.weight_sync import WeightReceiver, broadcast, make_pair_group
+    from common.weights.group import broadcast, make_pair_group
+    from common.weights.receiver import WeightReceiver
 
     rx = WeightReceiver("127.0.0.1", port, "bench", timeout_s=120.0)
     rx.join()
@@ -36,7 +37,8 @@ def run_weights_bench(
     """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio."""
     import torch
 
-    from common.weight_sync import WeightPublisher, broadcast, make_pair_group
+    from common.weights.group import broadcast, make_pair_group
+    from common.weights.publisher import WeightPublisher
 
     if total_mb <= 0 or num_tensors <= 0 or repeats <= 0:
         raise ValueError("total_mb, num_tensors and repeats must be positive")

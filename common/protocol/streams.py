@@ -17,6 +17,7 @@ from __future__ import annotations
 
 PROMPTS, GROUPS, SCORED, DEAD = "prompts", "groups", "scored", "dead"
 GENERATORS, SCORERS, LEARNER = "generators", "scorers", "learner"
+PAYLOAD_FIELD = b"m"  # the one field of a stream entry: the encoded message
 PIPELINE = ((PROMPTS, GENERATORS), (GROUPS, SCORERS), (SCORED, LEARNER))  # stream, its group
 LEARNER_CONSUMER = "learner-0"  # rank 0's name in the learner's group (one learner per run)
 

@@ -24,14 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from common.datasets import encode_prompt  # the prompt tokenisation helper, re-exported
-
 __all__ = [
     "EngineSettings",
     "GenerationEngine",
     "Sample",
     "SamplingSettings",
-    "encode_prompt",
     "load_tokenizer",
     "sample_from_completion",
 ]
@@ -287,7 +284,7 @@ class GenerationEngine:
 
 
 def load_tokenizer(settings: EngineSettings) -> Any:
-    """The engine's tokenizer (transformers), for ``encode_prompt`` and decoding."""
+    """The engine's tokenizer (transformers), for ``common.data.prompts.encode_prompt`` and decoding."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(settings.tokenizer or settings.model)

@@ -25,10 +25,11 @@ import logging
 import time
 from typing import Any
 
-from common import runtime
-from common.config import TetherConfig
+from common.bus.settings import bus_settings_for
+from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
+from common.telemetry.metrics import PhaseTimer, metric
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ WORKER_EXT = "services.generator.worker_ext.TetherWorkerExtension"
 
 class _Metrics:
     def __init__(self) -> None:
-        m = runtime.metric
+        m = metric
         self.tokens = m("Counter", "tether_generator_tokens_total", "response tokens generated")
         self.groups = m("Counter", "tether_generator_groups_total", "groups published", ["split"])
         self.in_flight = m(
@@ -74,11 +75,11 @@ class _Metrics:
 
 class GeneratorService:
     def __init__(self, cfg: TetherConfig, *, sid: str, redis_url: str | None = None) -> None:
-        from common.bus import Bus
+        from common.bus.client import Bus
 
         self.cfg, self.sid = cfg, sid
-        self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="generator")
-        self.timer = runtime.PhaseTimer("generator")
+        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="generator")
+        self.timer = PhaseTimer("generator")
         self.metrics = _Metrics()
         self.version: int | None = None
         self.ready = False
@@ -96,7 +97,7 @@ class GeneratorService:
         from services.generator.engine import EngineSettings, GenerationEngine
 
         g, run = self.cfg.generator, self.cfg.run
-        from common.model_paths import policy_paths
+        from common.data.model_paths import policy_paths
 
         model_dir, tok_dir = policy_paths(self.cfg)
         dtype = (
@@ -118,7 +119,7 @@ class GeneratorService:
             )
         )
         await self.engine.start()
-        from common.model_paths import policy_tokenizer
+        from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
 
@@ -236,7 +237,7 @@ class GeneratorService:
     def _prompt_ids(self, msg: wire.PromptMsg) -> list[int]:
         """What vLLM receives: the loader's encoding (``encode_prompt``), which the learner's
         length check counted, so the two cannot differ. ValueError when it cannot be encoded."""
-        from common.datasets import encode_prompt, prompt_of
+        from common.data.prompts import encode_prompt, prompt_of
 
         return encode_prompt(
             self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template

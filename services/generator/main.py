@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from common import runtime
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
+from common.service.serve import serve_async, service_id
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.preflight import preflight
+    from common.service.preflight import preflight
 
     preflight(cfg, "generator")  # model, tokenizer, Redis: exit 2 before the engine starts
     from services.generator.loop import GeneratorService
 
-    sid = runtime.service_id("generator", getattr(args, "service_id", None))
+    sid = service_id("generator", getattr(args, "service_id", None))
     svc = GeneratorService(cfg, sid=sid)
 
     def cleanup() -> None:
@@ -20,4 +20,4 @@ def main(cfg: TetherConfig, args) -> int:
         if engine is not None:
             engine.shutdown()
 
-    return runtime.serve_async(svc, "generator", sid, cfg.generator.metrics_port, cleanup=cleanup)
+    return serve_async(svc, "generator", sid, cfg.generator.metrics_port, cleanup=cleanup)

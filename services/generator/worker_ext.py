@@ -11,7 +11,7 @@ the methods below run inside the worker process through ``collective_rpc``:
   ``model_runner.reload_weights`` (``model.load_weights`` breaks on a second load on CPU). A
   failed or corrupted update returns ``ok=False`` and leaves the previous version loaded.
 - ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
-  learner's (Hugging Face) naming, computed like ``common.weight_sync.tensors_checksum``.
+  learner's (Hugging Face) naming, computed like ``common.weights.checksum.tensors_checksum``.
 - ``tether_version()`` -> the loaded policy version (None before the first update).
 
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
@@ -37,7 +37,7 @@ class TetherWorkerExtension:
     _tether_layout: list | None = None  # [(name, dtype, shape)] of the last update
 
     def tether_join(self, host: str, port: int, member_id: str, timeout_s: float = 60.0) -> dict:
-        from common.weight_sync import WeightReceiver
+        from common.weights.receiver import WeightReceiver
 
         rx = self._tether_rx
         if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
@@ -49,7 +49,7 @@ class TetherWorkerExtension:
         return {"member_id": member_id, "epoch": self._tether_rx.join()}
 
     def tether_poll(self) -> dict:
-        from common.weight_sync import WeightSyncError
+        from common.weights.layout import WeightSyncError
 
         try:
             if self._tether_rx is None:
@@ -60,7 +60,8 @@ class TetherWorkerExtension:
             return {"pending": None, "error": f"{kind}{e}"}
 
     def tether_receive_update(self, wait_s: float | None = None) -> dict:
-        from common.weight_sync import WeightSyncError, tensors_checksum
+        from common.weights.checksum import tensors_checksum
+        from common.weights.layout import WeightSyncError
 
         t0 = time.monotonic()
         try:
@@ -92,7 +93,7 @@ class TetherWorkerExtension:
         """``layout``: [(name, dtype name, shape)] in the learner's naming; default: the last
         update's. Fused vLLM parameters (qkv_proj, gate_up_proj) are split back by their
         ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the embedding."""
-        from common.weight_sync import tensors_checksum
+        from common.weights.checksum import tensors_checksum
 
         layout = layout if layout is not None else self._tether_layout
         if layout is None:

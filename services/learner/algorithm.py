@@ -20,7 +20,7 @@ from services.learner.cycle import Sample, as_batch_fields
 if TYPE_CHECKING:
     import torch
 
-    from common.config import TetherConfig
+    from common.config.schema import TetherConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,6 @@ def _all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t
-
-
-def _sampling_temperature(cfg: TetherConfig) -> float:
-    """The temperature behaviour log-probs were taken at (greedy sampling scores at T = 1)."""
-    return cfg.generator.temperature if cfg.generator.temperature > 0 else 1.0
 
 
 def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
@@ -212,7 +207,7 @@ def recompute_logprobs(
                 batch["attention_mask"],
                 batch["loss_mask"],
                 position_ids=batch["position_ids"],
-                temperature=_sampling_temperature(cfg),
+                temperature=cfg.behaviour_temperature,
             )
             for row, i in enumerate(mb):
                 n_p, n_r = len(samples[i].prompt_ids), len(samples[i].response_ids)
@@ -268,7 +263,7 @@ def make_loss_fn(
             mb["loss_mask"],
             position_ids=mb["position_ids"],
             with_entropy=want_entropy,
-            temperature=_sampling_temperature(cfg),
+            temperature=cfg.behaviour_temperature,
         )
         off = ln.off_policy
         if off == "none":

@@ -23,14 +23,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from common import runtime
 from common.protocol import streams, wire
 from common.protocol.staleness import min_policy_version, usable
+from common.telemetry.metrics import metric
 
 if TYPE_CHECKING:
-    from common.bus import Bus
-    from common.config import TetherConfig
-    from common.datasets import PromptSet
+    from common.bus.client import Bus
+    from common.config.schema import TetherConfig
+    from common.data.datasets import PromptSet
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Dispatcher:
     ) -> None:
         self.cfg, self.bus, self.train, self.eval_set = cfg, bus, train, eval_set
         self.dispatched_through = -1  # highest cycle dispatched by this process
-        self.prompts_dispatched = runtime.metric(
+        self.prompts_dispatched = metric(
             "Counter",
             "tether_learner_prompts_dispatched_total",
             "prompts handed to generators",

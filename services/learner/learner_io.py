@@ -12,20 +12,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common import runtime
-from common.config import TetherConfig
+from common.bus.settings import bus_settings_for
+from common.config.schema import TetherConfig
+from common.ports import free_port
 from common.protocol import streams, wire
-from common.trackers import Trackers
+from common.telemetry.metrics import PhaseTimer, metric
+from common.telemetry.trackers import Trackers
 
 if TYPE_CHECKING:
-    from common.datasets import PromptSet
+    from common.data.datasets import PromptSet
 
 log = logging.getLogger(__name__)
 
 
 class _Metrics:
     def __init__(self) -> None:
-        m = runtime.metric
+        m = metric
         self.version = m(
             "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"
         )
@@ -78,17 +80,17 @@ class LearnerIO:
         *,
         run_dir: Path,
         redis_url: str | None,
-        timer: runtime.PhaseTimer,
+        timer: PhaseTimer,
         datasets: tuple[PromptSet, PromptSet | None] | None = None,
     ) -> None:
-        from common.bus import Bus
+        from common.bus.client import Bus
         from services.learner.data import load_datasets
         from services.learner.dispatch import Dispatcher
 
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
         self.metrics = _Metrics()
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
-        self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="learner")
+        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
         self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
@@ -103,7 +105,7 @@ class LearnerIO:
         self._last_housekeeping = 0.0
 
     def _start_publisher(self):
-        from common.weight_sync import WeightPublisher
+        from common.weights.publisher import WeightPublisher
 
         w = self.cfg.weights
         # auto = gloo: host memory over TCP works for every placement (a generator on the
@@ -111,7 +113,7 @@ class LearnerIO:
         backend = w.backend if w.backend != "auto" else "gloo"
         pub = WeightPublisher(
             w.host,
-            w.port or runtime.free_port(),
+            w.port or free_port(),
             backend=backend,
             timeout_s=w.timeout_s,
             bucket_bytes=int(w.bucket_mb * 2**20),

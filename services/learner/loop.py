@@ -3,7 +3,7 @@
 Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consumer
           ``learner-0``): whole scored groups, buffered per cycle.
 Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py``), policy
-          weights to every generator (versioned broadcast with a deadline, ``common.weight_sync``),
+          weights to every generator (versioned broadcast with a deadline, ``common.weights``),
           checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
           ``waiting_input``); every rank waits for rank 0's broadcast of that cycle.
@@ -28,15 +28,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common import runtime
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
 from common.protocol.staleness import oldest_usable, usable
+from common.telemetry.metrics import PhaseTimer
 from services.learner import algorithm
 from services.learner.cycle import Sample, broadcast_samples, samples_from_groups, steps_of_cycle
 from services.learner.learner_io import LearnerIO
 
 if TYPE_CHECKING:
-    from common.datasets import PromptSet
+    from common.data.datasets import PromptSet
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class LearnerService:
         preflight of `tether learner`); else rank 0 loads them."""
         self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
         self.datasets = datasets
-        self.timer = runtime.PhaseTimer("learner")
+        self.timer = PhaseTimer("learner")
         self.version = 0
         self.next_cycle = 0
         self.counters: dict[str, int] = defaultdict(int)
@@ -84,7 +84,7 @@ class LearnerService:
     def setup(self) -> None:
         import torch
 
-        from common.model_paths import policy_paths
+        from common.data.model_paths import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
 

@@ -7,8 +7,9 @@ import os
 import signal
 from pathlib import Path
 
-from common import runtime
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
+from common.telemetry.health import HealthServer
+from common.telemetry.heartbeat import StatusReporter
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ def run_dir_of(cfg: TetherConfig) -> Path:
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.preflight import preflight
+    from common.service.preflight import preflight
 
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
@@ -35,8 +36,8 @@ def main(cfg: TetherConfig, args) -> int:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
         if rank == 0:
             assert svc.io is not None
-            health = runtime.HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
-            status = runtime.StatusReporter(
+            health = HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
+            status = StatusReporter(
                 svc.io.bus, "learner", "learner-0", svc.timer, svc.status, metrics_port=health.port
             ).start()
         svc.run()

@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from common.ports import free_port
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def setup_distributed(
@@ -54,7 +49,7 @@ def setup_distributed(
         init_method = "env://"
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         rank, world_size = 0, 1
     if use_cuda:
         torch.cuda.set_device(device)
@@ -299,7 +294,7 @@ def full_state_dict_cpu(
     def out_dtype(t: Any) -> Any:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
-    from common.weight_sync import ALIGN  # the same tensor alignment as the wire layout
+    from common.weights.layout import ALIGN  # the same tensor alignment as the wire layout
 
     on_cuda = any(t.device.type == "cuda" for _, t in items)
     flat = None

@@ -130,42 +130,40 @@ def _worker_main(conn: Connection, memory_limit_bytes: int | None, sleep_hook: b
 
 # ----------------------------------------------------------------------------- metrics
 
-_METRICS: dict[int, dict] = {}
-
 
 def _metrics(registry) -> dict:
-    """Metric objects per registry (created on first use: no import-time registration)."""
-    from prometheus_client import REGISTRY, Counter, Histogram
+    """The pool's metrics in ``registry`` (None: the global one), made on first use."""
+    from common.telemetry.metrics import metric
 
-    registry = registry if registry is not None else REGISTRY
-    key = id(registry)
-    if key not in _METRICS:
-        _METRICS[key] = {
-            "seconds": Histogram(
-                "tether_scorer_grade_seconds",
-                "Wall time to grade one (answer, ground truth) pair, dispatch to result.",
-                buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                registry=registry,
-            ),
-            "timeouts": Counter(
-                "tether_scorer_grade_timeouts_total",
-                "Items whose grading overran the hard timeout (worker SIGKILLed).",
-                registry=registry,
-            ),
-            "errors": Counter(
-                "tether_scorer_grade_errors_total",
-                "Items that could not be graded, by reason.",
-                ["reason"],
-                registry=registry,
-            ),
-            "restarts": Counter(
-                "tether_scorer_grade_worker_restarts_total",
-                "Grading workers replaced, by cause (timeout, crash, start_failure).",
-                ["cause"],
-                registry=registry,
-            ),
-        }
-    return _METRICS[key]
+    return {
+        "seconds": metric(
+            "Histogram",
+            "tether_scorer_grade_seconds",
+            "Wall time to grade one (answer, ground truth) pair, dispatch to result.",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        ),
+        "timeouts": metric(
+            "Counter",
+            "tether_scorer_grade_timeouts_total",
+            "Items whose grading overran the hard timeout (worker SIGKILLed).",
+            registry=registry,
+        ),
+        "errors": metric(
+            "Counter",
+            "tether_scorer_grade_errors_total",
+            "Items that could not be graded, by reason.",
+            ["reason"],
+            registry=registry,
+        ),
+        "restarts": metric(
+            "Counter",
+            "tether_scorer_grade_worker_restarts_total",
+            "Grading workers replaced, by cause (timeout, crash, start_failure).",
+            ["cause"],
+            registry=registry,
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------- pool side

@@ -23,9 +23,10 @@ import os
 import time
 from typing import Any
 
-from common import runtime
-from common.config import TetherConfig
+from common.bus.settings import bus_settings_for
+from common.config.schema import TetherConfig
 from common.protocol import streams, wire
+from common.telemetry.metrics import PhaseTimer, metric
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ TEST_ONLY_SLEEP_ENV = "TETHER_TEST_ONLY_GRADER_SLEEP"
 
 class _Metrics:
     def __init__(self) -> None:
-        m = runtime.metric
+        m = metric
         self.items = m(
             "Counter",
             "tether_scorer_items_total",
@@ -103,11 +104,11 @@ class ScorerService:
     ) -> None:
         """``solver_engine``: a started ``GenerationEngine`` serving the solver model, shared
         instead of starting one (tests, benchmarks); the service does not shut it down."""
-        from common.bus import Bus
+        from common.bus.client import Bus
 
         self.cfg, self.sid = cfg, sid
-        self.bus = Bus(runtime.bus_settings_for(cfg, redis_url=redis_url), service="scorer")
-        self.timer = runtime.PhaseTimer("scorer")
+        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="scorer")
+        self.timer = PhaseTimer("scorer")
         self.metrics = _Metrics()
         self.batch_groups = batch_groups
         self.ready = False
@@ -139,11 +140,12 @@ class ScorerService:
         self.rewards = RewardScorer(spec, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.model_paths import solver_path
+        from common.data.model_paths import solver_path
         from services.scorer.solver import Solver, SolverSettings
 
         s, run = self.cfg.scorer, self.cfg.run
         model = solver_path(self.cfg)
+        assert s.solver_max_model_len is not None  # derived at load
         self.solver = Solver(
             SolverSettings(
                 model=model,
@@ -153,9 +155,10 @@ class ScorerService:
                 temperature=s.solver_temperature,
                 max_tokens=s.solver_max_tokens,
                 seed=run.seed,
-                kv_cache_gib=self.cfg.generator.kv_cache_gib,
-                gpu_memory_utilization=self.cfg.generator.gpu_memory_utilization,
-                max_model_len=run.max_prompt_tokens + run.max_response_tokens + s.solver_max_tokens,
+                kv_cache_gib=s.solver_kv_cache_gib,
+                gpu_memory_utilization=s.solver_gpu_memory_utilization,
+                max_model_len=s.solver_max_model_len,
+                dtype=s.solver_dtype,
             ),
             pool=self.pool,
             engine=self.solver_engine,

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from common import runtime
-from common.config import TetherConfig
+from common.config.schema import TetherConfig
+from common.service.serve import serve_async, service_id
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.preflight import preflight
+    from common.service.preflight import preflight
 
     preflight(cfg, "scorer")  # solver model (solver mode), Redis: exit 2 before workers start
     from services.scorer.loop import ScorerService
 
-    sid = runtime.service_id("scorer", getattr(args, "service_id", None))
+    sid = service_id("scorer", getattr(args, "service_id", None))
     svc = ScorerService(cfg, sid=sid)
-    return runtime.serve_async(svc, "scorer", sid, cfg.scorer.metrics_port)
+    return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port)

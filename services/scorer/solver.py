@@ -86,7 +86,7 @@ class Solver:
         await self.engine.start()
 
     def prompt_ids(self, question: str, response: str) -> list[int]:
-        from common.datasets import encode_prompt  # the policy's prompt encoding (BOS included)
+        from common.data.prompts import encode_prompt  # the policy's prompt encoding (BOS included)
 
         text = self.s.template.format(question=question, response=response)
         chat = bool(self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.settings import BusSettings
 from common.protocol.wire import PromptMsg
 
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
 

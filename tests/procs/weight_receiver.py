@@ -33,7 +33,9 @@ def main() -> None:
     p.add_argument("--save", default="")
     a = p.parse_args()
 
-    from common.weight_sync import WeightReceiver, WeightSyncError, tensors_checksum
+    from common.weights.checksum import tensors_checksum
+    from common.weights.layout import WeightSyncError
+    from common.weights.receiver import WeightReceiver
 
     rx = WeightReceiver(a.host, a.port, a.member, timeout_s=a.timeout)
     _log(a.log, event="joined", epoch=rx.join())

@@ -24,7 +24,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from common.config import CYCLE_KEYS, DEPRECATED_ALIASES, SECTIONS, ConfigError, TetherConfig
+from common.config.errors import ConfigError
+from common.config.schema import CYCLE_KEYS, DEPRECATED_ALIASES, SECTIONS, TetherConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ a service it restarts during a Redis outage must wait for Redis, not exit 2 and 
 
 The on-disk checks and the PING come first and are reported together; then the tokenizer is
 loaded (transformers; a few seconds) and every row is read with the loader the learner uses
-(``common.datasets.prompt_sets_for``). ``tether train`` with an empty ``run.redis_url`` starts
+(``common.data.datasets.prompt_sets_for``). ``tether train`` with an empty ``run.redis_url`` starts
 an embedded server, so there is nothing to ping. Any problem raises ``PreflightError`` (a
 ``ConfigError``): the CLI prints it as one paragraph and exits 2.
 """
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from common.config import ConfigError
+from common.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from common.config import TetherConfig
-    from common.datasets import PromptSet
+    from common.config.schema import TetherConfig
+    from common.data.datasets import PromptSet
 
 Role = Literal["train", "learner", "generator", "scorer"]
 PING_TIMEOUT_S = 2.0
@@ -70,7 +70,7 @@ def preflight(cfg: TetherConfig, role: Role) -> Checked:
     tokenizer = _tokenizer(cfg)
     if not needs_data:
         return Checked()
-    from common.datasets import DatasetError, prompt_sets_for
+    from common.data.datasets import DatasetError, prompt_sets_for
 
     try:
         return Checked(datasets=prompt_sets_for(cfg, tokenizer))
@@ -79,11 +79,11 @@ def preflight(cfg: TetherConfig, role: Role) -> Checked:
 
 
 def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
-    from common.model_paths import policy_paths, solver_path
+    from common.data.model_paths import policy_paths, solver_path
 
     checks: list[Any] = []
     if role in ("train", "learner"):
-        from common.trackers import require_trackers
+        from common.telemetry.trackers import require_trackers
 
         checks.append(lambda: require_trackers(cfg))
     if role != "scorer":
@@ -105,7 +105,7 @@ def _data_paths(cfg: TetherConfig) -> None:
     """The cheap part of the data check, before the tokenizer loads (importing transformers
     takes 5-20 s on a busy 2-core machine): the paths exist and, unless bad rows are to be
     dropped, every row has the right shape (the same loader, without token counts)."""
-    from common.datasets import EMPTY_TRAIN_PATH, DatasetError, prompt_sets_for
+    from common.data.datasets import EMPTY_TRAIN_PATH, DatasetError, prompt_sets_for
 
     d = cfg.data
     if not d.train_path:
@@ -127,7 +127,7 @@ def _supervised(role: Role) -> bool:
     """A service `tether train` started: the launcher checked the URL (or started the server)
     already, and a service it restarts while Redis is briefly down must wait for it (the bus
     reconnects with back-off), not exit 2, which stops the whole run."""
-    from common.runtime import SUPERVISOR_ENV
+    from common.service.supervision import SUPERVISOR_ENV
 
     return role != "train" and bool(os.environ.get(SUPERVISOR_ENV))
 
@@ -136,8 +136,7 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
     """One PING of the Redis URL the role would use, with a short timeout and no retry."""
     import redis
 
-    from common.bus import ping_once, safe_url
-    from common.runtime import bus_settings_for
+    from common.bus.settings import bus_settings_for, ping_once, safe_url
 
     if role == "train" and not cfg.run.redis_url:
         return []  # `tether train` starts an embedded server
@@ -171,7 +170,7 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
 
 def _tokenizer(cfg: TetherConfig) -> Any:
     """The policy tokenizer; refuses data.apply_chat_template without a chat template."""
-    from common.model_paths import policy_paths, policy_tokenizer
+    from common.data.model_paths import policy_paths, policy_tokenizer
 
     try:
         tokenizer = policy_tokenizer(cfg)

@@ -3,7 +3,7 @@ directory and Weights & Biases when configured (``learner.trackers``).
 
 Both are imported only when configured. A tracker the user asked for but that is not installed
 is a config error named at start-up (exit 2, before Redis or any model starts), not a silent
-no-op: ``require_trackers`` is one of the preflight checks (``common.preflight``) of `tether
+no-op: ``require_trackers`` is one of the preflight checks (``common.service.preflight``) of `tether
 train` and `tether learner`. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
 ``WANDB_DIR``); ``learner.wandb_mode = "offline"`` writes the run under
 ``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from common.config import TetherConfig
+    from common.config.schema import TetherConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def require_trackers(cfg: TetherConfig) -> None:
     """Raise ``ConfigError`` (exit 2) naming each configured tracker that is not installed."""
     problems = missing_trackers(cfg)
     if problems:
-        from common.config import ConfigError
+        from common.config.errors import ConfigError
 
         raise ConfigError("\n".join(problems))
 

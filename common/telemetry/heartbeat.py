@@ -1,0 +1,72 @@
+"""The status heartbeat: every few seconds a service writes one JSON document (its phase seconds,
+counters, version, pid, metrics port) to the bus's status hash, which ``tether status`` reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from common.telemetry.metrics import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+class StatusSink(Protocol):
+    """Where heartbeats go: ``common.bus`` ``Bus.write_status``."""
+
+    def write_status(self, service: str, sid: str, doc: str) -> None: ...
+
+
+class StatusReporter:
+    """Writes this replica's field ``<service>:<id>`` of the status hash every ``interval_s``."""
+
+    def __init__(
+        self,
+        bus: StatusSink,
+        service: str,
+        sid: str,
+        timer: PhaseTimer,
+        extra: Callable[[], dict[str, Any]],
+        *,
+        interval_s: float = 2.0,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.bus, self.service, self.sid, self.timer, self.extra = bus, service, sid, timer, extra
+        self.metrics_port = metrics_port
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"status-{service}", daemon=True)
+        self.started = time.time()
+
+    def start(self) -> StatusReporter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.write()
+
+    def write(self) -> None:
+        doc = {
+            "service": self.service,
+            "id": self.sid,
+            "heartbeat": time.time(),
+            "started": self.started,
+            "phases": self.timer.snapshot(),
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+        }
+        try:
+            doc.update(self.extra())
+            self.bus.write_status(self.service, self.sid, json.dumps(doc))
+        except Exception as exc:  # status is best effort; the bus logs connection trouble itself
+            log.debug("status write failed: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write()

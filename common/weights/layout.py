@@ -1,0 +1,42 @@
+"""The layout of one update: the JSON header naming every tensor (sorted), its dtype, shape and
+byte offset in a flat staging buffer (64-byte aligned), and the units it is sent in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAGIC = 0x7E7E_0001
+ALIGN = 64
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed; the receiver keeps its previous complete version."""
+
+
+def dtype_of(name: str):
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise WeightSyncError(f"header names unknown dtype {name!r}")
+    return dt
+
+
+def build_layout(named: list[tuple[str, Any]], version: int, bucket_bytes: int) -> dict:
+    """The JSON header for a sorted list of tensors: offsets, units, total bytes."""
+    tensors, units, off = [], [], 0
+    cur: list[int] = []
+    for i, (name, t) in enumerate(named):
+        nbytes = t.numel() * t.element_size()
+        tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off, nbytes])
+        if cur and (off + nbytes - tensors[cur[0]][3] > bucket_bytes):
+            units.append(cur)
+            cur = []
+        cur.append(i)
+        off += -(-nbytes // ALIGN) * ALIGN
+    if cur:
+        units.append(cur)
+    unit_ranges = [
+        [tensors[u[0]][3], tensors[u[-1]][3] + tensors[u[-1]][4], u[0], u[-1] + 1] for u in units
+    ]
+    return {"version": version, "tensors": tensors, "units": unit_ranges, "total": off}

@@ -1,0 +1,253 @@
+"""Learner side (rank 0 only): hosts the store, accepts members, publishes versions to each of
+them concurrently, within a deadline (see the package docstring)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from common.telemetry.metrics import metric
+from common.weights.buckets import unit_buffers
+from common.weights.checksum import hash_tensor
+from common.weights.group import BACKEND_KEY, GPU_KEY, default_device, gpu_uuid, make_pair_group
+from common.weights.layout import ALIGN, WeightSyncError, build_layout
+from common.weights.transfer import send_update
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PublishReport:
+    version: int
+    bytes: int
+    seconds: float
+    checksum: str
+    per_member: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Member:
+    member_id: str
+    epoch: int
+    pg: Any
+    store: Any
+    version_sent: int = -1
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(eq=False)
+class _Update:
+    version: int
+    header: bytes
+    units: list
+    nbytes: int
+    digest: bytes = b""
+    hashed: threading.Event = field(default_factory=threading.Event)
+
+    def wait_digest(self, deadline: float) -> bytes:
+        if not self.hashed.wait(max(0.0, deadline - time.monotonic())):
+            raise WeightSyncError("checksum not ready before the deadline")
+        return self.digest
+
+
+class WeightPublisher:
+    """Learner side (rank 0 only): hosts the store, accepts members, publishes versions."""
+
+    def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
+                 bucket_bytes: int = 64 << 20, accept_interval_s: float = 0.2,
+                 device: str | None = None, auto_accept: bool = True) -> None:  # fmt: skip
+        if timeout_s <= 0 or bucket_bytes < ALIGN:
+            raise ValueError(
+                f"weight sync needs timeout_s > 0 and bucket_bytes >= {ALIGN}; got "
+                f"timeout_s={timeout_s}, bucket_bytes={bucket_bytes}"
+            )
+        import torch.distributed as dist
+
+        self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
+        self.device = device or default_device(backend)
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        self._store.set(BACKEND_KEY, backend)
+        if backend == "nccl":
+            self._store.set(GPU_KEY, gpu_uuid(self.device))
+        self._members: dict[str, _Member] = {}
+        self._latest: _Update | None = None
+        self._lock = threading.Lock()
+        self._accept_lock = threading.Lock()
+        self._joins_seen = 0
+        self._stop = threading.Event()
+        self._thread = None
+        if auto_accept:
+            self._thread = threading.Thread(target=self._accept_loop, args=(accept_interval_s,),
+                                            name="wsync-accept", daemon=True)  # fmt: skip
+            self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._store.port
+
+    def members(self) -> dict[str, int]:
+        """Live members: member id -> epoch."""
+        with self._lock:
+            return {m.member_id: m.epoch for m in self._members.values()}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s)
+        with self._lock:
+            self._members.clear()
+
+    def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> PublishReport:
+        """Send ``version`` to every member concurrently; returns within ``timeout_s``."""
+        t0 = time.monotonic()
+        named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names) or not named:
+            raise ValueError("publish needs a non-empty set of tensors with unique names")
+        with self._lock:
+            if self._latest is not None and version <= self._latest.version:
+                raise ValueError(
+                    f"weight versions must increase: got {version} after {self._latest.version}"
+                )
+        layout = build_layout(named, version, self.bucket_bytes)
+        update = _Update(version, json.dumps(layout).encode(),
+                         unit_buffers(named, layout, self.device),
+                         sum(t[4] for t in layout["tensors"]))  # fmt: skip
+        hasher = threading.Thread(target=self._hash, args=(update, named), daemon=True)
+        hasher.start()
+        with self._lock:
+            self._latest = update
+        if self._accept_lock.acquire(blocking=False):  # else the acceptor will catch them up
+            try:
+                self._accept_pending()
+            finally:
+                self._accept_lock.release()
+        with self._lock:
+            members = list(self._members.values())
+        per_member = self._send_all(update, members, t0 + self.timeout_s)
+        hasher.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
+        seconds = time.monotonic() - t0
+        metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
+        sent = update.nbytes * sum(r == "ok" for r in per_member.values())
+        metric("Counter", "tether_weights_publish_bytes_total", "Bytes published").inc(sent)
+        return PublishReport(version, update.nbytes, seconds, update.digest.hex(), per_member)
+
+    def publish_to_new_members(self) -> dict[str, str]:
+        """Accept pending joins and send the latest version to members that lack it."""
+        with self._accept_lock:
+            self._accept_pending()
+        with self._lock:
+            update = self._latest
+            behind = [
+                m for m in self._members.values() if update and m.version_sent < update.version
+            ]
+        if not behind or update is None:
+            return {}
+        return self._send_all(update, behind, time.monotonic() + self.timeout_s)
+
+    # -- internals
+
+    @staticmethod
+    def _hash(update: _Update, named) -> None:
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        for name, t in named:
+            hash_tensor(h, name, t)
+        update.digest = h.digest()
+        update.hashed.set()
+
+    def _accept_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.publish_to_new_members()
+            except Exception:  # keep accepting: one bad join must not stop the acceptor
+                logger.exception("weight sync: accepting members failed")
+
+    def _accept_pending(self) -> None:
+        import torch.distributed as dist
+
+        if not self._store.check(["wsync/joins"]):
+            return
+        entries = self._store.get("wsync/joins").decode().split(";")[:-1]
+        for entry in entries[self._joins_seen :]:
+            self._joins_seen += 1
+            member_id, _, epoch = entry.rpartition(":")
+            pstore = dist.PrefixStore(f"wsync/{member_id}/{epoch}/", self._store)
+            try:
+                pg = make_pair_group(pstore, 0, backend=self.backend, timeout_s=self.timeout_s)
+            except Exception as e:
+                logger.warning("weight sync: join of %s epoch %s failed: %s", member_id, epoch, e)
+                metric("Counter", "tether_weights_member_failures_total", "Member failures",
+                        ("reason",)).labels("join").inc()  # fmt: skip
+                continue
+            with self._lock:
+                self._members[member_id] = _Member(member_id, int(epoch), pg, pstore)
+                n = len(self._members)
+            metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
+            logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
+
+    def _send_all(self, update: _Update, members: list[_Member], deadline: float) -> dict:
+        results: dict[str, str] = {}
+        done = threading.Lock()
+
+        def one(m: _Member) -> None:
+            outcome = self._send_one(m, update, deadline)
+            with done:
+                results.setdefault(m.member_id, outcome)
+
+        threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in members]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        with done:  # results that arrive later are ignored: they were reported as timeouts
+            for m in members:
+                if results.setdefault(m.member_id, "timeout") == "timeout":
+                    self._drop(m, "timeout")
+            return dict(results)
+
+    def _send_one(self, m: _Member, update: _Update, deadline: float) -> str:
+        if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return "timeout"
+        try:
+            if m.version_sent >= update.version:
+                return "ok"
+            m.store.set("pending", str(update.version))
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.set_device(torch.device(self.device))  # this sender thread's device
+            send_update(m.pg, update.header, update.version, update.units,
+                        lambda: update.wait_digest(deadline), deadline)  # fmt: skip
+            m.version_sent = update.version
+            return "ok"
+        except Exception as e:
+            if time.monotonic() >= deadline:
+                return "timeout"
+            self._drop(m, "error")
+            return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+        finally:
+            m.lock.release()
+
+    def _drop(self, m: _Member, reason: str) -> None:
+        with self._lock:
+            if self._members.get(m.member_id) is not m:
+                return
+            del self._members[m.member_id]
+            n = len(self._members)
+        metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
+        metric("Counter", "tether_weights_member_failures_total", "Member failures",
+                ("reason",)).labels(reason).inc()  # fmt: skip
+        logger.warning("weight sync: dropped %s (epoch %d): %s", m.member_id, m.epoch, reason)
+        try:
+            m.store.set("dropped", reason)
+        except Exception:  # the store is ours; a failure here only delays the rejoin
+            logger.debug("could not mark %s dropped", m.member_id, exc_info=True)
