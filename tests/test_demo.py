@@ -14,7 +14,7 @@ CYCLES = 10  # 20 optimizer steps of 64 responses
 
 
 def test_demo_task_options_short_prompts_and_mixed_lengths():
-    from common.tasks import ArithmeticTask, make_problems
+    from common.demo.tasks import ArithmeticTask, make_problems
 
     task = ArithmeticTask(
         digits=2, num_train=500, num_eval=50, prompt_style="short", mixed_lengths=True

@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)

@@ -17,7 +17,7 @@ from services.learner.train_step import train_step
 def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
     import torch
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
 
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
     ratio. Same loss and gradient as with the recomputed proximal log-probs."""
     import torch
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
 
     def config(*sets: str):
@@ -191,7 +191,7 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
     steps. With the KL reward the policy ends measurably closer to the reference."""
     import torch
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from services.learner.loop import LearnerService
     from services.learner.model import load_policy, load_reference
 
@@ -259,7 +259,7 @@ def test_kl_clamp_bounds_the_kl_loss_term(tmp_path):
     token's k1 estimate large; clamped, each is exactly kl_clamp and adds no gradient."""
     import torch
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
 
     cpu = torch.device("cpu")

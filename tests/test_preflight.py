@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher import RunFailed, Supervisor
 from common.ports import free_port
+from common.runs.supervisor import RunFailed, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 # On-disk checks and one PING take ~2 s on the 2-core machine; the bound leaves room for a busy
@@ -77,7 +77,7 @@ def tether(cwd: Path, *args: str, timeout_s: float = 60.0) -> Result:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("pf") / "tiny", seed=0)
 

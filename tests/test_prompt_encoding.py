@@ -12,8 +12,8 @@ import pytest
 from common.config.load import load_config
 from common.data.datasets import DatasetError, load_prompts
 from common.data.prompts import encode_prompt
+from common.demo.tiny_model import BOS_TOKEN, build_tokenizer
 from common.protocol import wire
-from common.tiny_model import BOS_TOKEN, build_tokenizer
 from services.generator.loop import GeneratorService
 from services.learner.dispatch import Dispatcher
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from common.cli import _add_config_args
-from common.cli_status import add_status_verbs
-from common.report import SECTIONS, write_report
+from common.cli.observe_verbs import add_observe_verbs
+from common.runs.report.data import SECTIONS
+from common.runs.report.page import write_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_thin"
 IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
@@ -67,7 +67,7 @@ def test_report_without_snapshot_still_draws_the_step_plots(run_dir: Path):
 
 def test_report_cli(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     parser = argparse.ArgumentParser(prog="tether")
-    add_status_verbs(parser.add_subparsers(), _add_config_args)
+    add_observe_verbs(parser.add_subparsers())
     args = parser.parse_args(["report", str(run_dir), "--out", str(tmp_path / "out.html")])
     assert args.func(args) == 0
     assert (tmp_path / "out.html").exists() and "report written to" in capsys.readouterr().out

@@ -18,16 +18,11 @@ import pytest
 
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
-from common.cli import _add_config_args
-from common.cli_status import (
-    add_status_verbs,
-    finish_run,
-    load_status_snapshot,
-    save_status_snapshot,
-)
+from common.cli.observe_verbs import add_observe_verbs
 from common.ports import free_port
 from common.protocol.streams import DEAD, GROUPS
-from common.status import STREAMS
+from common.runs.launcher import finish_run
+from common.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
 
@@ -37,7 +32,7 @@ EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 
 
 def tether(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="tether")
-    add_status_verbs(parser.add_subparsers(), _add_config_args)
+    add_observe_verbs(parser.add_subparsers())
     args = parser.parse_args(argv)
     code = args.func(args)
     out = capsys.readouterr()

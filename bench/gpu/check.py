@@ -47,7 +47,7 @@ def step_env(tiny: bool) -> dict:
 def step_mixed(tiny: bool) -> dict:
     import torch
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
 
     _, _, device = setup_distributed()
@@ -93,7 +93,7 @@ def step_mixed(tiny: bool) -> dict:
 
 
 def _learner(tiny: bool, **kwargs) -> dict:
-    from common.bench.learner import run_learner_bench
+    from bench.learner import run_learner_bench
 
     if tiny:
         kwargs = {
@@ -137,7 +137,7 @@ def step_publish3b(tiny: bool) -> dict:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from common.tiny_model import build_tiny_model
+    from common.demo.tiny_model import build_tiny_model
     from common.weights.checksum import tensors_checksum
     from common.weights.publisher import WeightPublisher
     from services.learner.model import (

