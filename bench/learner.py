@@ -70,8 +70,8 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
     """Train every cycle with the same functions and no service around them; returns seconds."""
     import torch
 
-    from services.learner import algorithm, optim
-    from services.learner.cycle import samples_from_groups, steps_of_cycle
+    from services.learner import logprobs, objective, optim
+    from services.learner.cycle import assign_advantages, samples_from_groups, steps_of_cycle
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
 
@@ -93,12 +93,12 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
         if c == 1:
             t0 = time.perf_counter()  # cycle 0 warms the allocator and kernels: not timed
         samples = samples_from_groups(groups[c * per_cycle : (c + 1) * per_cycle])
-        algorithm.assign_advantages(samples, cfg)
-        if cfg.learner.off_policy != "none" and not algorithm.proximal_is_current(cfg):
+        assign_advantages(samples, cfg)
+        if cfg.learner.off_policy != "none" and not logprobs.proximal_is_current(cfg):
             # as LearnerService._prepare
             for s, lp in zip(
                 samples,
-                algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
+                logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
                 strict=True,
             ):
                 s.old_logp = lp
@@ -109,9 +109,9 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
             seed=cfg.run.seed,
             cycle=c,
         ):
-            mbs = algorithm.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
-            loss_fn = algorithm.make_loss_fn(
-                cfg, denominator=algorithm.step_denominator(cfg, samples, idx, device), stats_out=[]
+            mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
+            loss_fn = objective.make_loss_fn(
+                cfg, denominator=objective.step_denominator(cfg, samples, idx, device), stats_out=[]
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=cfg.learner.grad_clip or None)
     del torch
@@ -150,14 +150,14 @@ def _service(
         cycle = svc.next_cycle
         from services.learner.cycle import samples_from_groups
 
-        assert svc.io is not None
-        collected = svc.io.collect(cycle, stop=lambda: False)
+        assert svc.rank0 is not None
+        collected = svc.rank0.collect(cycle, stop=lambda: False)
         assert collected is not None
         svc.train_cycle(cycle, samples_from_groups(collected))
         svc.next_cycle += 1
     elapsed = marks[-1] - marks[0]  # cycle 0 warms the allocator and kernels: not timed
-    assert svc.io is not None
-    svc.io.close()
+    assert svc.rank0 is not None
+    svc.rank0.close()
     if phases_out is not None:  # where the timed cycles' time went (working, syncing_weights, ...)
         for k, v in phases[-1].items():
             phases_out[k] = phases_out.get(k, 0.0) + v - phases[0].get(k, 0.0)

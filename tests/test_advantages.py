@@ -13,8 +13,7 @@ from services.learner.advantages import (
     token_rewards_with_kl,
     whiten_tokens,
 )
-from services.learner.algorithm import assign_advantages
-from services.learner.cycle import Sample, as_batch_fields
+from services.learner.cycle import Sample, as_batch_fields, assign_advantages
 
 # Two groups, interleaved and with non-contiguous ids:
 #   group 7: rewards 1, 0, 0, 0  (mean 0.25)

@@ -46,7 +46,7 @@ def test_staleness_boundary_in_optimizer_steps(steps, max_staleness, tmp_path):
         max_staleness=max_staleness,
     )
     svc = LearnerService(c, run_dir=tmp_path)
-    svc.io = None
+    svc.rank0 = None
     svc.version = 10  # the step that turns version 10 into 11
     fresh = sample(10 - max_staleness, 0)  # t − v = max_staleness: allowed
     stale = sample(10 - max_staleness - 1, 1)  # one step more: dropped
@@ -150,7 +150,7 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
     after a crash)."""
     from common.protocol.streams import SCORED
     from common.telemetry.metrics import PhaseTimer
-    from services.learner.learner_io import LearnerIO
+    from services.learner.rank0 import Rank0
 
     c = cfg(
         f"run.redis_url={json.dumps(redis_server.url)}",
@@ -161,7 +161,7 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
         train_steps_per_cycle=1,
         num_cycles=4,
     )
-    io = LearnerIO(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
+    io = Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
                    datasets=(_prompts(tmp_path), None))  # fmt: skip
     try:
         for cycle in (0, 1):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from common.config.load import load_config
-from services.learner import algorithm, optim
-from services.learner.cycle import Sample, steps_of_cycle
+from services.learner import logprobs, objective, optim
+from services.learner.cycle import Sample, assign_advantages, steps_of_cycle
 from services.learner.train_step import train_step
 
 
@@ -56,37 +56,35 @@ def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
             )
 
     def seq_logp() -> list[float]:
-        lps = algorithm.recompute_logprobs(
-            model, cfg, samples, pad_id=0, device=torch.device("cpu")
-        )
+        lps = logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu"))
         return [sum(lp) for lp in lps]
 
     before = seq_logp()
     for s, lp in zip(
         samples,
-        algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
+        logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
         strict=True,
     ):
         s.behaviour_logp = lp  # as if the generator sampled them with these weights
     opt = optim.build_optimizer(model, lr=cfg.learner.lr)
     sched = optim.build_scheduler(opt, optim.build_schedule())
     for cycle in range(3):
-        algorithm.assign_advantages(samples, cfg)
+        assign_advantages(samples, cfg)
         for s, lp in zip(
             samples,
-            algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
+            logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
             strict=True,
         ):
             s.old_logp = lp
         for idx in steps_of_cycle(
             len(samples), batch=cfg.run.train_batch_size, passes=1, seed=0, cycle=cycle
         ):
-            mbs = algorithm.rank_micro_batches(
+            mbs = objective.rank_micro_batches(
                 cfg, samples, idx, pad_id=0, device=torch.device("cpu")
             )
-            loss_fn = algorithm.make_loss_fn(
+            loss_fn = objective.make_loss_fn(
                 cfg,
-                denominator=algorithm.step_denominator(cfg, samples, idx, torch.device("cpu")),
+                denominator=objective.step_denominator(cfg, samples, idx, torch.device("cpu")),
                 stats_out=[],
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=1.0)
@@ -114,12 +112,12 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
         ).config
 
     cfg = config("run.train_steps_per_cycle=1")
-    assert algorithm.proximal_is_current(cfg)
-    assert not algorithm.proximal_is_current(config("run.train_steps_per_cycle=2"))
-    assert not algorithm.proximal_is_current(
+    assert logprobs.proximal_is_current(cfg)
+    assert not logprobs.proximal_is_current(config("run.train_steps_per_cycle=2"))
+    assert not logprobs.proximal_is_current(
         config("run.passes_per_cycle=2", "run.train_batch_size=8")
     )
-    assert not algorithm.proximal_is_current(config('learner.off_policy="none"'))
+    assert not logprobs.proximal_is_current(config('learner.off_policy="none"'))
 
     torch.manual_seed(0)
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
@@ -134,23 +132,23 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
                reward=float(k % 2), policy_version=0)
         for k in range(8)
     ]  # fmt: skip
-    algorithm.assign_advantages(samples, cfg)
+    assign_advantages(samples, cfg)
     for s, lp in zip(
         samples,
-        algorithm.recompute_logprobs(model, cfg, samples, pad_id=0, device=cpu),
+        logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=cpu),
         strict=True,
     ):
         s.old_logp = lp
     idx = list(range(len(samples)))
-    mbs = algorithm.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
-    denominator = algorithm.step_denominator(cfg, samples, idx, cpu)
+    mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
+    denominator = objective.step_denominator(cfg, samples, idx, cpu)
 
     # the skipped pass's field holds garbage: a loss that still read it would change
     garbage = [{**mb, "old_logp": torch.full_like(mb["old_logp"], -5.0)} for mb in mbs]
 
     def loss_and_grads(from_forward: bool, batches):
         model.zero_grad(set_to_none=True)
-        loss_fn = algorithm.make_loss_fn(
+        loss_fn = objective.make_loss_fn(
             cfg, denominator=denominator, stats_out=[], proximal_from_forward=from_forward
         )
         total = sum(loss_fn(model, mb) for mb in batches)
@@ -212,7 +210,7 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
             env={},
         ).config
         svc = LearnerService(cfg, run_dir=tmp_path / "run")
-        svc.io, svc.pad_id, svc.device = None, 0, cpu
+        svc.rank0, svc.pad_id, svc.device = None, 0, cpu
         svc.model = load_policy(model_dir, device=cpu, fsdp=False)
         svc.ref_model = load_reference(model_dir, device=cpu, fsdp=False)
         g = torch.Generator().manual_seed(1)
@@ -231,16 +229,16 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
         for cycle in range(6):
             for s, lp in zip(
                 samples,
-                algorithm.recompute_logprobs(svc.model, cfg, samples, pad_id=0, device=cpu),
+                logprobs.recompute_logprobs(svc.model, cfg, samples, pad_id=0, device=cpu),
                 strict=True,
             ):
                 s.behaviour_logp = lp  # sampled by the current weights
             svc._prepare(samples)
             for idx in steps_of_cycle(len(samples), batch=4, passes=1, seed=0, cycle=cycle):
-                mbs = algorithm.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
-                loss_fn = algorithm.make_loss_fn(
+                mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
+                loss_fn = objective.make_loss_fn(
                     cfg,
-                    denominator=algorithm.step_denominator(cfg, samples, idx, cpu),
+                    denominator=objective.step_denominator(cfg, samples, idx, cpu),
                     stats_out=stats,
                 )
                 train_step(svc.model, opt, sched, mbs, loss_fn, grad_clip=1.0)
@@ -279,10 +277,10 @@ def test_kl_clamp_bounds_the_kl_loss_term(tmp_path):
             overrides=['learner.off_policy="none"', 'learner.kl_type="k1"', *sets],
             env={},
         ).config
-        algorithm.assign_advantages(samples, cfg)
-        mbs = algorithm.rank_micro_batches(cfg, samples, [0, 1], pad_id=0, device=cpu)
+        assign_advantages(samples, cfg)
+        mbs = objective.rank_micro_batches(cfg, samples, [0, 1], pad_id=0, device=cpu)
         stats: list[dict[str, float]] = []
-        loss_fn = algorithm.make_loss_fn(cfg, denominator=6.0, stats_out=stats)
+        loss_fn = objective.make_loss_fn(cfg, denominator=6.0, stats_out=stats)
         model.zero_grad(set_to_none=True)
         loss = sum(loss_fn(model, mb) for mb in mbs)
         loss.backward()

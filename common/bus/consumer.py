@@ -178,6 +178,24 @@ class Consumer:
     def is_done(self, dedupe_id: str) -> bool:
         return self.bus.is_done(self.group, dedupe_id)
 
+    def refresh_claims(self, entry_ids: set[str], *, min_idle_ms: int) -> int:
+        """Reset the idle time of entries this consumer is still working on (XCLAIM to itself),
+        so that peers do not take them over. Only entries the group still lists as this
+        consumer's, idle for at least ``min_idle_ms``, are touched: one a peer claimed a moment
+        ago (idle ~0) is never taken back. Returns how many were refreshed."""
+        key, r = self.bus.key(self.stream), self.bus.redis
+        rows = self.bus.call(
+            lambda: r.xpending_range(key, self.group, "-", "+", 10_000, self.name),
+            what="XPENDING",
+        )
+        ours = [row["message_id"] for row in rows if decode_str(row["message_id"]) in entry_ids]
+        if ours:
+            self.bus.call(
+                lambda: r.xclaim(key, self.group, self.name, min_idle_ms, ours, justid=True),
+                what="XCLAIM",
+            )
+        return len(ours)
+
 
 class _Dead(Exception):
     def __init__(self, reason: str, detail: str) -> None:

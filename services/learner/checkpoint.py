@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.protocol.run_dir import RunDir
+from services.learner.dist import barrier, broadcast_int, rank_world
 from services.learner.model import full_state_dict_cpu
 
 if TYPE_CHECKING:
@@ -47,32 +49,6 @@ FORMAT_VERSION = 1
 # Test hook: seconds to sleep after every file is written and before the rename (SIGKILL tests).
 TEST_HOOK_SLEEP_ENV = "TETHER_TEST_HOOK_CHECKPOINT_SLEEP_BEFORE_RENAME_S"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _broadcast_int(value: int, device: torch.device) -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(tensor, src=0)
-    return int(tensor.item())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -252,20 +228,20 @@ def save_checkpoint(
         extra = json.dumps(extra_state)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint extra_state must be JSON-serialisable: {exc}") from exc
-    rank, world = _rank_world()
+    rank, world = rank_world()
     t0 = time.perf_counter()
     # Collectives first, on every rank, in the same order.
     model_sd = full_state_dict_cpu(model, drop_tied=True)
     osd = _optimizer_full_state(model, optimizer)
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(Path(run_dir)).checkpoints
     device = next(model.parameters()).device
-    tmp = root / f"tmp-{step}-{_broadcast_int(os.getpid(), device)}"
+    tmp = root / f"tmp-{step}-{broadcast_int(os.getpid(), device)}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-    _barrier()
+    barrier()
     _write_json(tmp / f"rng-rank{rank}.json", _rng_state())
-    _barrier()
+    barrier()
     final = root / f"step-{step}"
     if rank == 0:
         meta = {
@@ -292,14 +268,14 @@ def save_checkpoint(
         final = _publish(root, tmp, step)
         _prune(root, keep_last=keep_last, keep=final)
         logger.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - t0)
-    _barrier()
+    barrier()
     return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The directory ``latest`` points to; if the pointer is missing or broken, the newest
     complete ``step-<N>``; ``None`` when there is no checkpoint."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(Path(run_dir)).checkpoints
     pointer = root / "latest"
     if pointer.exists():
         target = root / pointer.read_text(encoding="utf-8").strip()
@@ -359,7 +335,7 @@ def load_checkpoint(
     osd = _join_optimizer_state(load_file(str(ckpt / "optimizer.safetensors")), optim_meta)
     set_optimizer_state_dict(model, optimizer, osd, options=options)
     scheduler.load_state_dict(json.loads((ckpt / "scheduler.json").read_text(encoding="utf-8")))
-    rank, world = _rank_world()
+    rank, world = rank_world()
     rng_file = ckpt / f"rng-rank{rank}.json"
     if rng_file.exists():
         _set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))

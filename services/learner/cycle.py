@@ -1,9 +1,10 @@
 """One cycle's training data: collected from scored groups (rank 0), shared with every rank,
-turned into advantages and per-step, per-rank micro-batches.
+given its advantages, and split into optimizer steps.
 
 Rank 0 reads the bus; the other ranks receive the cycle as msgpack bytes over the learner's
-process group (two broadcasts: length, then bytes — no pickle), so every rank sees the same
-samples in the same order and computes the same step assignments.
+process group (``dist.broadcast_bytes`` — no pickle), so every rank sees the same samples in the
+same order and computes the same step assignments. ``assign_advantages`` turns the rewards into
+per-token advantages with the formulas of ``advantages.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from services.learner import advantages as adv_mod
+from services.learner import losses
+from services.learner.dist import broadcast_bytes, rank_world
+
 if TYPE_CHECKING:
     import torch
 
+    from common.config.schema import TetherConfig
     from common.protocol import wire
 
 
@@ -93,23 +99,15 @@ def broadcast_samples(
     samples: list[Sample] | None, *, rank: int, device: torch.device
 ) -> list[Sample]:
     """Rank 0's samples on every rank (a no-op without a process group or with one rank)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if rank_world()[1] == 1:
         assert samples is not None
         return samples
-    data = encode_samples(samples) if rank == 0 and samples is not None else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(size, 0)
-    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    if rank == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
+    data = encode_samples(samples) if rank == 0 and samples is not None else None
+    data = broadcast_bytes(data, rank=rank, device=device)
     if rank == 0:
         assert samples is not None, "rank 0 broadcasts the cycle it collected"
         return samples
-    return decode_samples(buf.cpu().numpy().tobytes())
+    return decode_samples(data)
 
 
 def step_order(n: int, *, seed: int, cycle: int, pass_index: int) -> list[int]:
@@ -138,3 +136,78 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
         "advantage": s.advantages or [0.0] * len(s.response_ids),
         "weight": s.weight,
     }
+
+
+def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
+    """Every response token's advantage; zero-weight the groups filtered out. Returns #filtered.
+
+    Sequence-level estimators give all tokens of a response its one advantage. With
+    ``learner.kl_in_reward`` the KL penalty is folded into per-token rewards first
+    (``advantages.kl_reward_advantages``, see ``reward_kl``): the reference log-probs must have
+    been recomputed for this cycle before this is called.
+    """
+    import torch
+
+    ln = cfg.learner
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    unbiased = ln.std_estimator == "unbiased"
+    if ln.kl_in_reward:
+        kl, mask = reward_kl(samples, cfg)
+        adv = adv_mod.kl_reward_advantages(
+            rewards,
+            groups,
+            kl,
+            mask,
+            estimator=ln.advantage_estimator,
+            kl_coef=ln.kl_coef,
+            norm_by_std=ln.norm_adv_by_std,
+            unbiased_std=unbiased,
+        )
+        for i, s in enumerate(samples):
+            s.advantages = adv[i, : len(s.response_ids)].tolist()
+    else:
+        seq = adv_mod.compute_advantages(
+            rewards,
+            groups,
+            estimator=ln.advantage_estimator,
+            norm_by_std=ln.norm_adv_by_std,
+            unbiased_std=unbiased,
+        )
+        for s, a in zip(samples, seq.tolist(), strict=True):
+            s.advantages = [float(a)] * len(s.response_ids)
+    n_filtered = 0
+    if ln.filter_equal_reward_groups:
+        keep, n_filtered = adv_mod.equal_reward_group_mask(rewards, groups)
+        for s, k in zip(samples, keep.tolist(), strict=True):
+            if not k:
+                s.weight = 0.0
+    return n_filtered
+
+
+def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty's per-token estimate [N, T] and the response mask [N, T] (float64).
+
+    The estimate is ``learner.kl_type`` (clamped by ``learner.kl_clamp``) of the behaviour
+    log-probs against the reference log-probs: KL(π_behaviour ‖ π_ref) at the tokens the
+    generator sampled. The behaviour policy is the one that drew them, so the sample average is an
+    estimate of that KL; it is also the only log-prob of that policy a stale trajectory still has
+    (the learner has moved on). verl's ``old_log_probs`` are the same quantity in its synchronous
+    loop, recomputed by its trainer; Tether's come from vLLM, so the engine mismatch (the
+    ``mismatch_*`` metrics) adds a little noise to the penalty.
+    """
+    import torch
+
+    ln = cfg.learner
+    width = max((len(s.response_ids) for s in samples), default=0)
+    behaviour = torch.zeros(len(samples), width, dtype=torch.float64)
+    ref = torch.zeros_like(behaviour)
+    mask = torch.zeros_like(behaviour)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        assert len(s.ref_logp) == n, "reference log-probs are recomputed before the advantages"
+        behaviour[i, :n] = torch.tensor(s.behaviour_logp, dtype=torch.float64)
+        ref[i, :n] = torch.tensor(s.ref_logp, dtype=torch.float64)
+        mask[i, :n] = 1.0
+    kl = losses.kl_penalty(behaviour, ref, kind=ln.kl_type, clamp=ln.kl_clamp) * mask
+    return kl, mask

@@ -31,9 +31,16 @@ from typing import TYPE_CHECKING, Any
 from common.config.schema import TetherConfig
 from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.metrics import PhaseTimer
-from services.learner import algorithm
-from services.learner.cycle import Sample, broadcast_samples, samples_from_groups, steps_of_cycle
-from services.learner.learner_io import LearnerIO
+from services.learner import logprobs, objective
+from services.learner.cycle import (
+    Sample,
+    assign_advantages,
+    broadcast_samples,
+    samples_from_groups,
+    steps_of_cycle,
+)
+from services.learner.dist import agree
+from services.learner.rank0 import Rank0
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -69,8 +76,8 @@ class LearnerService:
         from services.learner import model as model_mod
 
         self.rank, self.world, self.device = model_mod.setup_distributed()
-        self.io = (
-            LearnerIO(
+        self.rank0 = (
+            Rank0(
                 self.cfg,
                 run_dir=self.run_dir,
                 redis_url=self.redis_url,
@@ -98,7 +105,7 @@ class LearnerService:
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
         self._publish_staging = model_mod.HostStaging()
-        if algorithm.proximal_is_current(self.cfg):
+        if logprobs.proximal_is_current(self.cfg):
             log.info(
                 "%s: proximal log-probs come from each step's own forward pass (one optimizer "
                 "step per cycle, one pass): no recompute pass",
@@ -145,8 +152,8 @@ class LearnerService:
         self.version = int(extra["version"])
         self.next_cycle = int(extra["next_cycle"])
         self.counters.update(extra.get("counters", {}))
-        if self.io is not None:
-            self.io.restore(extra)
+        if self.rank0 is not None:
+            self.rank0.restore(extra)
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
     # ------------------------------------------------------------------ weights, checkpoints
@@ -157,8 +164,8 @@ class LearnerService:
             state = full_state_dict_cpu(
                 self.model, dtype=self.publish_dtype, staging=self._publish_staging
             )
-            if self.io is not None:
-                self.io.publish_weights(state, self.version)
+            if self.rank0 is not None:
+                self.rank0.publish_weights(state, self.version)
 
     def checkpoint(self) -> None:
         from services.learner.checkpoint import save_checkpoint
@@ -169,8 +176,8 @@ class LearnerService:
                 "next_cycle": self.next_cycle,
                 "counters": dict(self.counters),
             }
-            if self.io is not None:
-                extra.update(self.io.checkpoint_state())
+            if self.rank0 is not None:
+                extra.update(self.rank0.checkpoint_state())
             save_checkpoint(
                 self.run_dir,
                 self.version,
@@ -180,18 +187,18 @@ class LearnerService:
                 extra_state=extra,
                 keep_last=self.cfg.learner.keep_checkpoints,
             )
-            if self.io is not None:
-                self.io.ack_trained(self.next_cycle)
+            if self.rank0 is not None:
+                self.rank0.ack_trained(self.next_cycle)
 
     # ------------------------------------------------------------------ training
     def _prepare(self, samples: list[Sample]) -> None:
         """The cycle's reference and proximal log-probs, then its advantages (a KL reward needs
         the reference log-probs)."""
         ln = self.cfg.learner
-        if ln.off_policy != "none" and not algorithm.proximal_is_current(self.cfg):
+        if ln.off_policy != "none" and not logprobs.proximal_is_current(self.cfg):
             for s, lp in zip(
                 samples,
-                algorithm.recompute_logprobs(
+                logprobs.recompute_logprobs(
                     self.model, self.cfg, samples, pad_id=self.pad_id, device=self.device
                 ),
                 strict=True,
@@ -200,14 +207,14 @@ class LearnerService:
         if self.ref_model is not None:
             for s, lp in zip(
                 samples,
-                algorithm.recompute_logprobs(
+                logprobs.recompute_logprobs(
                     self.ref_model, self.cfg, samples, pad_id=self.pad_id, device=self.device
                 ),
                 strict=True,
             ):
                 s.ref_logp = lp
         self.counters["filtered_samples"] += (
-            algorithm.assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+            assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
         )
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
@@ -216,8 +223,8 @@ class LearnerService:
         oldest = oldest_usable(self.version, max_staleness=limit)
         dropped = 0
         for i in idx:
-            if self.io is not None:
-                self.io.metrics.staleness.observe(self.version - samples[i].policy_version)
+            if self.rank0 is not None:
+                self.rank0.metrics.staleness.observe(self.version - samples[i].policy_version)
             if not usable(samples[i].policy_version, oldest=oldest) and samples[i].weight > 0:
                 samples[i].weight = 0.0
                 dropped += 1
@@ -242,13 +249,13 @@ class LearnerService:
             t0 = time.monotonic()
             with self.timer.phase("working"):
                 dropped = self._apply_staleness(samples, idx)
-                mbs = algorithm.rank_micro_batches(
+                mbs = objective.rank_micro_batches(
                     self.cfg, samples, idx, pad_id=self.pad_id, device=self.device
                 )
                 stats_out: list[dict[str, float]] = []
-                loss_fn = algorithm.make_loss_fn(
+                loss_fn = objective.make_loss_fn(
                     self.cfg,
-                    denominator=algorithm.step_denominator(self.cfg, samples, idx, self.device),
+                    denominator=objective.step_denominator(self.cfg, samples, idx, self.device),
                     stats_out=stats_out,
                 )
                 st = train_step(
@@ -276,18 +283,18 @@ class LearnerService:
                 "staleness_max": max(self.version - 1 - samples[i].policy_version for i in idx),
                 **{k: v for k, v in losses.merge_stats(stats_out).items() if k != "tokens"},
             }
-            if self.io is not None:
-                self.io.record_step(self.last_step, st)
+            if self.rank0 is not None:
+                self.rank0.record_step(self.last_step, st)
             if self.version % self.cfg.publish_every_steps == 0:
                 self.publish()
-            if self.io is not None:
-                self.io.dispatch(self.version, first_cycle=self.next_cycle)
+            if self.rank0 is not None:
+                self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
             if (
                 ln.eval_every_steps
                 and self.version % ln.eval_every_steps == 0
-                and self.io is not None
+                and self.rank0 is not None
             ):
-                self.io.start_eval(self.version)
+                self.rank0.start_eval(self.version)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -295,16 +302,18 @@ class LearnerService:
         self.resume()
         self.publish()
         run = self.cfg.run
-        if self.io is not None:
-            self.io.start_eval(self.version)  # held-out accuracy before (or at resume)
-            self.io.dispatch(self.version, first_cycle=self.next_cycle)
+        if self.rank0 is not None:
+            self.rank0.start_eval(self.version)  # held-out accuracy before (or at resume)
+            self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
         self.ready = True
         while self.next_cycle < run.num_cycles and not self._stop:
             cycle = self.next_cycle
             groups = (
-                self.io.collect(cycle, stop=lambda: self._stop) if self.io is not None else None
+                self.rank0.collect(cycle, stop=lambda: self._stop)
+                if self.rank0 is not None
+                else None
             )
-            if not self._agree(self.io is None or groups is not None):
+            if not agree(self.rank0 is None or groups is not None, self.device):
                 break  # rank 0 is stopping: every rank leaves together
             samples = broadcast_samples(
                 samples_from_groups(groups) if groups is not None else None,
@@ -314,8 +323,8 @@ class LearnerService:
             before = self.version
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
-            if self.io is not None:
-                self.io.housekeep()
+            if self.rank0 is not None:
+                self.rank0.housekeep()
             every = self.cfg.learner.checkpoint_every_steps
             if (
                 every
@@ -324,23 +333,12 @@ class LearnerService:
             ):
                 self.checkpoint()
         self.checkpoint()
-        if self.io is not None:
+        if self.rank0 is not None:
             if self.next_cycle >= run.num_cycles:
-                self.io.start_eval(self.version)
-                self.io.finish_evals(timeout_s=300.0)
-            self.io.housekeep(every_s=0.0)
-            self.io.close()
-
-    def _agree(self, go_on: bool) -> bool:
-        """Rank 0's decision, on every rank."""
-        import torch
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return go_on
-        flag = torch.tensor([1 if go_on else 0], device=self.device)
-        dist.broadcast(flag, 0)
-        return bool(flag.item())
+                self.rank0.start_eval(self.version)
+                self.rank0.finish_evals(timeout_s=300.0)
+            self.rank0.housekeep(every_s=0.0)
+            self.rank0.close()
 
     def stop(self) -> None:
         self._stop = True

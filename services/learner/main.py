@@ -5,17 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from pathlib import Path
 
 from common.config.schema import TetherConfig
+from common.protocol import streams
+from common.protocol.run_dir import RunDir
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
 
 log = logging.getLogger(__name__)
-
-
-def run_dir_of(cfg: TetherConfig) -> Path:
-    return Path(cfg.run.run_dir) / cfg.run.name
 
 
 def main(cfg: TetherConfig, args) -> int:
@@ -25,7 +22,7 @@ def main(cfg: TetherConfig, args) -> int:
     checked = preflight(cfg, "learner")
     from services.learner.loop import LearnerService
 
-    run_dir = run_dir_of(cfg)
+    run_dir = RunDir.of(cfg).root
     run_dir.mkdir(parents=True, exist_ok=True)
     svc = LearnerService(cfg, run_dir=run_dir, datasets=checked.datasets)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -35,10 +32,15 @@ def main(cfg: TetherConfig, args) -> int:
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
         if rank == 0:
-            assert svc.io is not None
+            assert svc.rank0 is not None
             health = HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
             status = StatusReporter(
-                svc.io.bus, "learner", "learner-0", svc.timer, svc.status, metrics_port=health.port
+                svc.rank0.bus,
+                "learner",
+                streams.LEARNER_CONSUMER,
+                svc.timer,
+                svc.status,
+                metrics_port=health.port,
             ).start()
         svc.run()
     finally:

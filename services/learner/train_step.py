@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.learner.dist import global_sum
 from services.learner.optim import clip_grad_norm
 
 if TYPE_CHECKING:
@@ -51,17 +52,6 @@ def _split_loss(result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         loss, metrics = result
         return loss, dict(metrics)
     return result, {}
-
-
-def _global_sum(value: float, device: torch.device) -> float:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return float(tensor.item())
 
 
 def train_step(
@@ -114,7 +104,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
     return StepStats(
-        loss=_global_sum(loss_sum, next(model.parameters()).device),
+        loss=global_sum(loss_sum, next(model.parameters()).device),
         grad_norm=grad_norm,
         lr=lr,
         num_micro_batches=len(micro_batches),

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -31,15 +29,19 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from services.scorer.grading_worker import (
+    BAD_GROUND_TRUTH,
+    ERROR,
+    NO_ANSWER,
+    TIMEOUT,
+    UNPARSEABLE_ANSWER,
+    worker_main,
+)
+
 log = logging.getLogger(__name__)
 
-# GradeResult.reason values.
-CORRECT, WRONG = "correct", "wrong"
-NO_ANSWER, UNPARSEABLE_ANSWER = "no_answer", "unparseable_answer"
-BAD_GROUND_TRUTH, TIMEOUT, ERROR = "bad_ground_truth", "timeout", "error"
 MAX_TEXT_CHARS = 10_000  # longer answers/ground truths are graded as "unparseable_answer"
 WORKER_START_TIMEOUT_S = 120.0
-TEST_ONLY_SLEEP_PREFIX = "__tether_test_only_sleep__:"  # see GraderPool(test_only_sleep_hook=)
 MAX_CONSECUTIVE_START_FAILURES = 3
 
 
@@ -60,72 +62,6 @@ class _Worker:
     msg_id: int = 0
     deadline: float = 0.0
     dispatched_at: float = 0.0
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-def _has_math(parsed: list) -> bool:
-    """parse() returns the raw string as a fallback; only a sympy object means it parsed."""
-    return any(not isinstance(x, str) for x in parsed)
-
-
-def _grade_pair(
-    answer: str, gold: str, parse, verify, gold_cache: dict, sleep_hook: bool = False
-) -> tuple[bool, str]:
-    """Runs in a worker. math-verify's own timeouts are off (None): the pool's kill is the timeout."""
-    if gold not in gold_cache:
-        parsed = parse(f"${gold}$", parsing_timeout=None) or parse(gold, parsing_timeout=None)
-        if len(gold_cache) > 4096:
-            gold_cache.clear()
-        gold_cache[gold] = parsed
-    gold_parsed = gold_cache[gold]
-    if not _has_math(gold_parsed):
-        return False, BAD_GROUND_TRUTH
-    if sleep_hook and answer.startswith(TEST_ONLY_SLEEP_PREFIX):
-        # Test-only hook (off unless the pool enables it): a hang that only SIGKILL ends.
-        time.sleep(float(answer.split(":", 1)[1]))
-    parsed = parse(f"\\boxed{{{answer}}}", parsing_timeout=None) or parse(
-        answer, parsing_timeout=None
-    )
-    if not _has_math(parsed):
-        return False, UNPARSEABLE_ANSWER
-    ok = bool(verify(gold_parsed, parsed, timeout_seconds=None))
-    return ok, CORRECT if ok else WRONG
-
-
-def _worker_main(conn: Connection, memory_limit_bytes: int | None, sleep_hook: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool owns shutdown, not Ctrl-C
-    if memory_limit_bytes:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    for name in ("math_verify", "latex2sympy2_extended"):
-        logging.getLogger(name).setLevel(logging.ERROR)  # "timeout is disabled" warnings
-    from math_verify import parse, verify
-
-    gold_cache: dict = {}
-    # Warm up parsers and sympy, and refuse to serve if grading is broken here (math-verify
-    # swallows exceptions, e.g. MemoryError under memory_limit_bytes, and would answer "wrong").
-    if _grade_pair("\\frac{1}{2}", "0.5", parse, verify, gold_cache) != (True, CORRECT):
-        sys.exit(3)
-    conn.send_bytes(b'{"ready": true}')
-    while True:
-        try:
-            msg = json.loads(conn.recv_bytes())
-        except EOFError:
-            return  # the pool went away
-        if msg.get("stop"):
-            return
-        try:
-            correct, reason = _grade_pair(
-                msg["answer"], msg["gold"], parse, verify, gold_cache, sleep_hook
-            )
-        except Exception as exc:  # noqa: BLE001 - any grader failure is one item's "error"
-            correct, reason = False, ERROR
-            log.warning("grading raised %s: %s", type(exc).__name__, exc)
-        reply = {"id": msg["id"], "correct": correct, "reason": reason}
-        conn.send_bytes(json.dumps(reply).encode())
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -213,7 +149,7 @@ class GraderPool:
         if start_method == "forkserver":
             # Replacement workers fork from a server that already imported math-verify, so a
             # timeout costs a fork, not a fresh interpreter. No effect once the server runs.
-            self._ctx.set_forkserver_preload(["math_verify", __name__])
+            self._ctx.set_forkserver_preload(["math_verify", worker_main.__module__])
         self._memory_limit_bytes = memory_limit_bytes
         self._sleep_hook = test_only_sleep_hook
         self._metrics = _metrics(registry)
@@ -377,7 +313,7 @@ class GraderPool:
     def _spawn(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(child_conn, self._memory_limit_bytes, self._sleep_hook),
             name="tether-grader",
             daemon=True,

@@ -37,54 +37,53 @@ TEST_ONLY_SLEEP_ENV = "TETHER_TEST_ONLY_GRADER_SLEEP"
 
 class _Metrics:
     def __init__(self) -> None:
-        m = metric
-        self.items = m(
+        self.items = metric(
             "Counter",
             "tether_scorer_items_total",
             "responses scored, by grading reason (correct, wrong, timeout, error, no_answer, ...)",
             ["reason"],
         )
-        self.groups = m("Counter", "tether_scorer_groups_total", "groups scored")
-        self.seconds = m(
+        self.groups = metric("Counter", "tether_scorer_groups_total", "groups scored")
+        self.seconds = metric(
             "Histogram",
             "tether_scorer_batch_seconds",
             "seconds to score one batch of groups",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
         )
-        self.batch = m(
+        self.batch = metric(
             "Histogram",
             "tether_scorer_batch_groups",
             "groups per scoring batch",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
-        self.reward = m(
+        self.reward = metric(
             "Gauge",
             "tether_scorer_reward_mean",
             "mean reward component over the last batch",
             ["component"],
         )
-        self.solver_tokens = m(
+        self.solver_tokens = metric(
             "Counter", "tether_scorer_solver_tokens_total", "solver answer tokens generated"
         )
-        self.solver_requests = m(
+        self.solver_requests = metric(
             "Histogram",
             "tether_scorer_solver_batch_requests",
             "solver requests submitted together",
             buckets=(1, 4, 16, 64, 128, 256, 512, 1024),
         )
-        self.solver_seconds = m(
+        self.solver_seconds = metric(
             "Histogram",
             "tether_scorer_solver_batch_seconds",
             "seconds for the solver to answer and grade one batch",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
-        self.queue_wait = m(
+        self.queue_wait = metric(
             "Histogram",
             "tether_scorer_queue_wait_seconds",
             "seconds a group waited between generation and scoring",
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
         )
-        self.unscorable = m(
+        self.unscorable = metric(
             "Counter",
             "tether_scorer_unscorable_groups_total",
             "groups dead-lettered as unscorable",

@@ -1,6 +1,7 @@
-"""Rank 0's side of the learner: the bus (scored groups in, prompts out), the weight publisher,
-held-out evaluation, per-step metrics (Prometheus, ``metrics.jsonl``, TensorBoard) and the
-acknowledgement of trained entries after each checkpoint."""
+"""What only rank 0 of the learner does: the bus (scored groups in, prompts out through the
+dispatcher), the weight publisher, held-out evaluation, per-step metrics (Prometheus,
+``metrics.jsonl``, TensorBoard, W&B) and the acknowledgement of trained entries after each
+checkpoint, housekeeping of the streams included. Other ranks have none of it (``None``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.ports import free_port
 from common.protocol import streams, wire
+from common.protocol.run_dir import RunDir
 from common.telemetry.metrics import PhaseTimer, metric
 from common.telemetry.trackers import Trackers
 
@@ -27,53 +29,56 @@ log = logging.getLogger(__name__)
 
 class _Metrics:
     def __init__(self) -> None:
-        m = metric
-        self.version = m(
+        self.version = metric(
             "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"
         )
-        self.steps = m("Counter", "tether_learner_steps_total", "optimizer steps")
-        self.step = m("Gauge", "tether_learner_step_value", "per-step training figures", ["name"])
-        self.trained = m("Counter", "tether_learner_trained_samples_total", "responses trained on")
-        self.dropped = m(
+        self.steps = metric("Counter", "tether_learner_steps_total", "optimizer steps")
+        self.step = metric(
+            "Gauge", "tether_learner_step_value", "per-step training figures", ["name"]
+        )
+        self.trained = metric(
+            "Counter", "tether_learner_trained_samples_total", "responses trained on"
+        )
+        self.dropped = metric(
             "Counter", "tether_learner_dropped_stale_total", "responses dropped for staleness"
         )
-        self.duplicates = m(
+        self.duplicates = metric(
             "Counter",
             "tether_learner_duplicate_groups_total",
             "scored groups received again after training (acked, not trained)",
         )
-        self.staleness = m(
+        self.staleness = metric(
             "Histogram",
             "tether_learner_staleness_steps",
             "optimizer steps between a trajectory's policy and the learner's",
             buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
         )
-        self.trimmed = m(
+        self.trimmed = metric(
             "Counter",
             "tether_learner_stream_trimmed_entries_total",
             "stream entries trimmed after every consumer group acknowledged them",
             ["stream"],
         )
-        self.eval_accuracy = m(
+        self.eval_accuracy = metric(
             "Gauge",
             "tether_learner_eval_accuracy",
             "held-out accuracy of the last finished evaluation",
         )
-        self.step_seconds = m(
+        self.step_seconds = metric(
             "Counter",
             "tether_learner_step_seconds_total",
             "seconds per part of the optimizer step",
             ["part"],
         )
-        self.tokens = m("Counter", "tether_learner_tokens_total", "response tokens trained on")
-        self.last_step_time = m(
+        self.tokens = metric("Counter", "tether_learner_tokens_total", "response tokens trained on")
+        self.last_step_time = metric(
             "Gauge",
             "tether_learner_last_step_timestamp_seconds",
             "unix time of the last optimizer step",
         )
 
 
-class LearnerIO:
+class Rank0:
     def __init__(
         self,
         cfg: TetherConfig,
@@ -100,7 +105,7 @@ class LearnerIO:
         self.evals: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results"}
         self.eval_history: list[dict[str, Any]] = []
         self.publisher = self._start_publisher()
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path = RunDir(run_dir).metrics
         self.trackers = Trackers(cfg, run_dir)
         self._last_housekeeping = 0.0
 
