@@ -28,9 +28,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check common services tests
-	$(BIN)/ruff format --check common services tests
+	$(BIN)/ruff check common services tests bench
+	$(BIN)/ruff format --check common services tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

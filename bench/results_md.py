@@ -59,7 +59,7 @@ process (Tether's services and TRL alike); without it each process uses the libr
   preset (25 M parameters, 256 tokens) TRL's `generate` is 60% of its step and Tether leads with
   default threads too, 1.39× (same algorithm) and 1.44× (decoupled PPO). The gap Tether
   exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
-  2-core CPU; `common/plan.py` below models it from the measured per-stage rates.
+  2-core CPU; `common/runs/plan.py` below models it from the measured per-stage rates.
 - **Why 2.5× TRL cannot be reached here.** Count core-seconds per optimizer step in the full
   preset run (`results/peer_full.json`, TRL's algorithm). Tether's generator was busy 25.3 s
   and its learner 63.7 s, on one core each: 89 core-seconds. TRL took 88.6 s on both cores:
@@ -346,7 +346,7 @@ def _gpu_rows(gpu_rates: dict[str, float]) -> list[str]:
 def plan_section(results_dir: Path) -> str:
     """ "Scale on paper": the `common.runs.plan` model checked against the CPU runs, then the GPU guess."""
     lines = [
-        "## Scale on paper (`common/plan.py`)",
+        "## Scale on paper (`common/runs/plan.py`)",
         "",
         "`plan(rates=StageRates(...), shape=ClusterShape(...), responses_per_cycle, prompt_tokens,",
         "response_tokens, param_bytes, max_staleness)` predicts each stage's seconds per cycle",

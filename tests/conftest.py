@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from common.bus.server import EmbeddedRedis, valkey_binary
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TEST_CACHE = REPO / ".cache" / "tests"
 LIBRARY_CACHES = {  # variable -> directory under .cache/home
     "XDG_CACHE_HOME": "cache",
@@ -34,6 +34,16 @@ LIBRARY_CACHES = {  # variable -> directory under .cache/home
     "WANDB_CACHE_DIR": "cache/wandb",
     "WANDB_DATA_DIR": "cache/wandb-data",
 }
+
+
+TIERS = ("unit", "services", "e2e")  # tests/<tier>/: also a marker (`pytest -m unit`)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 def pytest_configure(config: pytest.Config) -> None:

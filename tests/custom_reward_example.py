@@ -1,4 +1,4 @@
-"""A tiny custom reward for tests/test_rewards.py, loaded as
+"""A tiny custom reward for tests/services/test_rewards.py, loaded as
 ``tests.custom_reward_example:brevity_bonus`` (the documented custom-reward signature)."""
 
 

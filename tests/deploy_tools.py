@@ -1,4 +1,4 @@
-"""Helpers for tests/test_deploy.py: find the offline tools, collect PromQL from the rules and
+"""Helpers for tests/services/test_deploy.py: find the offline tools, collect PromQL from the rules and
 dashboards, match metric names against what the services export, run real subprocesses."""
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -148,7 +149,7 @@ def step_publish3b(tiny: bool) -> dict:
     )
 
     _, _, device = setup_distributed()
-    shape = (
+    shape: dict[str, Any] = (
         {"hidden_size": 64, "num_layers": 2, "num_heads": 4}
         if tiny
         else {

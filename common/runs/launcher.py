@@ -40,11 +40,11 @@ def run_service(name: str, cfg: TetherConfig, args: argparse.Namespace) -> int:
     return int(main(cfg, args) or 0)
 
 
-def export_checkpoint(checkpoint: str, out: str, *, tokenizer_dir: str | None) -> Path:
+def export_checkpoint(checkpoint: str, out: str, *, tokenizer_dir: str | None) -> Path | None:
     """`tether export`: a Hugging Face model directory from a checkpoint (the learner's code)."""
     from services.learner.export import export_hf
 
-    return Path(export_hf(checkpoint, out, tokenizer_dir=tokenizer_dir))
+    return export_hf(checkpoint, out, tokenizer_dir=tokenizer_dir)
 
 
 def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig, Path]:

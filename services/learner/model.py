@@ -7,7 +7,7 @@ Gradient reduction: FSDP2 averages gradients over ranks by default. Tether's los
 a loss already normalised by the *whole step's* denominator (all ranks, all micro-batches), so the
 right reduction is a plain sum. ``load_policy`` sets every FSDP unit's divide factor to 1 with
 sum-only collectives, which makes an N-rank step produce the same gradient as one process that
-sums the same micro-batch losses (tested in ``tests/test_learner_fsdp.py``).
+sums the same micro-batch losses (tested in ``tests/services/test_learner_fsdp.py``).
 """
 
 from __future__ import annotations

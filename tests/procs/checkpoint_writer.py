@@ -1,4 +1,4 @@
-"""Subprocess for tests/test_checkpoint.py: save checkpoint 1, then hang inside save 2.
+"""Subprocess for tests/services/test_checkpoint.py: save checkpoint 1, then hang inside save 2.
 
     python tests/procs/checkpoint_writer.py --model DIR --run-dir DIR --hang-seconds S
 

@@ -1,4 +1,4 @@
-"""torchrun entry for tests/test_learner_fsdp.py: FSDP2 training steps on real gloo ranks.
+"""torchrun entry for tests/services/test_learner_fsdp.py: FSDP2 training steps on real gloo ranks.
 
     torchrun --nproc_per_node 2 tests/procs/fsdp_worker.py --model DIR --batch FILE --out DIR
 

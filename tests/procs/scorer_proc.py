@@ -15,9 +15,8 @@ import numpy as np
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
 from common.protocol import streams, wire
+from tests.paths import REPO
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def make_group(

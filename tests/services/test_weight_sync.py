@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 torch = pytest.importorskip("torch")
 
 from common.weights.checksum import tensors_checksum  # noqa: E402
@@ -23,7 +25,7 @@ from common.weights.publisher import WeightPublisher  # noqa: E402
 from common.weights.receiver import WeightReceiver  # noqa: E402
 from common.weights.transfer import send_update  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 RECEIVER = ROOT / "tests" / "procs" / "weight_receiver.py"
 
 

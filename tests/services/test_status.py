@@ -25,8 +25,9 @@ from common.runs.launcher import finish_run
 from common.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
+from tests.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_thin"  # a real short run (3 steps, 2 evals)
+FIXTURE = FIXTURES / "run_thin"  # a real short run (3 steps, 2 evals)
 EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 prompts
 
 

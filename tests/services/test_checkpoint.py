@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 WRITER = REPO / "tests" / "procs" / "checkpoint_writer.py"
 
 

@@ -22,7 +22,7 @@ from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from common.protocol.wire import PromptMsg
 from tests.conftest import checked_binary, server_params
-from tests.test_wire import make_group
+from tests.unit.test_wire import make_group
 
 
 @pytest.fixture(scope="module", params=server_params())

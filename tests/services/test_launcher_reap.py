@@ -10,6 +10,7 @@ import time
 
 from common.bus.server import pid_running
 from common.runs.supervisor import Child
+from tests.paths import REPO
 
 # The leader starts a grandchild that ignores SIGTERM and outlives it (as vLLM's engine core
 # outlives a SIGKILLed generator), writes the grandchild's pid, then sleeps.
@@ -64,7 +65,7 @@ def _child_stops_with_sigkilled_launcher(tmp_path, launcher_source: str) -> None
 
     pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
     launcher = subprocess.Popen([sys.executable, "-c", launcher_source, str(pid_file), str(up_file)],
-                                cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+                                cwd=REPO)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while not (up_file.exists() and pid_file.exists() and pid_file.read_text()):

@@ -7,6 +7,7 @@ import pytest
 from common.config.errors import ConfigError
 from common.config.load import load_config
 from common.config.schema import TetherConfig
+from tests.paths import REPO
 
 
 def cfg_of(**flags):
@@ -231,11 +232,9 @@ def test_missing_file():
 
 
 def test_readme_config_reference_matches_the_schema():
-    from pathlib import Path
-
     from common.config.reference import BEGIN, END, reference_markdown
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     assert readme[start:end] == reference_markdown(), (
         "regenerate with: python -m common.config.reference"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
 WORKER = REPO / "tests" / "procs" / "fsdp_worker.py"
 # fp32 on CPU; reduction order differs between 1 and 2 ranks, so not bitwise.
 WEIGHT_ATOL = 1e-5  # measured 1.2e-6 here; lr is 1e-3

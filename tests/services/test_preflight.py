@@ -22,8 +22,8 @@ import pytest
 
 from common.ports import free_port
 from common.runs.supervisor import RunFailed, Supervisor
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 # On-disk checks and one PING take ~2 s on the 2-core machine; the bound leaves room for a busy
 # one. Checks that load the tokenizer (transformers imports torch) took 5-12 s there.
 FAST_S = 10.0

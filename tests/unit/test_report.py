@@ -15,8 +15,9 @@ import pytest
 from common.cli.observe_verbs import add_observe_verbs
 from common.runs.report.data import SECTIONS
 from common.runs.report.page import write_report
+from tests.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_thin"
+FIXTURE = FIXTURES / "run_thin"
 IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 
 

@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
@@ -19,8 +18,8 @@ from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 

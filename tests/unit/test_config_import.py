@@ -1,14 +1,14 @@
 """`tether config import`: peer launch scripts and YAML configs mapped onto Tether's keys."""
 
 import tomllib
-from pathlib import Path
 
 import pytest
 
 from common.config.importers.render import render_mapping_table, render_toml
 from common.config.importers.translate import import_peer_config
+from tests.paths import FIXTURES as TEST_FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "import"
+FIXTURES = TEST_FIXTURES / "import"
 ALL = [
     ("verl", "verl_seed001_solver_grpo.sh"),
     ("verl", "verl_gsm8k_variables.sh"),

@@ -1,0 +1,56 @@
+"""The layering of common/ and services/ as import contracts (pyproject's [tool.importlinter]),
+checked with import-linter exactly as `make lint` runs it: protocol imports nothing of Tether's,
+services never reach the CLI or the launcher, only the launcher reaches into services, no
+cycles, and common/'s layers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from tests.paths import REPO
+
+
+def _contracts() -> list[dict]:
+    doc = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return doc["tool"]["importlinter"]["contracts"]
+
+
+def _lint_imports() -> str:
+    beside = Path(sys.executable).with_name("lint-imports")
+    found = str(beside) if beside.exists() else shutil.which("lint-imports")
+    assert found, "lint-imports is missing: install the dev extra (make setup)"
+    return found
+
+
+def test_every_import_contract_is_kept():
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    r = subprocess.run(
+        [_lint_imports(), "--no-cache"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    kept = [c["name"] for c in _contracts()]
+    for name in kept:
+        assert f"{name} KEPT" in r.stdout, r.stdout
+    assert f"Contracts: {len(kept)} kept, 0 broken." in r.stdout
+
+
+def test_protocol_contract_names_every_other_package():
+    """A package added under common/ is forbidden to common.protocol too, not silently allowed."""
+    protocol = next(c for c in _contracts() if c["source_modules"] == ["common.protocol"])
+    others = {
+        f"common.{p.stem}"
+        for p in (REPO / "common").iterdir()
+        if p.name != "protocol"
+        and ((p / "__init__.py").exists() or p.suffix == ".py")
+        and p.name != "__init__.py"
+    }
+    assert others | {"services"} == set(protocol["forbidden_modules"])
