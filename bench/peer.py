@@ -18,19 +18,11 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.workload import (
-    Workload,
-    child_env,
-    command,
-    count_params,
-    machine_info,
-    prepare,
-    preset,
-    trl_task,
-)
+from bench import workload as wl
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +36,9 @@ def _trl_child(spec_path: str) -> None:
     from common.demo.tasks import read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
-    w = Workload(**spec["workload"])
+    w = wl.Workload(**spec["workload"])
     rows = read_jsonl(spec["train"])
-    data, rule_reward = trl_task(rows)
+    data, rule_reward = wl.trl_task(rows)
 
     steps = w.timed_cycles + 1
     times: list[float] = []
@@ -115,15 +107,20 @@ def _trl_child(spec_path: str) -> None:
     )
 
 
-def run_trl(
-    w: Workload,
-    *,
-    model: Path,
-    train: Path,
-    work: Path,
-    timeout_s: float,
-    threads: int | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Contest:
+    """What both sides of the comparison share: the workload, the model and data it trains on,
+    the time limit and the threads per process."""
+
+    w: wl.Workload
+    model: Path
+    train: Path
+    timeout_s: float
+    threads: int | None = None
+
+
+def run_trl(c: Contest, *, work: Path) -> dict[str, Any]:
+    w, model, train, timeout_s, threads = c.w, c.model, c.train, c.timeout_s, c.threads
     work.mkdir(parents=True, exist_ok=True)
     spec = {
         "workload": {k: v for k, v in w.describe().items() if k != "responses_per_step"},
@@ -141,7 +138,7 @@ def run_trl(
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env=child_env(threads),
+        env=wl.child_env(threads),
     )
     if proc.returncode != 0:
         raise RuntimeError(
@@ -165,56 +162,34 @@ def run_trl(
     }
 
 
-def run_tether(
-    w: Workload,
-    *,
-    model: Path,
-    train: Path,
-    work: Path,
-    timeout_s: float,
-    threads: int | None = None,
-    off_policy: str = "decoupled",
-) -> dict[str, Any]:
-    from bench.pipeline import analyse, drive_run, write_bench_config
+def run_tether(c: Contest, *, work: Path, off_policy: str = "decoupled") -> dict[str, Any]:
+    from bench.pipeline import train_and_analyse
     from common.bus.server import EmbeddedRedis
 
     server = EmbeddedRedis(work / "redis", appendonly=False).start()
     try:
-        name = f"peer-tether-{off_policy}-{int(time.time())}"
-        cfg = write_bench_config(
-            work / f"{name}.toml",
-            name=name,
-            w=w,
-            model=model,
-            train=train,
-            run_dir=work / "runs",
-            max_staleness=1,
-            off_policy=off_policy,
-        )
-        run = drive_run(
-            cfg,
-            name=name,
+        return train_and_analyse(
+            c.w,
+            name=f"peer-tether-{off_policy}-{int(time.time())}",
+            model=c.model,
+            train=c.train,
+            root=work,
             redis_url=server.url,
-            steps=w.timed_cycles + 1,
-            timeout_s=timeout_s,
-            threads=threads,
+            max_staleness=1,
+            timeout_s=c.timeout_s,
+            threads=c.threads,
+            off_policy=off_policy,
         )
     finally:
         server.stop()
-    return analyse(run, w)
 
 
 def run_peer_bench(
-    *,
-    quick: bool = False,
-    size: str | None = None,
-    out_path: str | Path | None = None,
-    work_dir: str | Path = "bench/work",
-    workload: Workload | None = None,
-    timeout_s: float = 3600,
-    tether_result: dict[str, Any] | None = None,
+    *, quick: bool = False, size: str | None = None, out_path: str | Path | None = None,
+    work_dir: str | Path = "bench/work", workload: wl.Workload | None = None,
+    timeout_s: float = 3600, tether_result: dict[str, Any] | None = None,
     threads: int | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """TRL vs Tether (async, one cycle of overlap) on one workload, Tether run twice:
 
     - ``tether``: the same algorithm as TRL's GRPOTrainer with ``num_iterations = 1`` — one
@@ -224,29 +199,19 @@ def run_peer_bench(
     - ``tether_decoupled``: Tether's default (decoupled PPO), which adds a proximal log-prob
       forward pass per cycle to correct for the one step of staleness; ``tether_result`` reuses
       a pipeline bench's async measurement of the same workload for this one."""
-    w = workload or preset(quick, size)
+    w = workload or wl.preset(quick, size)
     root = Path(work_dir).resolve()
-    model, train = prepare(root, w)
-    machine = machine_info()
-    trl = run_trl(
-        w, model=model, train=train, work=root / "trl", timeout_s=timeout_s, threads=threads
-    )
+    model, train = wl.prepare(root, w)
+    machine = wl.machine_info()
+    contest = Contest(w, model, train, timeout_s, threads)
+    trl = run_trl(contest, work=root / "trl")
     trl["load_average_after"] = list(os.getloadavg())
-    tether = run_tether(
-        w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads,
-        off_policy="none",
-    )  # fmt: skip
-    decoupled = tether_result or run_tether(
-        w, model=model, train=train, work=root / "tether", timeout_s=timeout_s, threads=threads
-    )
+    tether = run_tether(contest, work=root / "tether", off_policy="none")
+    decoupled = tether_result or run_tether(contest, work=root / "tether")
     result = {
-        "bench": "peer",
-        "quick": quick,
-        "size": size or ("quick" if quick else "full"),
-        "machine": machine,
-        "workload": {**w.describe(), "params": count_params(model), "model_dir": str(model)},
-        "threads_per_process": threads,
-        "command": command("peer", quick=quick, size=size, threads=threads),
+        **wl.result_head(
+            "peer", quick=quick, size=size, machine=machine, w=w, model=model, threads=threads
+        ),  # fmt: skip
         "trl": trl,
         "tether": {**tether, "off_policy": "none"},
         # one optimizer step per cycle: the proximal log-probs come from the training forward
@@ -256,11 +221,7 @@ def run_peer_bench(
         "ratio_tether_decoupled_over_trl": decoupled["trained_responses_per_s"]
         / trl["trained_responses_per_s"],
     }
-    print(format_peer(result))
-    if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return wl.report(result, format_peer(result), out_path)
 
 
 def _proximal_note(d: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ import logging
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,11 @@ from typing import Any
 from bench.workload import (
     Workload,
     child_env,
-    command,
-    count_params,
     machine_info,
     prepare,
     preset,
+    report,
+    result_head,
 )
 from common.protocol import streams
 
@@ -119,16 +118,9 @@ def drive_run(
     last step. Returns the snapshots, step records and the wall time."""
     import redis
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "train",
-        "--config",
-        str(config),
-        "--redis-url",
-        redis_url,
-    ]
+    from common.runs.supervisor import tether_command
+
+    cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -185,6 +177,42 @@ def _busy_per_cycle(
     return busy, phases
 
 
+def train_and_analyse(
+    w: Workload,
+    *,
+    name: str,
+    model: Path,
+    train: Path,
+    root: Path,
+    redis_url: str,
+    max_staleness: int,
+    timeout_s: float,
+    threads: int | None = None,
+    off_policy: str = "decoupled",
+) -> dict[str, Any]:
+    """One `tether train` run of workload ``w`` (config and run directory under ``root``) on the
+    server at ``redis_url``, analysed: the Tether side of the pipeline and peer benchmarks."""
+    cfg = write_bench_config(
+        root / f"{name}.toml",
+        name=name,
+        w=w,
+        model=model,
+        train=train,
+        run_dir=root / "runs",
+        max_staleness=max_staleness,
+        off_policy=off_policy,
+    )
+    run = drive_run(
+        cfg,
+        name=name,
+        redis_url=redis_url,
+        steps=w.timed_cycles + 1,
+        timeout_s=timeout_s,
+        threads=threads,
+    )
+    return analyse(run, w)
+
+
 def analyse(run: dict[str, Any], w: Workload) -> dict[str, Any]:
     steps = run["steps"]
     n = len(steps)
@@ -222,15 +250,10 @@ def analyse(run: dict[str, Any], w: Workload) -> dict[str, Any]:
 
 
 def run_pipeline_bench(
-    *,
-    quick: bool = False,
-    size: str | None = None,
-    out_path: str | Path | None = None,
-    work_dir: str | Path = "bench/work",
-    workload: Workload | None = None,
-    timeout_s: float = 3600,
-    threads: int | None = None,
-) -> dict[str, Any]:
+    *, quick: bool = False, size: str | None = None, out_path: str | Path | None = None,
+    work_dir: str | Path = "bench/work", workload: Workload | None = None,
+    timeout_s: float = 3600, threads: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Run the workload async and sync; print, return and (optionally) write the JSON result."""
     from common.bus.server import EmbeddedRedis
 
@@ -244,48 +267,39 @@ def run_pipeline_bench(
     server = EmbeddedRedis(root / "redis", appendonly=False).start()
     try:
         for mode, staleness in modes.items():
-            name = f"bench-{mode}-{int(time.time())}"
-            cfg = write_bench_config(
-                root / f"{name}.toml",
-                name=name,
-                w=w,
+            log.info("pipeline bench: %s (max_staleness=%d)", mode, staleness)
+            analysed = train_and_analyse(
+                w,
+                name=f"bench-{mode}-{int(time.time())}",
                 model=model,
                 train=train,
-                run_dir=root / "runs",
-                max_staleness=staleness,
-            )
-            log.info("pipeline bench: %s (max_staleness=%d)", mode, staleness)
-            run = drive_run(
-                cfg,
-                name=name,
+                root=root,
                 redis_url=server.url,
-                steps=w.timed_cycles + 1,
+                max_staleness=staleness,
                 timeout_s=timeout_s,
                 threads=threads,
             )
             results[mode] = {
                 "max_staleness": staleness,
                 "load_average_after": list(os.getloadavg()),
-                **analyse(run, w),
+                **analysed,
             }
     finally:
         server.stop()
     result = {
-        "bench": "pipeline",
-        "quick": quick,
-        "size": size or ("quick" if quick else "full"),
-        "machine": machine_before,
-        "workload": {**w.describe(), "params": count_params(model), "model_dir": str(model)},
-        "threads_per_process": threads,
-        "command": command("pipeline", quick=quick, size=size, threads=threads),
+        **result_head(
+            "pipeline",
+            quick=quick,
+            size=size,
+            machine=machine_before,
+            w=w,
+            model=model,
+            threads=threads,
+        ),  # fmt: skip
         **results,
         **efficiency(results),
     }
-    print(format_pipeline(result))
-    if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, format_pipeline(result), out_path)
 
 
 def efficiency(results: dict[str, Any]) -> dict[str, Any]:

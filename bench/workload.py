@@ -8,6 +8,7 @@ followed by ``timed_cycles`` timed ones.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -132,6 +133,32 @@ def child_env(threads: int | None) -> dict[str, str]:
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
+
+
+def result_head(
+    what: str, *, quick: bool, size: str | None, machine: dict[str, Any], w: Workload,
+    model: Path, threads: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The fields an end-to-end benchmark's result starts with: what ran, where, and the command
+    that reproduces it."""
+    return {
+        "bench": what,
+        "quick": quick,
+        "size": size or ("quick" if quick else "full"),
+        "machine": machine,
+        "workload": {**w.describe(), "params": count_params(model), "model_dir": str(model)},
+        "threads_per_process": threads,
+        "command": command(what, quick=quick, size=size, threads=threads),
+    }
+
+
+def report(result: dict[str, Any], text: str, out_path: str | Path | None) -> dict[str, Any]:
+    """Print ``text`` (the result in words), write ``result`` as JSON to ``out_path`` if given."""
+    print(text)
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def machine_info() -> dict[str, Any]:

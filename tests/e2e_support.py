@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 import redis
 
 from common.bus.server import pid_running
+from common.runs.supervisor import tether_command
 
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
 TYPE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ")
@@ -138,16 +138,7 @@ def run_training(
     """Run `tether train`; scrape /metrics; optionally SIGKILL services (``[(service id, after
     n steps)]``) mid-run. Returns what was observed."""
     run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "common.cli",
-        "train",
-        "--config",
-        str(config),
-        "--redis-url",
-        redis_url,
-    ]
+    cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -105,6 +105,137 @@ class Mapper:
             if key not in self.used and self.src.flat[key][1] is not None:
                 self.drop(key, why(key))  # null keys only restate the peer's default
 
+    def check_division(
+        self,
+        *,
+        prompts: int,
+        n: int,
+        step: int,
+        passes: int,
+        cycle_text: str,
+        step_text: str,
+        behaviour: str,
+        knob: Callable[[int], str],
+    ) -> int | None:
+        """Optimizer steps per cycle, or None (and a problem) when the peer's steps are unequal."""
+        cycle = prompts * n
+        if step > 0 and cycle % step == 0:
+            return cycle // step * passes
+        fixes = _fixes(prompts, n, step, passes, knob)
+        listed = "; ".join(f"({chr(97 + i)}) {f}" for i, f in enumerate(fixes))
+        self.problem(
+            f"{self.peer}'s batch sizes do not divide evenly: {cycle_text} = {cycle} responses per cycle, "
+            f"but one optimizer step takes {step_text} = {step} responses, and {cycle} is not a multiple "
+            f"of {step}. {behaviour} Tether needs equal steps: prompts_per_cycle × responses_per_prompt "
+            f"× passes_per_cycle = train_batch_size × train_steps_per_cycle. Valid settings: {listed}."
+        )
+        return None
+
+    def put_per_cycle(self, key: str, tether_key: str, steps: int | None, unit: str) -> None:
+        """Maps a peer "every N cycles" setting onto Tether's optimizer-step count."""
+        if not self.given(key):
+            return
+        value = self.get(key)
+        if not isinstance(value, int) or value <= 0:
+            self.drop(key, "disabled in the peer config; Tether's default applies")
+        elif steps is None:
+            self.drop(
+                key,
+                f"counts {unit}; needs the optimizer steps per cycle, which could not be derived",
+            )
+        else:
+            self.put(
+                tether_key,
+                value * steps,
+                key,
+                f"the peer counts {unit}; × {steps} optimizer steps per cycle",
+            )
+
+    def peer_estimator(self, key: str, table: dict[str, str], default: str) -> str | None:
+        value = self.get(key, default)
+        if value in table:
+            return table[value]
+        origin = (
+            f"{self.name(key)}={value}"
+            if self.given(key)
+            else f"{self.name(key)} is not set and defaults to {value}"
+        )
+        if value in ("gae", "ppo"):
+            self.problem(
+                f"{origin}: PPO with a learned critic (GAE). Tether has no critic; choose a "
+                f"critic-free estimator ({', '.join(sorted(set(table.values())))}) in the peer "
+                "config or set learner.advantage_estimator."
+            )
+        else:
+            self.problem(
+                f"{origin}: Tether has no such advantage estimator; choose one of "
+                f"{', '.join(sorted(set(table.values())))}."
+            )
+        return None
+
+    def batch_knob(self, key: str, default: Any) -> Any:
+        """A batch knob: its value, the peer's default when absent, None when unresolvable."""
+        if key in self.src.flat and self._unresolved(self.src.flat[key][1]):
+            self.get(key)
+            return None
+        return self.get(key, default)
+
+    def default_note(self, key: str, default: Any, note: str = "") -> str:
+        return note if self.given(key) else f"not set; {self.peer}'s default is {default}"
+
+    def put_staleness(self, steps: int, keys: tuple[str, ...], why: str) -> None:
+        self.put(
+            "run.max_staleness",
+            max(steps - 1, 0),
+            keys,
+            f"{why}: a cycle's last step trains on data {max(steps - 1, 0)} steps old; the smallest "
+            "value Tether accepts. Raise it to let generation overlap training",
+        )
+
+    def put_kl(
+        self,
+        *,
+        coef: str,
+        kind: str | None,
+        in_reward: bool,
+        coef_default: float,
+        kind_default: str,
+        keys: tuple[str, ...],
+        k3_clamp: float | None = None,
+        reward_note: str = "",
+    ) -> None:
+        """Puts Tether's single KL term (coefficient, estimator, loss or reward). ``k3_clamp``: the
+        bound the peer clamps its k3 estimate to (Tether's is unclamped unless kl_clamp is set)."""
+        value = self.get(coef, coef_default)
+        self.put("learner.kl_coef", value, (coef, *keys), self.default_note(coef, coef_default))
+        self.put("learner.kl_in_reward", in_reward, keys, reward_note if in_reward else "")
+        if kind:
+            try:
+                kl_type = to_kl_type(self.get(kind, kind_default))
+                self.put("learner.kl_type", kl_type, kind, self.default_note(kind, kind_default))
+            except Skip as why:
+                self.drop(kind, str(why))
+                return
+            if kl_type == "k3" and k3_clamp is not None:
+                self.put(
+                    "learner.kl_clamp",
+                    k3_clamp,
+                    kind,
+                    f"{self.peer} clamps its k3 (low_var_kl) estimate to [−{k3_clamp:g}, {k3_clamp:g}]",
+                )
+
+    def put_kl_loss(self, *, kind: str, kind_default: str) -> None:
+        """slime's and ROLL's ``use_kl_loss``: the KL as a loss term weighted by
+        ``kl_loss_coef`` (0 unless set), its estimator named by ``kind``."""
+        self.put_kl(
+            coef="kl_loss_coef",
+            kind=kind,
+            in_reward=False,
+            coef_default=0.0,
+            kind_default=kind_default,
+            keys=("use_kl_loss",),
+        )
+
 
 _WHY = [
     (
@@ -188,53 +319,6 @@ def _fixes(prompts: int, n: int, step: int, passes: int, knob: Callable[[int], s
     return out
 
 
-def check_division(
-    m: Mapper,
-    *,
-    prompts: int,
-    n: int,
-    step: int,
-    passes: int,
-    cycle_text: str,
-    step_text: str,
-    behaviour: str,
-    knob: Callable[[int], str],
-) -> int | None:
-    """Optimizer steps per cycle, or None (and a problem) when the peer's steps are unequal."""
-    cycle = prompts * n
-    if step > 0 and cycle % step == 0:
-        return cycle // step * passes
-    fixes = _fixes(prompts, n, step, passes, knob)
-    listed = "; ".join(f"({chr(97 + i)}) {f}" for i, f in enumerate(fixes))
-    m.problem(
-        f"{m.peer}'s batch sizes do not divide evenly: {cycle_text} = {cycle} responses per cycle, "
-        f"but one optimizer step takes {step_text} = {step} responses, and {cycle} is not a multiple "
-        f"of {step}. {behaviour} Tether needs equal steps: prompts_per_cycle × responses_per_prompt "
-        f"× passes_per_cycle = train_batch_size × train_steps_per_cycle. Valid settings: {listed}."
-    )
-    return None
-
-
-def put_per_cycle(m: Mapper, key: str, tether_key: str, steps: int | None, unit: str) -> None:
-    """Maps a peer "every N cycles" setting onto Tether's optimizer-step count."""
-    if not m.given(key):
-        return
-    value = m.get(key)
-    if not isinstance(value, int) or value <= 0:
-        m.drop(key, "disabled in the peer config; Tether's default applies")
-    elif steps is None:
-        m.drop(
-            key, f"counts {unit}; needs the optimizer steps per cycle, which could not be derived"
-        )
-    else:
-        m.put(
-            tether_key,
-            value * steps,
-            key,
-            f"the peer counts {unit}; × {steps} optimizer steps per cycle",
-        )
-
-
 def to_lr_schedule(value: Any) -> str:
     if value in ("constant", "cosine"):
         return value
@@ -277,81 +361,3 @@ def to_one_path(value: Any) -> str:
             raise Skip("Tether reads one data file per split; merge the files first")
         value = value[0]
     return str(value)
-
-
-def peer_estimator(m: Mapper, key: str, table: dict[str, str], default: str) -> str | None:
-    value = m.get(key, default)
-    if value in table:
-        return table[value]
-    origin = (
-        f"{m.name(key)}={value}"
-        if m.given(key)
-        else f"{m.name(key)} is not set and defaults to {value}"
-    )
-    if value in ("gae", "ppo"):
-        m.problem(
-            f"{origin}: PPO with a learned critic (GAE). Tether has no critic; choose a "
-            f"critic-free estimator ({', '.join(sorted(set(table.values())))}) in the peer "
-            "config or set learner.advantage_estimator."
-        )
-    else:
-        m.problem(
-            f"{origin}: Tether has no such advantage estimator; choose one of "
-            f"{', '.join(sorted(set(table.values())))}."
-        )
-    return None
-
-
-def batch_knob(m: Mapper, key: str, default: Any) -> Any:
-    """A batch knob: its value, the peer's default when absent, None when unresolvable."""
-    if key in m.src.flat and m._unresolved(m.src.flat[key][1]):
-        m.get(key)
-        return None
-    return m.get(key, default)
-
-
-def default_note(m: Mapper, key: str, default: Any, note: str = "") -> str:
-    return note if m.given(key) else f"not set; {m.peer}'s default is {default}"
-
-
-def put_staleness(m: Mapper, steps: int, keys: tuple[str, ...], why: str) -> None:
-    m.put(
-        "run.max_staleness",
-        max(steps - 1, 0),
-        keys,
-        f"{why}: a cycle's last step trains on data {max(steps - 1, 0)} steps old; the smallest "
-        "value Tether accepts. Raise it to let generation overlap training",
-    )
-
-
-def put_kl(
-    m: Mapper,
-    *,
-    coef: str,
-    kind: str | None,
-    in_reward: bool,
-    coef_default: float,
-    kind_default: str,
-    keys: tuple[str, ...],
-    k3_clamp: float | None = None,
-    reward_note: str = "",
-) -> None:
-    """Puts Tether's single KL term (coefficient, estimator, loss or reward). ``k3_clamp``: the
-    bound the peer clamps its k3 estimate to (Tether's is unclamped unless kl_clamp is set)."""
-    value = m.get(coef, coef_default)
-    m.put("learner.kl_coef", value, (coef, *keys), default_note(m, coef, coef_default))
-    m.put("learner.kl_in_reward", in_reward, keys, reward_note if in_reward else "")
-    if kind:
-        try:
-            kl_type = to_kl_type(m.get(kind, kind_default))
-            m.put("learner.kl_type", kl_type, kind, default_note(m, kind, kind_default))
-        except Skip as why:
-            m.drop(kind, str(why))
-            return
-        if kl_type == "k3" and k3_clamp is not None:
-            m.put(
-                "learner.kl_clamp",
-                k3_clamp,
-                kind,
-                f"{m.peer} clamps its k3 (low_var_kl) estimate to [−{k3_clamp:g}, {k3_clamp:g}]",
-            )

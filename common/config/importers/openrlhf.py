@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import (
-    Mapper,
-    Skip,
-    batch_knob,
-    check_division,
-    default_note,
-    peer_estimator,
-    put_kl,
-    put_per_cycle,
-    put_staleness,
-    to_lr_schedule,
-    to_one_path,
-)
+from common.config.importers.mapping import Mapper, Skip, to_lr_schedule, to_one_path
 from common.config.importers.sources import coerce
 
 
 def map_openrlhf(m: Mapper) -> None:
     pk, nk, tk, ek = "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs"
     prompts, n, step, passes = (
-        batch_knob(m, pk, 1024),
-        batch_knob(m, nk, 1),
-        batch_knob(m, tk, 128),
-        batch_knob(m, ek, 1),
+        m.batch_knob(pk, 1024),
+        m.batch_knob(nk, 1),
+        m.batch_knob(tk, 128),
+        m.batch_knob(ek, 1),
     )
     for key, tkey, value, default, note in (
         (pk, "run.prompts_per_cycle", prompts, 1024, "prompts per rollout batch"),
@@ -39,7 +27,7 @@ def map_openrlhf(m: Mapper) -> None:
         (ek, "run.passes_per_cycle", passes, 1, ""),
     ):
         if value is not None:
-            m.put(tkey, value, key, default_note(m, key, default, note))
+            m.put(tkey, value, key, m.default_note(key, default, note))
     steps = None
     if None not in (prompts, n, step, passes):
         micro = m.get("micro_train_batch_size", 8)
@@ -50,8 +38,7 @@ def map_openrlhf(m: Mapper) -> None:
             "or cycle (mixing two batches) and step boundaries drift (with --use_dynamic_batch they are "
             "dropped instead)."
         )
-        steps = check_division(
-            m,
+        steps = m.check_division(
             prompts=prompts,
             n=n,
             step=step,
@@ -82,7 +69,7 @@ def map_openrlhf(m: Mapper) -> None:
         )
         m.drop("async_queue_size", "see --async_train")
     elif steps:
-        put_staleness(m, steps, (pk, tk), "OpenRLHF (without --async_train) is synchronous")
+        m.put_staleness(steps, (pk, tk), "OpenRLHF (without --async_train) is synchronous")
     _openrlhf_rest(m, steps)
 
 
@@ -130,7 +117,7 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
                 "learner.lr_schedule",
                 to_lr_schedule(sched),
                 "lr_scheduler",
-                default_note(m, "lr_scheduler", "cosine_with_min_lr"),
+                m.default_note("lr_scheduler", "cosine_with_min_lr"),
             )
             if sched == "cosine_with_min_lr":
                 m.put(
@@ -151,8 +138,7 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
         m.put("learner.clip_high", m.get("eps_clip"), "eps_clip")
     if m.given("init_kl_coef") or m.given("use_kl_loss") or m.given("kl_estimator"):
         loss = bool(m.get("use_kl_loss", False))
-        put_kl(
-            m,
+        m.put_kl(
             coef="init_kl_coef",
             kind="kl_estimator",
             in_reward=not loss,
@@ -167,7 +153,7 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
         "group_norm": "grpo",
         "dr_grpo": "drgrpo",
     }
-    est = peer_estimator(m, "advantage_estimator", table, "gae")
+    est = m.peer_estimator("advantage_estimator", table, "gae")
     if est:
         m.put("learner.advantage_estimator", est, "advantage_estimator")
     if est == "grpo":
@@ -193,7 +179,7 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
         "num_cycles = num_episodes × ⌊dataset prompts / --rollout_batch_size⌋ depends on "
         "the dataset size; set run.num_cycles",
     )
-    put_per_cycle(
-        m, "save_steps", "learner.checkpoint_every_steps", steps, "rollout batches (cycles)"
+    m.put_per_cycle(
+        "save_steps", "learner.checkpoint_every_steps", steps, "rollout batches (cycles)"
     )
-    put_per_cycle(m, "eval_steps", "learner.eval_every_steps", steps, "rollout batches (cycles)")
+    m.put_per_cycle("eval_steps", "learner.eval_every_steps", steps, "rollout batches (cycles)")

@@ -6,22 +6,10 @@ import json
 from typing import Any
 
 from common.config.importers.result import ImportResult
+from common.config.schema import CYCLE_KEYS
 
 _ORDER = {
-    "run": [
-        "name",
-        "seed",
-        "model",
-        "prompts_per_cycle",
-        "responses_per_prompt",
-        "train_batch_size",
-        "train_steps_per_cycle",
-        "num_cycles",
-        "passes_per_cycle",
-        "max_staleness",
-        "max_prompt_tokens",
-        "max_response_tokens",
-    ],
+    "run": ["name", "seed", "model", *CYCLE_KEYS, "max_prompt_tokens", "max_response_tokens"],
     "data": ["train_path", "eval_path", "prompt_key", "answer_key", "overlong_prompt_policy"],
     "generator": [
         "replicas",

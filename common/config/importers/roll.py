@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import (
-    Mapper,
-    batch_knob,
-    check_division,
-    default_note,
-    peer_estimator,
-    put_kl,
-    put_per_cycle,
-    put_staleness,
-    to_loss_agg,
-    to_lr_schedule,
-    to_one_path,
-)
+from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
 from common.config.importers.sources import device_count
 
 _T = "actor_train."
@@ -34,9 +22,9 @@ def _roll_step(m: Mapper) -> tuple[int | None, str, tuple[str, ...]]:
         sc + "context_parallel_size",
         _T + "model_args.ulysses_size",
     )
-    pd, ga = batch_knob(m, pd_k, 8), batch_knob(m, ga_k, 1)
+    pd, ga = m.batch_knob(pd_k, 8), m.batch_knob(ga_k, 1)
     world = device_count(m.get(dm_k))
-    splits = [batch_knob(m, k, 1) for k in split_keys]
+    splits = [m.batch_knob(k, 1) for k in split_keys]
     keys = (pd_k, ga_k, dm_k) + tuple(k for k in split_keys if m.given(k))
     if world is None:
         m.drop(dm_k, "could not count its devices; write it as a list or list(range(a, b))")
@@ -58,14 +46,14 @@ def _roll_step(m: Mapper) -> tuple[int | None, str, tuple[str, ...]]:
 
 def map_roll(m: Mapper) -> None:
     pk, nk, ek = "rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs"
-    prompts, n, passes = batch_knob(m, pk, 128), batch_knob(m, nk, 1), batch_knob(m, ek, 1)
+    prompts, n, passes = m.batch_knob(pk, 128), m.batch_knob(nk, 1), m.batch_knob(ek, 1)
     for key, tkey, value, default in (
         (pk, "run.prompts_per_cycle", prompts, 128),
         (nk, "run.responses_per_prompt", n, 1),
         (ek, "run.passes_per_cycle", passes, 1),
     ):
         if value is not None:
-            m.put(tkey, value, key, default_note(m, key, default))
+            m.put(tkey, value, key, m.default_note(key, default))
     step, text, keys = _roll_step(m)
     steps = None
     if step:
@@ -76,8 +64,7 @@ def map_roll(m: Mapper) -> None:
             "gradient_accumulation_steps (DataProto.make_iterator asserts it), so this run stops with "
             "an AssertionError at its first training step."
         )
-        steps = check_division(
-            m,
+        steps = m.check_division(
             prompts=prompts,
             n=n,
             step=step,
@@ -97,7 +84,7 @@ def map_roll(m: Mapper) -> None:
                 f"run.max_staleness ≥ {int(-(-ratio // 1)) * steps + steps - 1} to match",
             )
         else:
-            put_staleness(m, steps, (pk, nk), "ROLL without async_generation_ratio is synchronous")
+            m.put_staleness(steps, (pk, nk), "ROLL without async_generation_ratio is synchronous")
     _roll_rest(m, steps)
 
 
@@ -167,7 +154,7 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
             "generator.gpus_per_replica",
             gpw,
             infer + "num_gpus_per_worker",
-            default_note(m, infer + "num_gpus_per_worker", 1),
+            m.default_note(infer + "num_gpus_per_worker", 1),
         )
         m.put("generator.tensor_parallel_size", gpw, infer + "num_gpus_per_worker")
         m.put(
@@ -184,18 +171,9 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
         m.put("learner.clip_low", m.get(low, 0.2), low)
         m.put("learner.clip_high", m.get(high, 0.2), high)
     if m.get("use_kl_loss", False):
-        put_kl(
-            m,
-            coef="kl_loss_coef",
-            kind="kl_penalty",
-            in_reward=False,
-            coef_default=0.0,
-            kind_default="kl",
-            keys=("use_kl_loss",),
-        )
+        m.put_kl_loss(kind="kl_penalty", kind_default="kl")
     elif m.get("add_token_level_kl", False):
-        put_kl(
-            m,
+        m.put_kl(
             coef="init_kl_coef",
             kind="kl_penalty",
             in_reward=True,
@@ -203,10 +181,10 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
             kind_default="kl",
             keys=("add_token_level_kl",),
         )
-    est = peer_estimator(m, "adv_estimator", {"grpo": "grpo"}, "gae")
+    est = m.peer_estimator("adv_estimator", {"grpo": "grpo"}, "gae")
     if est:
         m.put("learner.advantage_estimator", est, "adv_estimator")
-    put_per_cycle(
-        m, "save_steps", "learner.checkpoint_every_steps", steps, "pipeline steps (cycles)"
+    m.put_per_cycle(
+        "save_steps", "learner.checkpoint_every_steps", steps, "pipeline steps (cycles)"
     )
-    put_per_cycle(m, "eval_steps", "learner.eval_every_steps", steps, "pipeline steps (cycles)")
+    m.put_per_cycle("eval_steps", "learner.eval_every_steps", steps, "pipeline steps (cycles)")

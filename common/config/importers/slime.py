@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import (
-    Mapper,
-    batch_knob,
-    check_division,
-    default_note,
-    peer_estimator,
-    put_kl,
-    put_per_cycle,
-    put_staleness,
-    to_lr_schedule,
-    to_one_path,
-)
+from common.config.importers.mapping import Mapper, to_lr_schedule, to_one_path
 
 _SLIME_NEW = {
     "prompts_per_cycle": "rollout_batch_size",
@@ -34,11 +23,11 @@ def map_slime(m: Mapper) -> None:
         "global_batch_size",
         "num_steps_per_rollout",
     )
-    prompts, n = batch_knob(m, pk, None), batch_knob(m, nk, 1)
+    prompts, n = m.batch_knob(pk, None), m.batch_knob(nk, 1)
     if prompts is not None:
         m.put("run.prompts_per_cycle", prompts, pk)
     if n is not None:
-        m.put("run.responses_per_prompt", n, nk, default_note(m, nk, 1))
+        m.put("run.responses_per_prompt", n, nk, m.default_note(nk, 1))
     m.put("run.passes_per_cycle", 1, (), "slime passes over a cycle's data once")
     step, steps = None, None
     if prompts is not None and n is not None and m.given(sk):
@@ -66,8 +55,7 @@ def map_slime(m: Mapper) -> None:
             f"responses and drops the {rem} trailing responses of every cycle: they are generated "
             "and scored but never trained on."
         )
-        steps = check_division(
-            m,
+        steps = m.check_division(
             prompts=prompts,
             n=n,
             step=step,
@@ -89,7 +77,7 @@ def map_slime(m: Mapper) -> None:
                 )
             )
         else:
-            put_staleness(m, steps, (pk, gk), "slime's train.py is synchronous")
+            m.put_staleness(steps, (pk, gk), "slime's train.py is synchronous")
     return _slime_rest(m, steps)
 
 
@@ -139,7 +127,7 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
             "generator.gpus_per_replica",
             gpe,
             "rollout_num_gpus_per_engine",
-            default_note(m, "rollout_num_gpus_per_engine", 1),
+            m.default_note("rollout_num_gpus_per_engine", 1),
         )
     if m.given("rollout_num_gpus"):
         m.put(
@@ -164,22 +152,14 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
         )
     if m.given("eps_clip") or m.given("eps_clip_high"):
         low = m.get("eps_clip", 0.2)
-        m.put("learner.clip_low", low, "eps_clip", default_note(m, "eps_clip", 0.2))
+        m.put("learner.clip_low", low, "eps_clip", m.default_note("eps_clip", 0.2))
         m.put(
             "learner.clip_high",
             m.get("eps_clip_high", low),
             "eps_clip_high" if m.given("eps_clip_high") else "eps_clip",
         )
     if m.get("use_kl_loss", False):
-        put_kl(
-            m,
-            coef="kl_loss_coef",
-            kind="kl_loss_type",
-            in_reward=False,
-            coef_default=0.0,
-            kind_default="k1",
-            keys=("use_kl_loss",),
-        )
+        m.put_kl_loss(kind="kl_loss_type", kind_default="k1")
         if m.get("kl_coef", 0.0):
             m.drop(
                 "kl_coef",
@@ -187,8 +167,7 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
                 "so the KL loss was kept",
             )
     elif m.get("kl_coef", 0.0):
-        put_kl(
-            m,
+        m.put_kl(
             coef="kl_coef",
             kind=None,
             in_reward=True,
@@ -201,7 +180,7 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
         "reinforce_plus_plus": "reinforce_pp",
         "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
     }
-    est = peer_estimator(m, "advantage_estimator", table, "grpo")
+    est = m.peer_estimator("advantage_estimator", table, "grpo")
     no_std = m.get("disable_grpo_std_normalization", False)
     if est == "grpo" and no_std:
         m.put(
@@ -215,7 +194,7 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
             "learner.advantage_estimator",
             est,
             "advantage_estimator",
-            default_note(m, "advantage_estimator", "grpo"),
+            m.default_note("advantage_estimator", "grpo"),
         )
     if m.get("use_dynamic_batch_size", False) and m.given("max_tokens_per_gpu"):
         m.put(
@@ -234,5 +213,5 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
         "num_epoch",
         "num_cycles from dataset epochs depends on the dataset size; set run.num_cycles",
     )
-    put_per_cycle(m, "save_interval", "learner.checkpoint_every_steps", steps, "rollouts (cycles)")
-    put_per_cycle(m, "eval_interval", "learner.eval_every_steps", steps, "rollouts (cycles)")
+    m.put_per_cycle("save_interval", "learner.checkpoint_every_steps", steps, "rollouts (cycles)")
+    m.put_per_cycle("eval_interval", "learner.eval_every_steps", steps, "rollouts (cycles)")

@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import (
-    Mapper,
-    batch_knob,
-    check_division,
-    default_note,
-    peer_estimator,
-    put_kl,
-    put_per_cycle,
-    put_staleness,
-    to_loss_agg,
-    to_lr_schedule,
-    to_one_path,
-)
+from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
 
 _A, _R, _O = (
     "actor_rollout_ref.actor.",
@@ -59,28 +47,28 @@ def _verl_batch(m: Mapper) -> int | None:
         _A + "ppo_epochs",
     )
     prompts, n, mini, passes = (
-        batch_knob(m, pk, 1024),
-        batch_knob(m, nk, 1),
-        batch_knob(m, mk, 256),
-        batch_knob(m, ek, 1),
+        m.batch_knob(pk, 1024),
+        m.batch_knob(nk, 1),
+        m.batch_knob(mk, 256),
+        m.batch_knob(ek, 1),
     )
     if prompts is not None:
         m.put(
             "run.prompts_per_cycle",
             prompts,
             pk,
-            default_note(
-                m, pk, 1024, "verl's data.train_batch_size counts prompts per training step"
+            m.default_note(
+                pk, 1024, "verl's data.train_batch_size counts prompts per training step"
             ),
         )
     if n is not None:
-        m.put("run.responses_per_prompt", n, nk, default_note(m, nk, 1))
+        m.put("run.responses_per_prompt", n, nk, m.default_note(nk, 1))
     if passes is not None:
         m.put(
             "run.passes_per_cycle",
             passes,
             ek,
-            default_note(m, ek, 1, "ppo_epochs over each cycle's data"),
+            m.default_note(ek, 1, "ppo_epochs over each cycle's data"),
         )
     if None in (prompts, n, mini, passes):
         return None
@@ -96,8 +84,7 @@ def _verl_batch(m: Mapper) -> int | None:
             f"ppo_mini_batch_size={mini}; lower ppo_mini_batch_size to at most {prompts}."
         )
         return None
-    steps = check_division(
-        m,
+    steps = m.check_division(
         prompts=prompts,
         n=n,
         step=mini * n,
@@ -114,7 +101,7 @@ def _verl_batch(m: Mapper) -> int | None:
             (pk, mk, ek),
             f"({prompts} / {mini}) mini-batches × {passes} epochs",
         )
-        put_staleness(m, steps, (pk, mk, ek), "verl is synchronous")
+        m.put_staleness(steps, (pk, mk, ek), "verl is synchronous")
     return steps
 
 
@@ -130,8 +117,8 @@ def _verl_micro(m: Mapper) -> None:
             "learner.max_tokens_per_micro_batch",
             m.get(tok, 16384),
             (dyn, tok),
-            default_note(
-                m, tok, 16384, "dynamic batch size: micro-batches cut by a token budget per GPU"
+            m.default_note(
+                tok, 16384, "dynamic batch size: micro-batches cut by a token budget per GPU"
             ),
         )
         for key in (micro, old):
@@ -172,7 +159,7 @@ def _verl_algorithm(m: Mapper) -> None:
         "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
     }
     ek, nk = "algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo"
-    est = peer_estimator(m, ek, table, "gae")
+    est = m.peer_estimator(ek, table, "gae")
     norm = m.get(nk, True)
     if est == "grpo" and norm is False:
         m.put(
@@ -220,8 +207,7 @@ def _verl_algorithm(m: Mapper) -> None:
         "algorithm.kl_ctrl.type",
     )
     if loss:
-        put_kl(
-            m,
+        m.put_kl(
             coef=_A + "kl_loss_coef",
             kind=_A + "kl_loss_type",
             in_reward=False,
@@ -237,8 +223,7 @@ def _verl_algorithm(m: Mapper) -> None:
                 "only, so the KL loss was kept and this reward penalty dropped",
             )
     elif reward:
-        put_kl(
-            m,
+        m.put_kl(
             coef="algorithm.kl_ctrl.kl_coef",
             kind="algorithm.kl_penalty",
             in_reward=True,
@@ -318,8 +303,7 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
             ),
         ]
     )
-    put_per_cycle(
-        m,
+    m.put_per_cycle(
         _O + "lr_warmup_steps",
         "learner.warmup_steps",
         steps,
@@ -360,11 +344,11 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
         "num_cycles = total_epochs × ⌊dataset prompts / data.train_batch_size⌋ depends on the "
         "dataset size; set run.num_cycles",
     )
-    put_per_cycle(
-        m, "trainer.test_freq", "learner.eval_every_steps", steps, "training steps (cycles)"
+    m.put_per_cycle(
+        "trainer.test_freq", "learner.eval_every_steps", steps, "training steps (cycles)"
     )
-    put_per_cycle(
-        m, "trainer.save_freq", "learner.checkpoint_every_steps", steps, "training steps (cycles)"
+    m.put_per_cycle(
+        "trainer.save_freq", "learner.checkpoint_every_steps", steps, "training steps (cycles)"
     )
     for name, value in m.src.env.items():
         if name.endswith("SOLVER_MODEL") and value:
