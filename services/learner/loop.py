@@ -1,4 +1,5 @@
-"""The learner service loop (every rank runs it; rank 0 also talks to Redis and the generators).
+"""The learner service loop (every rank runs it; rank 0 also talks to Redis and the generators,
+through ``rank0.py``).
 
 Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consumer
           ``learner-0``): whole scored groups, buffered per cycle.

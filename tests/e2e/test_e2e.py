@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.protocol import streams
+
 pytestmark = pytest.mark.slow
 
 CYCLES = 6
@@ -80,5 +82,5 @@ def test_learner_trims_what_every_group_acknowledged(short_run, redis_server):
 
     r = redis.Redis.from_url(redis_server.url)
     dispatched = CYCLES * PROMPTS  # train prompts; held-out prompts come on top
-    assert r.xlen("e2e:prompts") < dispatched
+    assert r.xlen(f"e2e:{streams.PROMPTS}") < dispatched
     assert "tether_learner_stream_trimmed_entries_total" in short_run.metric_names
