@@ -33,7 +33,7 @@ def inspect_bus(settings: BusSettings, *, last_dead: int = 5) -> dict[str, Any]:
                                "consumers": int(g["consumers"])})  # fmt: skip
             length = bus.call(partial(r.xlen, key), what="XLEN")
             streams.append({"stream": name, "length": int(length), "groups": groups})
-        dead_key = bus.key(streams.DEAD)
+        dead_key = bus.key(DEAD)
         dead = bus.call(lambda: r.xrevrange(dead_key, count=last_dead), what="XREVRANGE")
         recent = [
             {k: _s(f.get(k.encode(), b"")) for k in ("reason", "stream", "entry_id", "detail")}
