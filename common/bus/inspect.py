@@ -7,6 +7,7 @@ from typing import Any
 
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
+from common.protocol.streams import DEAD
 
 
 def _s(x: Any) -> Any:
