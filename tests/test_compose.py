@@ -35,7 +35,7 @@ def test_every_container_is_non_root_read_only_without_capabilities():
     for name in (*TETHER, "prepare"):
         svc = services[name]
         assert svc["user"] == "10001:10001", name
-        assert set(svc["tmpfs"]) == {"/tmp", "/var/lib/tether/cache"}, name
+        assert svc["tmpfs"] == ["/tmp", "/var/lib/tether/cache:uid=10001,gid=10001,mode=0700,exec"], name
 
 
 def test_cpu_demo_layer_mounts_its_config_and_the_models_volume():

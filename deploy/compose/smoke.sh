@@ -37,6 +37,17 @@ T0=$SECONDS
 declare -A TIMES
 
 say() { printf '[smoke %4ds] %s\n' "$((SECONDS - T0))" "$*"; }
+CHECKS="$OUT/checks.txt"
+: >"$CHECKS"
+failed=0
+result() { # result ok|FAIL WHAT: one check of this script, printed and tallied
+  printf '  %-4s %s\n' "$1" "$2" | tee -a "$CHECKS"
+  [ "$1" = ok ] || failed=1
+}
+checks_py() { # checks_py ARGS...: one group of smoke_checks.py checks, printed and tallied
+  "$PY" "$HERE/smoke_checks.py" "$@" | tee -a "$CHECKS"
+  return "${PIPESTATUS[0]}"
+}
 fail() {
   say "FAILED: $*"
   exit 1
@@ -170,9 +181,16 @@ cleanup() {
     echo "}"
   } >"$OUT/timings.json"
   if [ "$code" = 0 ]; then say "PASSED in $((SECONDS - T0)) s (timings: $OUT/timings.json)"; else say "exit $code; logs in $OUT/logs"; fi
+  local ok bad
+  ok=$(grep -c '^  ok ' "$CHECKS" || true)
+  bad=$(grep -c '^  FAIL' "$CHECKS" || true)
+  [ "$code" = 0 ] || [ "$bad" -gt 0 ] || bad=1 # a step that failed before its checks counts too
+  echo "compose: $ok passed, $bad failed"
   exit "$code"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # Run ids, not names: compose v1 names containers tether-smoke_learner_1, v2 tether-smoke-learner-1.
 redis_cli() { dc exec -T redis redis-cli "$@"; }
@@ -206,7 +224,7 @@ while :; do
   if [ -z "$targets_ok" ] && [ "$v" -ge 1 ] && prom_get /api/v1/targets >"$OUT/targets.json" 2>/dev/null &&
     "$PY" "$HERE/smoke_checks.py" targets "$OUT/targets.json" >"$OUT/targets.txt" 2>&1; then
     targets_ok=1
-    cat "$OUT/targets.txt"
+    tee -a "$CHECKS" <"$OUT/targets.txt"
   fi
   if [ -z "$crashed_at" ] && [ "$v" -ge 10 ]; then
     # A crash, as the OOM killer does it: SIGKILL to the container's init. The restart policy
@@ -221,7 +239,7 @@ while :; do
       sleep 1
     done
     [ "$gs" = running ] && [ "$gr" -ge 1 ] || fail "the restart policy did not restart generator-0 ($gs, restarts $gr)"
-    say "generator-0 restarted by its restart policy (restart count $gr) after $((SECONDS - t_crash)) s"
+    result ok "generator-0 SIGKILLed at v$v: restarted by its restart policy in $((SECONDS - t_crash)) s (restart count $gr)"
   fi
   if [ -n "$crashed_at" ] && [ -z "$killed_at" ] && [ "$v" -ge 50 ]; then
     # `docker kill` is a manual stop for Docker: no restart policy applies. The operator's
@@ -234,12 +252,12 @@ while :; do
     say "generator-0 docker-killed at policy version $v: $gs after 5 s (Docker does not restart a killed container)"
     dc up -d --no-deps generator-0 >>"$OUT/logs/up.log" 2>&1 || fail "up -d generator-0 failed"
     GEN="$(cid generator-0)"
-    say "generator-0 started again with up -d after $((SECONDS - t_kill)) s"
+    result ok "generator-0 docker-killed at v$v, started again with up -d in $((SECONDS - t_kill)) s"
   fi
   sleep 2
 done
 TIMES[run]=$((SECONDS - RUN_START))
-say "learner finished (exit 0) at policy version $(learner_version); run took ${TIMES[run]} s"
+result ok "the learner finished (exit 0) at policy version $(learner_version); the run took ${TIMES[run]} s"
 [ -n "$crashed_at" ] && [ -n "$killed_at" ] || fail "the run ended before both generator kills (crash at '$crashed_at', kill at '$killed_at')"
 [ -n "$targets_ok" ] || {
   cat "$OUT/targets.txt" 2>/dev/null
@@ -247,6 +265,7 @@ say "learner finished (exit 0) at policy version $(learner_version); run took ${
 }
 read -r _ _ lr <<<"$(state "$LEARNER")"
 [ "$lr" = 0 ] || fail "the learner restarted $lr time(s)"
+result ok "the learner never restarted"
 
 # ------------------------------------------------------------------ after the run
 failed=0
@@ -256,21 +275,21 @@ dc run --rm --no-deps -T --entrypoint tether learner status --json --config /etc
   >"$OUT/status.json" 2>"$OUT/logs/status.err" || fail "tether status failed: $(tail -3 "$OUT/logs/status.err")"
 dc run --rm --no-deps -T --entrypoint cat learner /var/lib/tether/runs/demo/metrics.jsonl >"$OUT/metrics.jsonl" ||
   fail "no metrics.jsonl in the run volume"
-"$PY" "$HERE/smoke_checks.py" accounting "$OUT/status.json" "$OUT/metrics.jsonl" --restarted generator-0 || failed=1
+checks_py accounting "$OUT/status.json" "$OUT/metrics.jsonl" --restarted generator-0 || failed=1
 
 # Prometheus scrapes every 15 s: give it one more round for the last samples and rules.
 sleep 20
 prom_get /api/v1/label/__name__/values >"$OUT/names.json" || fail "Prometheus /api/v1/label/__name__/values failed"
-"$PY" "$HERE/smoke_checks.py" names "$OUT/names.json" || failed=1
+checks_py names "$OUT/names.json" || failed=1
 
 echo "Redis:"
 noauth="$(dc exec -T redis sh -c 'unset REDISCLI_AUTH; redis-cli PING' 2>&1 || true)"
-case "$noauth" in *NOAUTH*) echo "  ok   a client without the password is refused: $noauth" ;; *) echo "  FAIL Redis answered a client without the password: $noauth" && failed=1 ;; esac
+case "$noauth" in
+  *NOAUTH*) result ok "a client without the password is refused: $noauth" ;;
+  *) result FAIL "Redis answered a client without the password: $noauth" ;;
+esac
 aof="$(redis_cli CONFIG GET appendonly | tail -1) $(redis_cli CONFIG GET appendfsync | tail -1)"
-[ "$aof" = "yes everysec" ] && echo "  ok   AOF: appendonly $aof" || {
-  echo "  FAIL AOF settings: $aof"
-  failed=1
-}
+if [ "$aof" = "yes everysec" ]; then result ok "AOF: appendonly, appendfsync $aof"; else result FAIL "AOF settings: $aof"; fi
 
 # Non-root, read-only, no capabilities: every container of the stack, also the finished ones.
 ids=$(dc ps -a -q)
@@ -281,11 +300,8 @@ for c in $ids; do
   fi
 done
 exec_uid="$(docker exec "$GEN" id -u)"
-[ "$exec_uid" = 10001 ] && echo "  ok   docker exec id -u in the generator: $exec_uid" || {
-  echo "  FAIL docker exec id -u: $exec_uid"
-  failed=1
-}
+if [ "$exec_uid" = 10001 ]; then result ok "docker exec id -u in the generator: $exec_uid"; else result FAIL "docker exec id -u: $exec_uid"; fi
 collect
-"$PY" "$HERE/smoke_checks.py" security "$OUT/inspect.json" "$OUT/top" "$OUT/logs" || failed=1
+checks_py security "$OUT/inspect.json" "$OUT/top" "$OUT/logs" || failed=1
 
 [ "$failed" = 0 ] || fail "some checks failed (above)"
