@@ -35,7 +35,10 @@ def test_every_container_is_non_root_read_only_without_capabilities():
     for name in (*TETHER, "prepare"):
         svc = services[name]
         assert svc["user"] == "10001:10001", name
-        assert svc["tmpfs"] == ["/tmp", "/var/lib/tether/cache:uid=10001,gid=10001,mode=0700,exec"], name
+        assert svc["tmpfs"] == [
+            "/tmp",
+            "/var/lib/tether/cache:uid=10001,gid=10001,mode=0700,exec",
+        ], name
 
 
 def test_cpu_demo_layer_mounts_its_config_and_the_models_volume():
@@ -68,7 +71,9 @@ def test_cpu_demo_prepare_calls_the_demo_asset_builder(tmp_path):
 
 
 def test_smoke_script_parses():
-    res = subprocess.run(["bash", "-n", str(COMPOSE_DIR / "smoke.sh")], capture_output=True, text=True)
+    res = subprocess.run(
+        ["bash", "-n", str(COMPOSE_DIR / "smoke.sh")], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -97,7 +102,9 @@ def _status(**acc) -> dict:
 
 
 def _metrics(steps) -> str:
-    return "\n".join(json.dumps({"kind": "step", "step": s, "batch_digest": f"d{s}"}) for s in steps)
+    return "\n".join(
+        json.dumps({"kind": "step", "step": s, "batch_digest": f"d{s}"}) for s in steps
+    )
 
 
 def test_smoke_accounting_check_passes_a_balanced_run_and_fails_an_unbalanced_one(tmp_path):
@@ -131,6 +138,7 @@ def test_smoke_names_check_fails_when_a_dashboard_metric_is_absent(tmp_path):
     import pytest
 
     pytest.importorskip("promql_parser", reason="pip install promql-parser (the dev extra)")
+
     def example(regex: str) -> str:  # one name a simple selector regex matches: `(a|b)_x.*` -> a_xx
         name = re.sub(r"\(([^|()]*)(\|[^()]*)?\)", r"\1", regex)
         return name.replace(".*", "x").replace(".+", "x").replace("\\", "")

@@ -196,6 +196,11 @@ trap 'exit 130' INT
 redis_cli() { dc exec -T redis redis-cli "$@"; }
 learner_version() { redis_cli GET demo:version:learner 2>/dev/null | tr -dc '0-9'; }
 prom_get() { dc exec -T prometheus wget -q -O - "http://127.0.0.1:9090$1"; }
+save_metrics() { # save_metrics CONTAINER NAME: a service's /metrics text (the names it declares)
+  mkdir -p "$OUT/declared"
+  docker exec "$1" python3 -c 'import sys, urllib.request as u; sys.stdout.write(u.urlopen("http://127.0.0.1:9400/metrics", timeout=5).read().decode())' \
+    >"$OUT/declared/$2.txt" 2>/dev/null || true
+}
 
 dc config -q || fail "the compose files do not resolve"
 RUN_START=$SECONDS
@@ -225,6 +230,7 @@ while :; do
     "$PY" "$HERE/smoke_checks.py" targets "$OUT/targets.json" >"$OUT/targets.txt" 2>&1; then
     targets_ok=1
     tee -a "$CHECKS" <"$OUT/targets.txt"
+    save_metrics "$LEARNER" learner
   fi
   if [ -z "$crashed_at" ] && [ "$v" -ge 10 ]; then
     # A crash, as the OOM killer does it: SIGKILL to the container's init. The restart policy
@@ -280,7 +286,9 @@ checks_py accounting "$OUT/status.json" "$OUT/metrics.jsonl" --restarted generat
 # Prometheus scrapes every 15 s: give it one more round for the last samples and rules.
 sleep 20
 prom_get /api/v1/label/__name__/values >"$OUT/names.json" || fail "Prometheus /api/v1/label/__name__/values failed"
-checks_py names "$OUT/names.json" || failed=1
+save_metrics "$GEN" generator
+save_metrics "$(cid scorer)" scorer
+checks_py names "$OUT/names.json" --declared "$OUT/declared" || failed=1
 
 echo "Redis:"
 noauth="$(dc exec -T redis sh -c 'unset REDISCLI_AUTH; redis-cli PING' 2>&1 || true)"
