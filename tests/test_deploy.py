@@ -43,7 +43,10 @@ def _k8s_docs() -> list[tuple[str, dict]]:
 
 def test_compose_validates_against_the_compose_spec():
     exe = dt.tool("check-jsonschema")
-    assert {p.name for p in COMPOSE_LAYERS} >= {"docker-compose.gpu.yml", "docker-compose.cpu-demo.yml"}
+    assert {p.name for p in COMPOSE_LAYERS} >= {
+        "docker-compose.gpu.yml",
+        "docker-compose.cpu-demo.yml",
+    }
     files = [str(COMPOSE), *map(str, COMPOSE_LAYERS)]
     res = dt.run_tool([exe, "--builtin-schema", "vendor.compose-spec", *files])
     assert res.returncode == 0, res.stdout + res.stderr
