@@ -5,7 +5,8 @@
 #   docker build --target redis-exporter -t tether-redis-exporter:1.45 - <deploy/docker/infra.Dockerfile
 #   docker build --target prometheus     -t tether-prometheus:2.42 - <deploy/docker/infra.Dockerfile
 #
-# then set REDIS_IMAGE, REDIS_EXPORTER_IMAGE and PROMETHEUS_IMAGE in deploy/compose/.env. Each
+# (without a registry add --build-arg BASE_IMAGE=tether-base:bookworm, from base-image.sh), then
+# set REDIS_IMAGE, REDIS_EXPORTER_IMAGE and PROMETHEUS_IMAGE in deploy/compose/.env. Each
 # image behaves as docker-compose.yml expects of the upstream one: same user ids (redis 999,
 # exporter and Prometheus nobody), same data directories, the same tools for the health checks
 # (redis-cli; wget for Prometheus). Redis is Debian's 7.0.15: Tether uses only Redis 7.0 commands.
