@@ -166,7 +166,7 @@ def _restricted_violations(pod_spec: dict) -> list[str]:
 
 def test_k8s_pods_are_restricted_probed_and_scraped():
     kinds: dict[str, list[str]] = {}
-    for fname, doc in _k8s_docs():
+    for _fname, doc in _k8s_docs():
         kinds.setdefault(doc["kind"], []).append(doc["metadata"]["name"])
     for fname, doc, pod in _pod_templates():
         assert _restricted_violations(pod["spec"]) == [], fname
