@@ -212,7 +212,9 @@ def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_pe
     assert c["command"] == ["python3", "-m", "common.runs.graceful_torchrun"]
     assert 0 < int(_flag(c["args"], "--shutdown-timeout")) < pod["terminationGracePeriodSeconds"]
     env = {e["name"]: e for e in c["env"]}
-    assert "job-completion-index" in env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert (
+        "job-completion-index" in env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    )
     assert _flag(c["args"], "--node_rank") == "$(JOB_COMPLETION_INDEX)"
     # index 0's DNS name (Job hostname + subdomain) is the rendezvous and the weight store
     host = f"{job['metadata']['name']}-0.{pod['subdomain']}.tether.svc.cluster.local"
@@ -293,8 +295,9 @@ def test_kustomize_parameters_reach_the_manifests(tmp_path):
     params = base / "params.yaml"
     text = params.read_text()
     params.write_text(
-        text.replace("storageClassName: nfs-rwx", "storageClassName: efs-test")
-        .replace("modelId: Qwen/Qwen2.5-1.5B-Instruct", "modelId: org/test-model")
+        text.replace("storageClassName: nfs-rwx", "storageClassName: efs-test").replace(
+            "modelId: Qwen/Qwen2.5-1.5B-Instruct", "modelId: org/test-model"
+        )
     )
     res = dt.run_tool([kubectl, "kustomize", str(base)])
     assert res.returncode == 0, res.stderr
@@ -302,12 +305,16 @@ def test_kustomize_parameters_reach_the_manifests(tmp_path):
     claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     assert len(claims) == 2 and all(c["spec"]["storageClassName"] == "efs-test" for c in claims)
     (staging,) = [d for d in docs if d["metadata"]["name"] == "tether-model-staging"]
-    env = {e["name"]: e["value"] for e in staging["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"] for e in staging["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["MODEL_ID"] == "org/test-model"
     assert not [d for d in docs if d["metadata"]["name"] == "tether-params"]  # local-config
     exe = dt.tool("kubernetes-validate")
     (tmp_path / "rendered.yaml").write_text(res.stdout)
-    res = dt.run_tool([exe, "--strict", "--quiet", "-k", K8S_VERSION, str(tmp_path / "rendered.yaml")])
+    res = dt.run_tool(
+        [exe, "--strict", "--quiet", "-k", K8S_VERSION, str(tmp_path / "rendered.yaml")]
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
