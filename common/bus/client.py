@@ -231,6 +231,18 @@ class Bus:
         self.metrics.duplicates.labels(stream, group).inc(len(flags) - sum(flags))
         return int(sum(flags))
 
+    def count_generated(self, sid: str, n: int) -> None:
+        """Add ``n`` to generator ``sid``'s run-long published-groups count (after its commit;
+        a SIGKILL between the two loses at most that commit's count)."""
+        key = self.key(streams.GENERATED_GROUPS)
+        self.call(lambda: self.redis.hincrby(key, sid, n), what="HINCRBY")
+
+    def generated_groups(self) -> dict[str, int]:
+        """Generator id -> groups it published over the run (``count_generated``)."""
+        key = self.key(streams.GENERATED_GROUPS)
+        raw = self.call(lambda: self.redis.hgetall(key), what="HGETALL")
+        return {k.decode(): int(v) for k, v in raw.items()}
+
     def prune_done(self, group: str, older_than_s: float) -> int:
         """Forget dedupe ids committed more than ``older_than_s`` ago (the done-set's score is the
         commit time). Returns how many were removed."""
