@@ -376,7 +376,7 @@ class LearnerService:
         if self.rank0 is not None:
             if self.next_cycle >= run.num_cycles:
                 self.rank0.start_eval(self.version)
-                self.rank0.finish_evals(timeout_s=300.0)
+                self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
             self.rank0.housekeep(every_s=0.0)
             self.rank0.close()
 

@@ -261,11 +261,14 @@ class Rank0:
             self.trackers.log({"eval/accuracy": acc}, round_id)
             log.info("held-out accuracy at v%d: %.3f (%d prompts)", round_id, acc, len(correct))
 
-    def finish_evals(self, *, timeout_s: float) -> None:
+    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
+        ``stop()`` (SIGTERM: the final checkpoint is already written)."""
         deadline = time.monotonic() + timeout_s
         while (
             any(len(e["results"]) < e["expected"] for e in self.evals.values())
             and time.monotonic() < deadline
+            and not stop()
         ):
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)
