@@ -86,7 +86,10 @@ class Bus:
 
     # ------------------------------------------------------------------ producing
     def ensure_group(self, stream: str, group: str) -> bool:
-        """Create ``group`` on ``stream`` at id 0 (MKSTREAM). Returns True if it was created."""
+        """Create ``group`` on ``stream`` at id 0 (MKSTREAM). Returns True if it was created.
+        Also starts this pair's back-pressure and recreated counters at 0 (dashboards)."""
+        self.metrics.backpressure_seconds.labels(stream, group)
+        self.metrics.recreated.labels(stream, group)
         try:
             self.call(lambda: self.redis.xgroup_create(self.key(stream), group, "0", mkstream=True),
                       what="XGROUP CREATE")  # fmt: skip
