@@ -86,7 +86,10 @@ class Bus:
 
     # ------------------------------------------------------------------ producing
     def ensure_group(self, stream: str, group: str) -> bool:
-        """Create ``group`` on ``stream`` at id 0 (MKSTREAM). Returns True if it was created."""
+        """Create ``group`` on ``stream`` at id 0 (MKSTREAM). Returns True if it was created.
+        Also starts this pair's back-pressure and recreated counters at 0 (dashboards)."""
+        self.metrics.backpressure_seconds.labels(stream, group)
+        self.metrics.recreated.labels(stream, group)
         try:
             self.call(lambda: self.redis.xgroup_create(self.key(stream), group, "0", mkstream=True),
                       what="XGROUP CREATE")  # fmt: skip
@@ -230,6 +233,18 @@ class Bus:
                 self.metrics.published_bytes.labels(s).inc(len(p))
         self.metrics.duplicates.labels(stream, group).inc(len(flags) - sum(flags))
         return int(sum(flags))
+
+    def count_generated(self, sid: str, n: int) -> None:
+        """Add ``n`` to generator ``sid``'s run-long published-groups count (after its commit;
+        a SIGKILL between the two loses at most that commit's count)."""
+        key = self.key(streams.GENERATED_GROUPS)
+        self.call(lambda: self.redis.hincrby(key, sid, n), what="HINCRBY")
+
+    def generated_groups(self) -> dict[str, int]:
+        """Generator id -> groups it published over the run (``count_generated``)."""
+        key = self.key(streams.GENERATED_GROUPS)
+        raw = self.call(lambda: self.redis.hgetall(key), what="HGETALL")
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     def prune_done(self, group: str, older_than_s: float) -> int:
         """Forget dedupe ids committed more than ``older_than_s`` ago (the done-set's score is the

@@ -46,6 +46,14 @@ class Consumer:
     _next_claim_at: float = 0.0
     dead_letters: int = field(default=0)
 
+    def __post_init__(self) -> None:
+        # Series at 0 from the start (dashboards show 0, not "No data"; increase() sees the first)
+        m, sg = self.bus.metrics, (self.stream, self.group)
+        for counter in (m.consumed, m.consumed_bytes, m.claimed):
+            counter.labels(*sg)
+        for reason in (*wire.ERROR_REASONS, "max_deliveries"):
+            m.dead.labels(*sg, reason)
+
     def read(self, count: int = 16, block_ms: int | None = None) -> list[Delivery]:
         """Up to ``count`` decoded deliveries; [] after ``block_ms`` (default settings.block_ms)."""
         try:

@@ -38,3 +38,9 @@ class GeneratorConfig(Section):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus/health port; 0 = pick a free one"
     )
+    liveness_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="seconds the main loop or the vLLM engine may not answer before /healthz "
+        "answers 503; a weight transfer counts as progress until its deadline (weights.timeout_s)",
+    )

@@ -101,7 +101,29 @@ class LearnerConfig(Section):
         0, ge=0, description="held-out evaluation every N steps; 0 = only before and after"
     )
     metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus/health port (rank 0); 0 = pick a free one"
+        0,
+        ge=0,
+        le=65535,
+        description="Prometheus/health port of rank 0, and /healthz of each node's first rank; "
+        "0 = pick a free one",
+    )
+    liveness_s: float = Field(
+        900.0,
+        gt=0.0,
+        description="seconds the loop may make no progress (one optimizer step, publish or "
+        "checkpoint; waiting for input beats every bus.block_ms) before /healthz answers 503",
+    )
+    keepalive_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="while rank 0 waits for input it tells the other ranks so this often, so "
+        "an idle wait of any length never runs into collective_timeout_s",
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="process-group timeout: the longest a rank waits in one collective (rank "
+        "0's own work between collectives: a weight publish, a checkpoint write)",
     )
     trackers: list[Tracker] = Field(
         default_factory=_default_trackers,

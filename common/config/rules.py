@@ -225,6 +225,29 @@ def _check_misc(cfg: TetherConfig) -> None:
         )
 
 
+def _check_health(cfg: TetherConfig) -> None:
+    """Heartbeat limits that would call a healthy service dead, or a collective that would time
+    out while rank 0 is merely idle."""
+    ln = cfg.learner
+    if ln.keepalive_s * 2 > ln.collective_timeout_s:
+        raise ConfigError(
+            f"learner.keepalive_s = {ln.keepalive_s} s must be at most half of "
+            f"learner.collective_timeout_s = {ln.collective_timeout_s} s: the other ranks wait for "
+            "rank 0's keepalive in a collective. Fix: lower keepalive_s (e.g. 30)."
+        )
+    block_s = cfg.bus.block_ms / 1000
+    for name, limit in (
+        ("learner", ln.liveness_s),
+        ("scorer", cfg.scorer.liveness_s),
+        ("generator", cfg.generator.liveness_s),
+    ):
+        if limit <= 2 * block_s:
+            raise ConfigError(
+                f"{name}.liveness_s = {limit} s must exceed twice bus.block_ms ({block_s:g} s): "
+                "an idle loop beats once per blocking read. Fix: raise liveness_s."
+            )
+
+
 def _check_algorithm(cfg: TetherConfig) -> None:
     """Learner settings that would silently do nothing with the others as they are."""
     ln = cfg.learner
@@ -260,5 +283,6 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _resolve_staleness(cfg, s, derived)
     _resolve_solver(cfg, derived)
     _check_misc(cfg)
+    _check_health(cfg)
     _check_algorithm(cfg)
     return derived

@@ -69,3 +69,9 @@ class ScorerConfig(Section):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus/health port; 0 = pick a free one"
     )
+    liveness_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="seconds the main loop may make no progress (one scoring batch included) "
+        "before /healthz answers 503",
+    )

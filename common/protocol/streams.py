@@ -25,6 +25,9 @@ LEARNER_VERSION = "version:learner"
 WEIGHTS_ADDR = "weights:addr"
 WEIGHTS_PUBLISHING = "weights:publishing"
 STATUS = "status"
+# Hash: generator id -> groups it has published over the run (all its processes): the status
+# accounting's "generated", which must not restart at 0 when a generator restarts.
+GENERATED_GROUPS = "generated:groups"
 
 
 def generator_version(sid: str) -> str:

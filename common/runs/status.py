@@ -63,7 +63,9 @@ def collect_status(bus) -> dict[str, Any]:
     dead = int(bus.call(lambda: bus.redis.xlen(bus.key(names.DEAD)), what="XLEN"))
     learner = next((s for s in services if s["service"] == "learner"), {})
     counters = learner.get("counters", {})
-    generated = sum(s.get("groups", 0) for s in services if s["service"] == "generator")
+    # every generator id's run-long count (Redis), not the live processes' own counters, which
+    # start again at 0 when a generator restarts
+    generated = sum(bus.generated_groups().values())
     return {
         "run": bus.settings.run,
         "time": now,
@@ -77,7 +79,7 @@ def collect_status(bus) -> dict[str, Any]:
         "streams": streams,
         "dead_letters": dead,
         "accounting": {
-            "groups_generated_by_live_generators": generated,
+            "groups_generated": generated,
             "trained_samples": counters.get("trained_samples", 0),
             "dropped_stale_samples": counters.get("dropped_stale", 0),
             "filtered_samples": counters.get("filtered_samples", 0),

@@ -105,6 +105,10 @@ def _refusal(log_path: Path) -> str:
     return said[-1] if said else ""
 
 
+# Seconds the learner gets on stop to finish its cycle and write its final checkpoint.
+LEARNER_DRAIN_S = 120.0
+
+
 class Supervisor:
     def __init__(
         self, cfg: TetherConfig, run_dir: Path, *, redis_url: str, config_path: Path, progress=None
@@ -125,7 +129,8 @@ class Supervisor:
                 "common.runs.supervised",  # torchrun and its ranks stop if the launcher dies
                 sys.executable,
                 "-m",
-                "torch.distributed.run",
+                "common.runs.graceful_torchrun",  # SIGTERM: the ranks checkpoint and exit 0
+                f"--shutdown-timeout={int(LEARNER_DRAIN_S) - 10}",
                 "--nproc_per_node",
                 str(ln.nproc_per_node),
                 "-m",
@@ -219,7 +224,7 @@ class Supervisor:
                 self.progress()
         return 0
 
-    def shutdown(self, *, drain_s: float = 120.0) -> None:
+    def shutdown(self, *, drain_s: float = LEARNER_DRAIN_S) -> None:
         """Learner first (final checkpoint), then the others; SIGKILL after ``drain_s``."""
         self.stopping = True
         self.learner.signal(signal.SIGTERM)

@@ -27,13 +27,13 @@ def service_id(kind: str, given: str | None = None) -> str:
 def serve_async(
     svc: Any, kind: str, sid: str, port: int, *, cleanup: Callable[[], None] | None = None
 ) -> int:
-    """Run an asyncio service (``svc.run()``, ``svc.stop()``, ``svc.ready``, ``svc.status()``,
-    ``svc.bus``, ``svc.timer``) with health/metrics endpoints, a status heartbeat and clean
+    """Run an asyncio service (``svc.run()``, ``svc.stop()``, ``svc.ready``, ``svc.live``,
+    ``svc.status()``, ``svc.bus``, ``svc.timer``) with health/metrics endpoints, a status heartbeat and clean
     SIGTERM/SIGINT handling. Returns the exit code."""
     import asyncio
     import signal
 
-    health = HealthServer(port, ready=lambda: svc.ready).start()
+    health = HealthServer(port, ready=lambda: svc.ready, live=svc.live).start()
     status = StatusReporter(
         svc.bus, kind, sid, svc.timer, svc.status, metrics_port=health.port
     ).start()

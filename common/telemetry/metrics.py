@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,10 +26,15 @@ def metric(
     labels: list[str] | tuple[str, ...] | None = None,
     *,
     registry: Any = None,
+    initial: Iterable[str | tuple[str, ...]] = (),
     **kw: Any,
 ) -> Any:
     """The ``kind`` ("Counter", "Gauge", "Histogram") called ``name`` in ``registry`` (default:
-    prometheus_client's global one), created on first use."""
+    prometheus_client's global one), created on first use.
+
+    ``initial``: label values (a string for one label, a tuple for several) whose series exist
+    from the start at 0, so a dashboard shows 0 rather than "No data" and ``increase()`` sees
+    the first event. Counters and histograms only: a gauge at 0 would claim a measurement."""
     import prometheus_client as pc
 
     registry = pc.REGISTRY if registry is None else registry
@@ -41,7 +46,12 @@ def metric(
             except ValueError:  # registered by code outside this helper: use that one
                 made = registry._names_to_collectors[name]
             _METRICS[key] = made
-        return _METRICS[key]
+        made = _METRICS[key]
+    if initial and kind == "Gauge":
+        raise ValueError(f"{name}: initial label values are for counters and histograms only")
+    for values in initial:
+        made.labels(*((values,) if isinstance(values, str) else values))
+    return made
 
 
 class PhaseTimer:

@@ -263,6 +263,11 @@ class GenerationEngine:
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
+    async def ping(self) -> None:
+        """A cheap round trip to the engine-core process (a utility call it answers between
+        steps): hangs while that process is stopped or wedged (use with a timeout)."""
+        await self.llm.is_paused()
+
     async def is_paused(self) -> bool:
         return bool(await self.llm.is_paused())
 

@@ -9,6 +9,11 @@ Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the stal
           backlog (back-pressure); for the learner's weight store before its first sample.
 Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
 
+Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
+``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a
+weight update counts as progress until its deadline); ``/healthz`` turns 503 when either is
+silent for ``generator.liveness_s``, and ``/readyz`` with it.
+
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
 sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
@@ -27,6 +32,7 @@ from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
+from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
 from services.generator.trajectories import to_group
 from services.generator.weights import WeightFollower
@@ -34,6 +40,8 @@ from services.generator.weights import WeightFollower
 log = logging.getLogger(__name__)
 
 WORKER_EXT = "services.generator.worker_ext.TetherWorkerExtension"
+ENGINE_PING_EVERY_S = 2.0  # how often the engine-core process is asked a cheap question
+ENGINE_PING_TIMEOUT_S = 10.0  # an answer later than this is no answer
 
 
 class _Metrics:
@@ -42,7 +50,11 @@ class _Metrics:
             "Counter", "tether_generator_tokens_total", "response tokens generated"
         )
         self.groups = metric(
-            "Counter", "tether_generator_groups_total", "groups published", ["split"]
+            "Counter",
+            "tether_generator_groups_total",
+            "groups published",
+            ["split"],
+            initial=("train", "eval"),
         )
         self.in_flight = metric(
             "Gauge", "tether_generator_prompts_in_flight", "prompts taken but not yet published"
@@ -85,6 +97,7 @@ class GeneratorService:
         self.timer = PhaseTimer("generator")
         self.metrics = _Metrics()
         self.ready = False
+        self.live = Liveness(cfg.generator.liveness_s)
         self._stop = asyncio.Event()
         self.weights: WeightFollower | None = None  # once the engine runs
         self._waiting_staleness = 0
@@ -210,9 +223,11 @@ class GeneratorService:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
         finally:
             self._waiting_backpressure -= 1
-        await asyncio.to_thread(
+        published = await asyncio.to_thread(
             consumer.commit, [d], publish=[(streams.GROUPS, group)], dedupe_ids=[group.group_id]
         )
+        if published:  # the run-long count per generator id (a restart continues it)
+            await asyncio.to_thread(self.bus.count_generated, self.sid, published)
         n_tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_generated += n_tokens
         self.groups_published += 1
@@ -265,6 +280,26 @@ class GeneratorService:
                 except Exception as exc:  # best effort: the commit's dedupe covers a lost race
                     log.warning("could not refresh the claim on %d prompts: %s", len(held), exc)
 
+    async def _watch_engine(self) -> None:
+        """Beat ``engine`` while the engine-core process answers ``is_paused`` within
+        ``ENGINE_PING_TIMEOUT_S``. A weight update in progress counts as progress until its
+        deadline (``weights.timeout_s`` plus a margin); a transfer stuck past it, or a stopped or
+        wedged engine core, stops the beats."""
+        assert self.weights is not None
+        deadline_s = self.cfg.weights.timeout_s + 30.0
+        while not self._stop.is_set():
+            since = self.weights.updating_since
+            if since is not None:
+                if time.monotonic() - since <= deadline_s:
+                    self.live.beat("engine")
+            else:
+                try:
+                    await asyncio.wait_for(self.engine.ping(), timeout=ENGINE_PING_TIMEOUT_S)
+                    self.live.beat("engine")
+                except Exception as exc:  # a timeout or a dead engine: no beat, /healthz says so
+                    log.warning("the vLLM engine did not answer: %r", exc)
+            await asyncio.sleep(ENGINE_PING_EVERY_S)
+
     async def run(self) -> None:
         await self._start_engine()
         assert self.weights is not None
@@ -275,12 +310,18 @@ class GeneratorService:
         tasks: set[asyncio.Task] = set()
         helpers = [
             asyncio.create_task(c)
-            for c in (self.weights.watch(), self._sample_phases(tasks), self._keep_claims(consumer))
+            for c in (
+                self.weights.watch(),
+                self._sample_phases(tasks),
+                self._keep_claims(consumer),
+                self._watch_engine(),
+            )
         ]
         limit = self.cfg.generator.max_prompts_in_flight
         log.info("generator %s ready on version %s; taking prompts", self.sid, self.version)
         try:
             while not self._stop.is_set():
+                self.live.beat("loop")
                 for h in helpers:
                     if h.done() and not h.cancelled() and h.exception() is not None:
                         raise RuntimeError(f"generator background task failed: {h.exception()!r}")
@@ -290,7 +331,7 @@ class GeneratorService:
                         raise t.exception()  # type: ignore[misc]
                 room = limit - len(tasks)
                 if room <= 0:
-                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 block = 50 if tasks else self.cfg.bus.block_ms
                 deliveries = await asyncio.to_thread(consumer.read, room, block)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class WeightFollower:
     """Keeps one engine on the learner's newest weights. ``version`` is the policy version the
     engine runs (None before the first), ``changed`` is set (and replaced) whenever it moves,
-    ``updating`` is true while an update pauses the engine."""
+    ``updating`` is true while an update pauses the engine (since ``updating_since``)."""
 
     def __init__(
         self,
@@ -43,6 +43,7 @@ class WeightFollower:
         self.timer, self.metrics, self.stopped = timer, metrics, stopped
         self.version: int | None = None
         self.updating = False
+        self.updating_since: float | None = None  # time.monotonic() of the update's start
         self.changed = asyncio.Event()
         self.joined_addr: str | None = None
 
@@ -73,7 +74,7 @@ class WeightFollower:
     async def apply_update(self, *, wait_s: float | None = None) -> bool:
         """Pause, receive + verify + load, relabel, resume. Returns True when a new version loaded."""
         self.updating = True
-        t0 = time.monotonic()
+        t0 = self.updating_since = time.monotonic()
         try:
             with self.timer.phase("syncing_weights"):
                 await self.engine.pause(mode="keep", clear_cache=True)
@@ -88,7 +89,7 @@ class WeightFollower:
                 finally:
                     await self.engine.resume()
         finally:
-            self.updating = False
+            self.updating, self.updating_since = False, None
         if not res["ok"]:
             self.metrics.update_failures.inc()
             log.warning("weight update failed, still on version %s: %s", self.version, res["error"])

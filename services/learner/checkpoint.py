@@ -207,6 +207,20 @@ def _prune(root: Path, *, keep_last: int, keep: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
+# Tests only: seconds every rank sleeps at the start of each save (before anything is written),
+# to stand for a real model's slow checkpoint (tests/services/test_learner_shutdown.py).
+TEST_ONLY_DELAY_ENV = "TETHER_TEST_ONLY_CHECKPOINT_DELAY_S"
+
+
+def _test_only_delay() -> None:
+    delay_s = float(os.environ.get(TEST_ONLY_DELAY_ENV) or 0)
+    if delay_s > 0:
+        logger.warning(
+            "%s=%g: sleeping before this checkpoint (a test hook)", TEST_ONLY_DELAY_ENV, delay_s
+        )
+        time.sleep(delay_s)
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -230,6 +244,7 @@ def save_checkpoint(
         raise ValueError(f"checkpoint extra_state must be JSON-serialisable: {exc}") from exc
     rank, world = rank_world()
     t0 = time.perf_counter()
+    _test_only_delay()
     # Collectives first, on every rank, in the same order.
     model_sd = full_state_dict_cpu(model, drop_tied=True)
     osd = _optimizer_full_state(model, optimizer)

@@ -46,6 +46,7 @@ class Dispatcher:
             "tether_learner_prompts_dispatched_total",
             "prompts handed to generators",
             ["split"],
+            initial=("train", "eval"),
         )
 
     def records_of(self, cycle: int) -> list[tuple[int, Any]]:

@@ -62,9 +62,21 @@ def broadcast_int(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def agree(go_on: bool, device: torch.device) -> bool:
-    """Rank 0's decision, on every rank (the others pass anything)."""
-    return bool(broadcast_int(1 if go_on else 0, device))
+# The word rank 0 says at the top of every cycle (``control``): the others wait for it.
+STOP, GO, WAITING = 0, 1, 2
+
+
+def control(word: int, stopping: bool, device: torch.device) -> tuple[int, bool]:
+    """One control exchange: (rank 0's ``word``, whether any rank is ``stopping``), on every
+    rank. The others pass word 0. Rank 0 says WAITING every ``learner.keepalive_s`` while it
+    waits for input, so no rank sits in one collective longer than that however long the wait,
+    and a rank that got SIGTERM makes every rank stop at the same point."""
+    import torch
+
+    if not _multi_rank():
+        return word, stopping
+    t = all_reduce(torch.tensor([word, int(stopping)], dtype=torch.int64, device=device))
+    return int(t[0].item()), bool(t[1].item())
 
 
 def broadcast_bytes(data: bytes | None, *, rank: int, device: torch.device) -> bytes:

@@ -10,6 +10,14 @@ Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (i
           ``waiting_input``); every rank waits for rank 0's broadcast of that cycle.
 Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
 
+Stopping and idling across ranks (``dist.control``): at the top of each cycle rank 0 says GO
+(it has the cycle's groups) or STOP, and while it waits for input it says WAITING every
+``learner.keepalive_s``; the other ranks listen in a loop. So an idle wait of any length never
+runs into ``learner.collective_timeout_s``, and a SIGTERM to any rank stops every rank at the same
+point (then the final checkpoint, a collective). Each exchange, training step and checkpoint is a
+heartbeat (``live``): ``/healthz`` of rank 0 and of each node's first rank answers 503 when the
+loop has been silent for ``learner.liveness_s``.
+
 Versions count optimizer steps. A trajectory of version ``v`` is used in the step that turns
 ``t`` into ``t + 1`` only if ``t − v ≤ max_staleness`` (``common.protocol.staleness``);
 otherwise it gets zero weight and is counted as dropped (the dispatcher's gate makes that rare
@@ -31,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.config.schema import TetherConfig
 from common.protocol.staleness import oldest_usable, usable
+from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
 from services.learner import logprobs, objective
 from services.learner.cycle import (
@@ -40,7 +49,7 @@ from services.learner.cycle import (
     samples_from_groups,
     steps_of_cycle,
 )
-from services.learner.dist import agree
+from services.learner.dist import GO, STOP, WAITING, control
 from services.learner.rank0 import Rank0
 
 if TYPE_CHECKING:
@@ -67,7 +76,9 @@ class LearnerService:
         self.next_cycle = 0
         self.counters: dict[str, int] = defaultdict(int)
         self.ready = False
+        self.live = Liveness(cfg.learner.liveness_s)
         self._stop = False
+        self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -76,7 +87,9 @@ class LearnerService:
         that can fail on bad input, before the model is loaded."""
         from services.learner import model as model_mod
 
-        self.rank, self.world, self.device = model_mod.setup_distributed()
+        self.rank, self.world, self.device = model_mod.setup_distributed(
+            timeout_s=self.cfg.learner.collective_timeout_s
+        )
         self.rank0 = (
             Rank0(
                 self.cfg,
@@ -171,6 +184,7 @@ class LearnerService:
     def checkpoint(self) -> None:
         from services.learner.checkpoint import save_checkpoint
 
+        self.live.beat()
         with self.timer.phase("checkpointing"):
             extra = {
                 "version": self.version,
@@ -190,6 +204,7 @@ class LearnerService:
             )
             if self.rank0 is not None:
                 self.rank0.ack_trained(self.next_cycle)
+        self.live.beat()
 
     # ------------------------------------------------------------------ training
     def _prepare(self, samples: list[Sample]) -> None:
@@ -268,6 +283,7 @@ class LearnerService:
                     grad_clip=ln.grad_clip or None,
                 )
             self.version += 1
+            self.live.beat()
             self.counters["trained_samples"] += sum(1 for i in idx if samples[i].weight > 0)
             rewards = [samples[i].reward for i in idx]
             self.last_step = {
@@ -298,6 +314,32 @@ class LearnerService:
                 self.rank0.start_eval(self.version)
 
     # ------------------------------------------------------------------ the loop
+    def _idle(self) -> None:
+        """Rank 0, while it waits for input: a heartbeat, and every ``keepalive_s`` a WAITING
+        word to the other ranks (which may answer that one of them is stopping)."""
+        self.live.beat()
+        if time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
+            self._last_word = time.monotonic()
+            _, others_stopping = control(WAITING, self._stop, self.device)
+            self._stop = self._stop or others_stopping
+
+    def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
+        """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
+        then says GO or STOP; the others listen through its WAITING words. Every rank returns
+        the same ``go on``, so all leave the loop at the same point."""
+        groups = None
+        if self.rank0 is not None:
+            if not self._stop:
+                groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+            word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
+            self._last_word = time.monotonic()
+        else:
+            word = WAITING
+            while word == WAITING:
+                word, stopping = control(0, self._stop, self.device)
+                self.live.beat()
+        return word == GO and not stopping, groups
+
     def run(self) -> None:
         self.setup()
         self.resume()
@@ -307,15 +349,12 @@ class LearnerService:
             self.rank0.start_eval(self.version)  # held-out accuracy before (or at resume)
             self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
         self.ready = True
-        while self.next_cycle < run.num_cycles and not self._stop:
+        self.live.beat()
+        while self.next_cycle < run.num_cycles:
             cycle = self.next_cycle
-            groups = (
-                self.rank0.collect(cycle, stop=lambda: self._stop)
-                if self.rank0 is not None
-                else None
-            )
-            if not agree(self.rank0 is None or groups is not None, self.device):
-                break  # rank 0 is stopping: every rank leaves together
+            go_on, groups = self._next_cycle_groups(cycle)
+            if not go_on:
+                break  # every rank leaves here together
             samples = broadcast_samples(
                 samples_from_groups(groups) if groups is not None else None,
                 rank=self.rank,
@@ -337,7 +376,7 @@ class LearnerService:
         if self.rank0 is not None:
             if self.next_cycle >= run.num_cycles:
                 self.rank0.start_eval(self.version)
-                self.rank0.finish_evals(timeout_s=300.0)
+                self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
             self.rank0.housekeep(every_s=0.0)
             self.rank0.close()
 

@@ -1,4 +1,9 @@
-"""Entry of `tether learner` (one rank; run several with torchrun — rank 0 talks to Redis)."""
+"""Entry of `tether learner` (one rank; run several with torchrun — rank 0 talks to Redis).
+
+Health: rank 0 serves ``/metrics``, ``/healthz`` and ``/readyz`` on ``learner.metrics_port``;
+the first rank of every other node (``LOCAL_RANK`` 0: one per pod) serves the same endpoints on
+the same port, its ``/healthz`` its own loop's heartbeat (the other ranks hear rank 0 every
+``learner.keepalive_s``), so every learner pod's probe checks a rank that is really there."""
 
 from __future__ import annotations
 
@@ -31,9 +36,15 @@ def main(cfg: TetherConfig, args) -> int:
     health = status = None
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
+        if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+            health = HealthServer(
+                cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
+            ).start()
         if rank == 0:
             assert svc.rank0 is not None
-            health = HealthServer(cfg.learner.metrics_port, ready=lambda: svc.ready).start()
+            health = HealthServer(
+                cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
+            ).start()
             status = StatusReporter(
                 svc.rank0.bus,
                 "learner",

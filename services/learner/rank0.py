@@ -33,6 +33,11 @@ class _Metrics:
             "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"
         )
         self.steps = metric("Counter", "tether_learner_steps_total", "optimizer steps")
+        self.generators_configured = metric(
+            "Gauge",
+            "tether_learner_generators_configured",
+            "generator.replicas: the generators this run expects (the TetherGeneratorsMissing alert)",
+        )
         self.step = metric(
             "Gauge", "tether_learner_step_value", "per-step training figures", ["name"]
         )
@@ -58,6 +63,7 @@ class _Metrics:
             "tether_learner_stream_trimmed_entries_total",
             "stream entries trimmed after every consumer group acknowledged them",
             ["stream"],
+            initial=(streams.PROMPTS, streams.GROUPS, streams.SCORED),
         )
         self.eval_accuracy = metric(
             "Gauge",
@@ -69,6 +75,7 @@ class _Metrics:
             "tether_learner_step_seconds_total",
             "seconds per part of the optimizer step",
             ["part"],
+            initial=("forward_backward", "optimizer"),
         )
         self.tokens = metric("Counter", "tether_learner_tokens_total", "response tokens trained on")
         self.last_step_time = metric(
@@ -94,6 +101,7 @@ class Rank0:
 
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
         self.metrics = _Metrics()
+        self.metrics.generators_configured.set(cfg.generator.replicas)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
         self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)
@@ -206,11 +214,15 @@ class Rank0:
         else:
             self.buffer[g.cycle][g.group_id] = d
 
-    def collect(self, cycle: int, *, stop: Callable[[], bool]) -> list[wire.ScoredGroup] | None:
-        """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping)."""
+    def collect(
+        self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
+    ) -> list[wire.ScoredGroup] | None:
+        """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping).
+        ``idle`` runs before every blocking read (the heartbeat and the other ranks' keepalive)."""
         need = self.cfg.run.prompts_per_cycle
         with self.timer.phase("waiting_input"):
             while len(self.buffer[cycle]) < need:
+                idle()
                 if stop():
                     return None
                 for d in self.consumer.read(64, self.cfg.bus.block_ms):
@@ -249,11 +261,14 @@ class Rank0:
             self.trackers.log({"eval/accuracy": acc}, round_id)
             log.info("held-out accuracy at v%d: %.3f (%d prompts)", round_id, acc, len(correct))
 
-    def finish_evals(self, *, timeout_s: float) -> None:
+    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
+        ``stop()`` (SIGTERM: the final checkpoint is already written)."""
         deadline = time.monotonic() + timeout_s
         while (
             any(len(e["results"]) < e["expected"] for e in self.evals.values())
             and time.monotonic() < deadline
+            and not stop()
         ):
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)

@@ -91,6 +91,7 @@ def _metrics(registry) -> dict:
             "Items that could not be graded, by reason.",
             ["reason"],
             registry=registry,
+            initial=(BAD_GROUND_TRUTH, "worker_crash", "exception"),
         ),
         "restarts": metric(
             "Counter",
@@ -98,6 +99,7 @@ def _metrics(registry) -> dict:
             "Grading workers replaced, by cause (timeout, crash, start_failure).",
             ["cause"],
             registry=registry,
+            initial=("timeout", "crash", "start_failure"),
         ),
     }
 

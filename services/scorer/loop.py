@@ -26,6 +26,7 @@ from typing import Any
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
+from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,14 @@ TEST_ONLY_SLEEP_ENV = "TETHER_TEST_ONLY_GRADER_SLEEP"
 
 class _Metrics:
     def __init__(self) -> None:
+        from services.scorer.grading_worker import GRADING_REASONS
+
         self.items = metric(
             "Counter",
             "tether_scorer_items_total",
             "responses scored, by grading reason (correct, wrong, timeout, error, no_answer, ...)",
             ["reason"],
+            initial=GRADING_REASONS,
         )
         self.groups = metric("Counter", "tether_scorer_groups_total", "groups scored")
         self.seconds = metric(
@@ -88,6 +92,7 @@ class _Metrics:
             "tether_scorer_unscorable_groups_total",
             "groups dead-lettered as unscorable",
             ["reason"],
+            initial=("missing_ground_truth",),
         )
 
 
@@ -111,6 +116,7 @@ class ScorerService:
         self.metrics = _Metrics()
         self.batch_groups = batch_groups
         self.ready = False
+        self.live = Liveness(cfg.scorer.liveness_s)  # a beat per read and per scored batch
         self._stop = asyncio.Event()
         self.groups_scored = 0
         self.solver: Any = None
@@ -284,6 +290,7 @@ class ScorerService:
         )
         try:
             while not self._stop.is_set():
+                self.live.beat()
                 with self.timer.phase("waiting_input"):
                     deliveries = await asyncio.to_thread(
                         consumer.read, self.batch_groups, self.cfg.bus.block_ms

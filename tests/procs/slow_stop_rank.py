@@ -1,0 +1,17 @@
+"""A torchrun rank for tests/services/test_graceful_torchrun.py: says it started, and on SIGTERM
+takes ``argv[2]`` seconds (a slow final checkpoint) before writing ``argv[1]`` and exiting 0."""
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+out, stop_s = Path(sys.argv[1]), float(sys.argv[2])
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+Path(str(out) + ".started").write_text("1")
+while not stopping:
+    time.sleep(0.05)
+time.sleep(stop_s)
+out.write_text("checkpoint")
+sys.exit(0)

@@ -1,0 +1,59 @@
+"""``common.runs.graceful_torchrun`` against plain torchrun, both real: a rank whose stop takes
+longer than torchrun's shutdown timeout. Plain torchrun SIGKILLs it and exits 1; the wrapper
+lets it finish (within its --shutdown-timeout) and exits 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.runs.graceful_torchrun import shutdown_timeout
+
+RANK = Path(__file__).resolve().parents[1] / "procs" / "slow_stop_rank.py"
+STOP_S = 4.0
+
+
+def _run(module: str, tmp_path: Path, timeout_flag: str) -> tuple[int, bool, float]:
+    out = tmp_path / f"{module.rsplit('.', 1)[-1]}.done"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, timeout_flag, "--standalone", "--nproc_per_node=1",
+         str(RANK), str(out), str(STOP_S)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not Path(str(out) + ".started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the rank never started"
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as a kubelet does to PID 1
+    code = proc.wait(timeout=60)
+    return code, out.exists(), time.monotonic() - t0
+
+
+def test_plain_torchrun_kills_a_slow_stop_and_the_wrapper_does_not(tmp_path):
+    code, landed, _ = _run("torch.distributed.run", tmp_path, "--shutdown-timeout=1")
+    assert code != 0 and not landed  # the old behaviour: work lost, and a failure
+    code, landed, took = _run(
+        "common.runs.graceful_torchrun", tmp_path, f"--shutdown-timeout={STOP_S + 20:.0f}"
+    )
+    assert code == 0 and landed and took >= STOP_S
+
+
+def test_the_wrapper_kills_ranks_that_overrun_its_timeout(tmp_path):
+    code, landed, took = _run("common.runs.graceful_torchrun", tmp_path, "--shutdown-timeout=1")
+    assert code != 0 and not landed and took < STOP_S + 10
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [(["--shutdown-timeout", "290"], 290.0), (["--shutdown_timeout=110", "-m", "x"], 110.0),
+     (["--nproc_per_node=2"], 30.0)],
+)  # fmt: skip
+def test_shutdown_timeout_is_read_like_torchrun(argv, expected, monkeypatch):
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert shutdown_timeout(argv) == expected
