@@ -308,4 +308,4 @@ def test_dynamic_sampling_cap_is_derived_and_cispo_may_drop_its_lower_clip():
         env={},
     )
     assert res.config.learner.max_extra_prompts_per_cycle == 2 * res.config.run.prompts_per_cycle
-    assert "learner.max_extra_prompts_per_cycle" in res.derived
+    assert "learner.max_extra_prompts_per_cycle" in res.config._derived
