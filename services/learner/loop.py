@@ -37,6 +37,7 @@ from services.learner.cycle import (
     Sample,
     assign_advantages,
     broadcast_samples,
+    mask_overlong,
     samples_from_groups,
     steps_of_cycle,
 )
@@ -214,9 +215,12 @@ class LearnerService:
                 strict=True,
             ):
                 s.ref_logp = lp
-        self.counters["filtered_samples"] += (
-            assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
-        )
+        filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        overlong = mask_overlong(samples, self.cfg)
+        self.counters["filtered_samples"] += filtered
+        self.counters["overlong_masked_samples"] += overlong
+        if self.rank0 is not None:
+            self.rank0.count_masked(filtered=filtered, overlong=overlong)
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         limit = self.cfg.run.max_staleness

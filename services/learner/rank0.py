@@ -47,6 +47,16 @@ class _Metrics:
             "tether_learner_duplicate_groups_total",
             "scored groups received again after training (acked, not trained)",
         )
+        self.filtered = metric(
+            "Counter",
+            "tether_learner_filtered_samples_total",
+            "responses of equal-reward groups left out of training (no signal)",
+        )
+        self.overlong = metric(
+            "Counter",
+            "tether_learner_overlong_masked_samples_total",
+            "responses cut off at max_response_tokens and masked from the loss",
+        )
         self.staleness = metric(
             "Histogram",
             "tether_learner_staleness_steps",
@@ -289,6 +299,10 @@ class Rank0:
             rec["staleness_max"],
             rec["seconds"],
         )
+
+    def count_masked(self, *, filtered: int, overlong: int) -> None:
+        self.metrics.filtered.inc(filtered)
+        self.metrics.overlong.inc(overlong)
 
     def close(self) -> None:
         self.publisher.close()

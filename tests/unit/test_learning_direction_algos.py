@@ -58,3 +58,31 @@ def test_mismatch_masking_takes_a_stray_response_out_of_the_update(tmp_path):
         tmp_path / "c", "learner.mismatch_mask_sequence=[0.01, 100.0]", edit=stray
     )
     assert seq_stats["mismatch_masked_frac"] == pytest.approx(5 / 40)
+
+
+def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):
+    """Responses 1 and 2 were cut off at the length limit. With learner.overlong_filter they are
+    masked (weight 0, counted): the others still move the right way, and the cut-off rewarded
+    response 1 rises less than without the filter (it gets no push of its own)."""
+    from services.learner.cycle import mask_overlong
+
+    masked_counts = []
+
+    def cut_off(samples):
+        samples[1].truncated = samples[2].truncated = True
+
+    def cut_off_and_mask(samples):
+        cut_off(samples)
+        from common.config.load import load_config
+
+        cfg = load_config(overrides=["learner.overlong_filter=true"], env={}).config
+        masked_counts.append(mask_overlong(samples, cfg))
+
+    _, free, _ = train_three_cycles(tmp_path / "a", edit=cut_off)
+    samples, masked, stats = train_three_cycles(tmp_path / "b", edit=cut_off_and_mask)
+    assert masked_counts == [2]
+    assert [s.weight for s in samples] == [1, 0, 0, 1, 1, 1, 1, 1]
+    up, down = _up_and_down(samples, masked, skip=(1, 2))
+    assert min(up) > 0 and max(down) < 0, (up, down)
+    assert masked[1] < free[1] - 0.05, (masked[1], free[1])
+    assert stats["tokens"] == 3 * 6 * 5  # the two masked responses carry no loss tokens
