@@ -7,7 +7,9 @@ Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py`
           weights to every generator (versioned broadcast with a deadline, ``common.weights``),
           checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
-          ``waiting_input``); every rank waits for rank 0's broadcast of that cycle.
+          ``waiting_input``; with dynamic sampling, for every group dispatched for that cycle
+          and for top-up rounds until ``prompts_per_cycle`` informative groups are in, see
+          ``sampling.py``); every rank waits for rank 0's broadcast of that cycle.
 Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
 
 Versions count optimizer steps. A trajectory of version ``v`` is used in the step that turns
@@ -320,6 +322,9 @@ class LearnerService:
             )
             if not agree(self.rank0 is None or groups is not None, self.device):
                 break  # rank 0 is stopping: every rank leaves together
+            if self.rank0 is not None:  # groups dynamic sampling left out (filtered, surplus)
+                for key, n in self.rank0.selection_counts.items():
+                    self.counters[key] += n
             samples = broadcast_samples(
                 samples_from_groups(groups) if groups is not None else None,
                 rank=self.rank,
