@@ -55,7 +55,34 @@ class LearnerConfig(Section):
     filter_equal_reward_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (no signal)"
     )
-    clip_low: float = Field(0.2, ge=0.0, description="PPO clip below 1 (ratio ≥ 1 − clip_low)")
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO dynamic sampling: dispatch extra prompts (adapting to the observed "
+        "filter rate) and train each cycle on prompts_per_cycle groups that carry signal; needs "
+        "filter_equal_reward_groups",
+    )
+    max_extra_prompts_per_cycle: int | None = Field(
+        None,
+        ge=1,
+        description="dynamic sampling: cap on extra prompts dispatched for one cycle; "
+        "default 2 × prompts_per_cycle",
+    )
+    overlong_filter: bool = Field(
+        False,
+        description="mask responses cut off at run.max_response_tokens from the loss (DAPO "
+        "over-long filtering; counted), beside scorer.overlong_penalty's soft penalty",
+    )
+    policy_loss: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo",
+        description="ppo = clipped token ratio; gspo = clipped length-normalised sequence ratio; "
+        "cispo = clipped, detached IS weight on every token's policy gradient",
+    )
+    clip_low: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="clip below 1 (ratio ≥ 1 − clip_low); < 1 except for cispo (1 = no lower bound)",
+    )
     clip_high: float = Field(
         0.2, ge=0.0, description="PPO clip above 1 (clip-higher when > clip_low)"
     )
@@ -89,6 +116,21 @@ class LearnerConfig(Section):
     )
     is_cap: float = Field(
         2.0, gt=0.0, description="cap of the behaviour importance weight (tis / decoupled)"
+    )
+    mismatch_mask_token: list[float] | None = Field(
+        None,
+        description="[low, high]: mask tokens whose learner/behaviour probability ratio leaves it "
+        "(ICEPOP); unset = off",
+    )
+    mismatch_mask_sequence: list[float] | None = Field(
+        None,
+        description="[low, high]: mask whole responses whose product of token ratios leaves it "
+        "(sequence-level MIS); unset = off",
+    )
+    mismatch_mask_geometric: list[float] | None = Field(
+        None,
+        description="[low, high]: mask whole responses whose geometric-mean token ratio leaves it; "
+        "unset = off",
     )
     publish_every_steps: int | None = Field(
         None, ge=1, description="broadcast weights every N optimizer steps; default once per cycle"

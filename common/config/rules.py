@@ -274,6 +274,58 @@ def _check_algorithm(cfg: TetherConfig) -> None:
         )
 
 
+def _check_policy_loss(cfg: TetherConfig) -> None:
+    ln = cfg.learner
+    if ln.clip_low >= 1.0 and ln.policy_loss != "cispo":
+        raise ConfigError(
+            f"learner.clip_low = {ln.clip_low} clips the ratio at 1 − clip_low ≤ 0, which only "
+            f'policy_loss = "cispo" accepts (no lower bound). Fix: set clip_low < 1 (e.g. 0.2) '
+            f'or policy_loss = "cispo".'
+        )
+    if ln.dual_clip is not None and ln.policy_loss != "ppo":
+        raise ConfigError(
+            f'learner.dual_clip applies to policy_loss = "ppo" only, not "{ln.policy_loss}". '
+            "Fix: remove dual_clip."
+        )
+    for name in ("mismatch_mask_token", "mismatch_mask_sequence", "mismatch_mask_geometric"):
+        bounds = getattr(ln, name)
+        if bounds is not None and not (
+            len(bounds) == 2 and 0 < bounds[0] <= 1 <= bounds[1] and bounds[0] < bounds[1]
+        ):
+            raise ConfigError(
+                f"learner.{name} = {bounds} must be [low, high] with 0 < low ≤ 1 ≤ high and "
+                "low < high (ratios of learner to behaviour probabilities, e.g. [0.5, 2.0]). "
+                "Fix: give two such numbers, or remove it."
+            )
+
+
+def _resolve_dynamic_sampling(cfg: TetherConfig, derived: set[str]) -> None:
+    ln = cfg.learner
+    if not ln.dynamic_sampling:
+        if ln.max_extra_prompts_per_cycle is not None:
+            raise ConfigError(
+                f"learner.max_extra_prompts_per_cycle = {ln.max_extra_prompts_per_cycle} has no "
+                "effect while learner.dynamic_sampling = false. Fix: set dynamic_sampling = true "
+                "or remove it."
+            )
+        return
+    if not ln.filter_equal_reward_groups:
+        raise ConfigError(
+            "learner.dynamic_sampling = true replaces the groups that filter_equal_reward_groups "
+            "drops, but that filter is off, so nothing would be replaced. Fix: set "
+            "learner.filter_equal_reward_groups = true (or dynamic_sampling = false)."
+        )
+    if cfg.run.responses_per_prompt < 2:
+        raise ConfigError(
+            "learner.dynamic_sampling = true with run.responses_per_prompt = 1: a group of one "
+            "response always has equal rewards, so every group would be filtered. Fix: set "
+            "responses_per_prompt ≥ 2."
+        )
+    if ln.max_extra_prompts_per_cycle is None:
+        ln.max_extra_prompts_per_cycle = 2 * cfg.run.prompts_per_cycle
+        derived.add("learner.max_extra_prompts_per_cycle")
+
+
 def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     """Validate and fill in derived values; returns the dotted names that were derived."""
     derived: set[str] = set()
@@ -285,4 +337,6 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _check_misc(cfg)
     _check_health(cfg)
     _check_algorithm(cfg)
+    _check_policy_loss(cfg)
+    _resolve_dynamic_sampling(cfg, derived)
     return derived

@@ -83,6 +83,8 @@ def collect_status(bus) -> dict[str, Any]:
             "trained_samples": counters.get("trained_samples", 0),
             "dropped_stale_samples": counters.get("dropped_stale", 0),
             "filtered_samples": counters.get("filtered_samples", 0),
+            "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
+            "surplus_samples": counters.get("surplus_samples", 0),
             "dead_letters": dead,
         },
         "bottleneck": bottleneck(services),
@@ -107,6 +109,14 @@ def format_status(st: dict[str, Any]) -> str:
             f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}"
         )
     lines.append(f"  dead letters: {st['dead_letters']}")
+    acc = st.get("accounting") or {}
+    if acc:
+        lines.append(
+            f"  learner responses: trained {acc.get('trained_samples', 0)} (per pass), dropped "
+            f"stale {acc.get('dropped_stale_samples', 0)}, filtered {acc.get('filtered_samples', 0)} "
+            f"(equal rewards), masked over-long {acc.get('overlong_masked_samples', 0)}, surplus "
+            f"{acc.get('surplus_samples', 0)} (dynamic sampling)"
+        )
     b = st.get("bottleneck")
     if b:
         lines.append(f"  bottleneck: {b['service']} (busy {b['busy_fraction']:.0%} of its time)")

@@ -36,11 +36,12 @@ class Sample:
     behaviour_logp: list[float]
     reward: float
     policy_version: int
+    truncated: bool = False  # cut off at run.max_response_tokens (finish_reason "length")
     # filled in per cycle / per step
     advantages: list[float] = field(default_factory=list)  # one per response token
     old_logp: list[float] = field(default_factory=list)
     ref_logp: list[float] = field(default_factory=list)
-    weight: float = 1.0  # 0 when dropped (staleness, equal-reward filter)
+    weight: float = 1.0  # 0 when dropped (staleness, equal-reward filter, over-long filter)
 
 
 def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
@@ -58,6 +59,7 @@ def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
                     behaviour_logp=traj.behaviour_logprobs.astype(np.float64).tolist(),
                     reward=float(reward),
                     policy_version=int(traj.policy_version),
+                    truncated=traj.finish_reason == "length",
                 )
             )
     return out
@@ -73,6 +75,7 @@ def encode_samples(samples: list[Sample]) -> bytes:
             np.asarray(s.behaviour_logp, dtype="<f4").tobytes(),
             s.reward,
             s.policy_version,
+            s.truncated,
         ]
         for s in samples
     ]
@@ -90,6 +93,7 @@ def decode_samples(data: bytes) -> list[Sample]:
             behaviour_logp=np.frombuffer(r[4], dtype="<f4").astype(np.float64).tolist(),
             reward=float(r[5]),
             policy_version=int(r[6]),
+            truncated=bool(r[7]),
         )
         for r in rows
     ]
@@ -183,6 +187,21 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
             if not k:
                 s.weight = 0.0
     return n_filtered
+
+
+def mask_overlong(samples: list[Sample], cfg: TetherConfig) -> int:
+    """DAPO's over-long filtering (``learner.overlong_filter``): a response cut off at
+    ``run.max_response_tokens`` gets weight 0, so it carries no loss, while its reward still
+    counts in its group's advantages (the others are judged against it, as in DAPO). Returns
+    how many responses it masked (those already at weight 0 are not counted again)."""
+    if not cfg.learner.overlong_filter:
+        return 0
+    masked = 0
+    for s in samples:
+        if s.truncated and s.weight > 0:
+            s.weight = 0.0
+            masked += 1
+    return masked
 
 
 def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,10 @@ The learner knows the cycle and the policy version, so it decides what is genera
   carries, and it is dispatched as soon as the learner's version reaches it: generation
   overlaps training by exactly what the bound allows and never produces data the learner would
   have to drop.
+- With ``learner.dynamic_sampling`` (``sampling.py``) a cycle gets extra prompts and top-up
+  rounds, so positions come from a cursor instead: each round takes the next ``count``
+  positions. The cursor, the rounds of every untrained cycle and the filter rate are part of
+  the checkpoint (``state`` / ``restore``), which keeps the order deterministic on resume.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from common.protocol import streams, wire
 from common.protocol.staleness import min_policy_version, usable
 from common.telemetry.metrics import metric
+from services.learner import sampling
 
 if TYPE_CHECKING:
     from common.bus.client import Bus
@@ -41,6 +46,10 @@ class Dispatcher:
     ) -> None:
         self.cfg, self.bus, self.train, self.eval_set = cfg, bus, train, eval_set
         self.dispatched_through = -1  # highest cycle dispatched by this process
+        self.dynamic = cfg.learner.dynamic_sampling
+        self.cursor = 0  # next sampler position (dynamic sampling)
+        self.rounds: dict[int, list[tuple[int, int]]] = {}  # cycle -> [(first position, count)]
+        self.filter_rate: float | None = None  # smoothed share of equal-reward groups
         self.prompts_dispatched = metric(
             "Counter",
             "tether_learner_prompts_dispatched_total",
@@ -48,12 +57,21 @@ class Dispatcher:
             ["split"],
             initial=("train", "eval"),
         )
+        self.extra_prompts = metric(
+            "Counter",
+            "tether_learner_extra_prompts_total",
+            "prompts dispatched beyond prompts_per_cycle by dynamic sampling",
+        )
 
     def records_of(self, cycle: int) -> list[tuple[int, Any]]:
-        p, n = self.cfg.run.prompts_per_cycle, len(self.train)
+        p = self.cfg.run.prompts_per_cycle
+        return self.records_at(cycle * p, p)
+
+    def records_at(self, start: int, count: int) -> list[tuple[int, Any]]:
+        """(position, record) for sampler positions ``start … start + count − 1``."""
+        n = len(self.train)
         out = []
-        for k in range(p):
-            g = cycle * p + k
+        for g in range(start, start + count):
             epoch, offset = divmod(g, n)
             order = (
                 self.train.order(self.cfg.run.seed, epoch)
@@ -62,6 +80,78 @@ class Dispatcher:
             )
             out.append((g, self.train[order[offset]]))
         return out
+
+    # ------------------------------------------------------------------ dynamic sampling
+    def positions(self, cycle: int) -> set[int]:
+        """Every sampler position dispatched for ``cycle`` (all rounds)."""
+        return {
+            g for start, count in self.rounds.get(cycle, []) for g in range(start, start + count)
+        }
+
+    def extra_used(self, cycle: int) -> int:
+        return sum(c for _, c in self.rounds.get(cycle, [])) - self.cfg.run.prompts_per_cycle
+
+    def top_up(self, cycle: int, missing: int, *, filtered: int, examined: int) -> int:
+        """Dispatch a top-up round for ``missing`` informative groups, sized by the filter rate
+        including this cycle's groups so far (``filtered`` of ``examined``); returns its size
+        (0 when the cycle's cap on extra prompts is spent)."""
+        cap = self.cfg.learner.max_extra_prompts_per_cycle or 0
+        rate = sampling.next_filter_rate(self.filter_rate, filtered=filtered, examined=examined)
+        count = sampling.top_up_size(missing, rate or 0.0, cap_left=cap - self.extra_used(cycle))
+        if count:
+            run = self.cfg.run
+            assert run.train_steps_per_cycle is not None and run.max_staleness is not None
+            need = min_policy_version(
+                cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
+            )
+            self._dispatch_round(cycle, count, need)
+            log.info(
+                "cycle %d: %d informative group(s) missing, %d more prompts", cycle, missing, count
+            )
+        return count
+
+    def observe(self, *, filtered: int, examined: int) -> None:
+        self.filter_rate = sampling.next_filter_rate(
+            self.filter_rate, filtered=filtered, examined=examined
+        )
+
+    def forget(self, cycle: int) -> None:
+        self.rounds.pop(cycle, None)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "cursor": self.cursor,
+            "rounds": {str(c): [list(r) for r in rs] for c, rs in self.rounds.items()},
+            "filter_rate": self.filter_rate,
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        self.cursor = int(state["cursor"])
+        self.rounds = {
+            int(c): [(int(a), int(b)) for a, b in rs] for c, rs in state["rounds"].items()
+        }
+        self.filter_rate = state["filter_rate"]
+
+    def _dispatch_round(self, cycle: int, count: int, min_version: int) -> None:
+        start = self.cursor if self.dynamic else cycle * self.cfg.run.prompts_per_cycle
+        for g, record in self.records_at(start, count):
+            msg = self._prompt(
+                record,
+                prompt_id=f"c{cycle}/{g}/{record.prompt_id}",
+                cycle=cycle,
+                index=g,
+                split="train",
+                min_version=min_version,
+            )
+            self.bus.publish(streams.PROMPTS, msg)
+        self.prompts_dispatched.labels("train").inc(count)
+        if self.dynamic:
+            self.cursor = start + count
+            self.rounds.setdefault(cycle, []).append((start, count))
+            after = self.extra_used(cycle)
+            self.extra_prompts.inc(max(0, after) - max(0, after - count))
 
     def _prompt(
         self, record, *, prompt_id: str, cycle: int, index: int, split: str, min_version: int
@@ -95,23 +185,19 @@ class Dispatcher:
             )
             if not usable(version, oldest=need):
                 break
-            for g, record in self.records_of(c):
-                msg = self._prompt(
-                    record,
-                    prompt_id=f"c{c}/{g}/{record.prompt_id}",
-                    cycle=c,
-                    index=g,
-                    split="train",
-                    min_version=need,
-                )
-                self.bus.publish(streams.PROMPTS, msg)
-            self.prompts_dispatched.labels("train").inc(run.prompts_per_cycle)
+            p = run.prompts_per_cycle
+            extra = 0
+            if self.dynamic:
+                cap = self.cfg.learner.max_extra_prompts_per_cycle or 0
+                extra = sampling.extra_prompts(p, self.filter_rate or 0.0, cap)
+            self._dispatch_round(c, p + extra, need)
             self.dispatched_through = c
             done.append(c)
             log.info(
-                "dispatched cycle %d (%d prompts, needs weights >= v%d)",
+                "dispatched cycle %d (%d prompts + %d extra, needs weights >= v%d)",
                 c,
-                run.prompts_per_cycle,
+                p,
+                extra,
                 need,
             )
             c += 1

@@ -7,7 +7,9 @@ Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py`
           weights to every generator (versioned broadcast with a deadline, ``common.weights``),
           checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
-          ``waiting_input``); every rank waits for rank 0's broadcast of that cycle.
+          ``waiting_input``; with dynamic sampling, for every group dispatched for that cycle
+          and for top-up rounds until ``prompts_per_cycle`` informative groups are in, see
+          ``sampling.py``); every rank waits for rank 0's broadcast of that cycle.
 Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
 
 Stopping and idling across ranks (``dist.control``): at the top of each cycle rank 0 says GO
@@ -46,6 +48,7 @@ from services.learner.cycle import (
     Sample,
     assign_advantages,
     broadcast_samples,
+    mask_overlong,
     samples_from_groups,
     steps_of_cycle,
 )
@@ -229,9 +232,12 @@ class LearnerService:
                 strict=True,
             ):
                 s.ref_logp = lp
-        self.counters["filtered_samples"] += (
-            assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
-        )
+        filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        overlong = mask_overlong(samples, self.cfg)
+        self.counters["filtered_samples"] += filtered
+        self.counters["overlong_masked_samples"] += overlong
+        if self.rank0 is not None:
+            self.rank0.count_masked(filtered=filtered, overlong=overlong)
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         limit = self.cfg.run.max_staleness
@@ -331,6 +337,9 @@ class LearnerService:
         if self.rank0 is not None:
             if not self._stop:
                 groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+                if groups is not None:  # dynamic sampling's groups left out (filtered, surplus)
+                    for key, n in self.rank0.selection_counts.items():
+                        self.counters[key] += n
             word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
             self._last_word = time.monotonic()
         else:

@@ -1,5 +1,6 @@
-"""Per-token losses for the learner: PPO-clip with off-policy correction, KL, entropy,
-aggregation, and the behaviour-vs-learner mismatch statistics.
+"""Per-token losses for the learner: the policy loss (PPO-clip, GSPO or CISPO) with off-policy
+correction, KL, entropy and aggregation. The behaviour-vs-learner mismatch (statistics and the
+MIS / ICEPOP mask) is in ``mismatch.py``.
 
 Tensors are [B, T] and token-aligned: position t holds the quantity for token t of the padded
 sequence (see `token_logprobs`), and `mask` is 1 on the response tokens that carry a loss.
@@ -23,10 +24,11 @@ if TYPE_CHECKING:
 KL_KINDS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 KL_KINDS["abs"] = "abs"
 OFF_POLICY_MODES = ("none", "tis", "decoupled")
+LOSS_TYPES = ("ppo", "gspo", "cispo")
 IS_OVER_CAP = ("truncate", "mask")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # exp() of a log-ratio above this overflows float32 soon after; clamping keeps loss finite.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 
 def kl_penalty(
@@ -61,7 +63,7 @@ def kl_penalty(
     elif canon == "abs":
         kl = d.abs()
     else:
-        neg = torch.clamp(-d, max=_MAX_LOG_RATIO)
+        neg = torch.clamp(-d, max=MAX_LOG_RATIO)
         kl = torch.exp(neg) - neg - 1.0
     return kl if clamp is None else torch.clamp(kl, min=-clamp, max=clamp)
 
@@ -81,7 +83,7 @@ def _is_weights(
     import torch
 
     with torch.no_grad():
-        raw = torch.exp(torch.clamp(old_logp - behaviour_logp, max=_MAX_LOG_RATIO))
+        raw = torch.exp(torch.clamp(old_logp - behaviour_logp, max=MAX_LOG_RATIO))
         if is_cap is None:
             return raw, torch.zeros_like(raw, dtype=torch.bool)
         over = raw > is_cap
@@ -91,8 +93,10 @@ def _is_weights(
 
 
 def _check_policy_args(
-    off_policy, behaviour_logp, is_cap, is_over_cap, clip_low, clip_high, dual_clip
+    loss_type, off_policy, behaviour_logp, is_cap, is_over_cap, clip_low, clip_high, dual_clip
 ) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid ones: {LOSS_TYPES}")
     if off_policy not in OFF_POLICY_MODES:
         raise ValueError(f"unknown off_policy {off_policy!r}; valid ones: {OFF_POLICY_MODES}")
     if off_policy == "none" and behaviour_logp is not None:
@@ -106,13 +110,17 @@ def _check_policy_args(
         raise ValueError(f"is_cap must be > 0 (or None for no cap), got {is_cap}")
     if is_over_cap not in IS_OVER_CAP:
         raise ValueError(f"unknown is_over_cap {is_over_cap!r}; valid ones: {IS_OVER_CAP}")
-    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
+    # CISPO may drop its lower bound (clip_low = 1: the weight is only capped above).
+    low_ok = clip_low <= 1.0 if loss_type == "cispo" else clip_low < 1.0
+    if not (clip_low >= 0.0 and low_ok) or clip_high < 0.0:
         raise ValueError(
-            f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
-            f"clip_high={clip_high}"
+            f"need 0 <= clip_low < 1 (<= 1 for cispo) and clip_high >= 0, got "
+            f"clip_low={clip_low}, clip_high={clip_high}"
         )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be a constant > 1 (e.g. 3.0) or None, got {dual_clip}")
+    if dual_clip is not None and loss_type != "ppo":
+        raise ValueError(f"dual_clip applies to loss_type='ppo' only, not {loss_type!r}")
 
 
 def policy_loss(
@@ -128,19 +136,31 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    loss_type: str = "ppo",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token clipped policy-gradient loss [B, T] (0 where masked) and a stats dict.
+    """Per-token policy loss [B, T] (0 where masked) and a stats dict.
 
-    `advantages` is [B] (broadcast over tokens) or [B, T]. Per token, with A the advantage:
+    `advantages` is [B] (broadcast over tokens) or [B, T]. Per token, with A the advantage and
+    r = exp(logp - old_logp) (old_logp is the anchor, see below):
 
-        ratio = exp(logp - old_logp)                      (the clip's anchor is old_logp)
-        L     = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
-        L     = min(L, dual_clip * |A|)      if A < 0 and dual_clip is set (dual-clip PPO)
-        L     = w * L                        (w = 1 for off_policy="none")
+    ``ppo`` (clipped surrogate):
+        L = max(-A * r, -A * clamp(r, 1 - clip_low, 1 + clip_high))
+        L = min(L, dual_clip * |A|)          if A < 0 and dual_clip is set (dual-clip PPO)
+    ``gspo`` (GSPO, Zheng et al. 2025, in its GSPO-token form): the ratio of a sequence is the
+    length-normalised s = exp(mean_t (logp - old_logp)) over its valid tokens, and every token
+    of the sequence carries s' = s * exp(logp - sg(logp)) (value s, gradient s * d logp):
+        L = max(-A * s', -A * clamp(s', 1 - clip_low, 1 + clip_high))
+      so a whole sequence is clipped or not. With loss_agg = seq-mean-token-mean this is the
+      paper's objective (and verl's, which always aggregates GSPO that way); the paper's clip
+      range is small (clip_low 3e-4, clip_high 4e-4).
+    ``cispo`` (CISPO, MiniMax-M1): a clipped, detached IS weight on a policy gradient through
+    every token, so clipped tokens still get a gradient:
+        L = -sg(clamp(r, 1 - clip_low, 1 + clip_high)) * A * logp
+      clip_low = 1 removes the lower bound (the canonical setting, with clip_high ~ 4).
 
-    Off-policy corrections (w is computed without grad):
-    - ``none``: standard PPO; old_logp is whatever the caller anchors to (the behaviour
-      log-probs when nothing is recomputed).
+    Then L = w * L (w = 1 for off_policy="none"). Off-policy corrections (w has no grad):
+    - ``none``: old_logp is whatever the caller anchors to (the behaviour log-probs when
+      nothing is recomputed).
     - ``decoupled`` (AReaL's decoupled PPO): old_logp is the PROXIMAL policy (learner log-probs
       recomputed at the start of the cycle) and w = min(exp(old_logp - behaviour_logp), is_cap).
     - ``tis`` (truncated importance sampling): the ratio is anchored to old_logp (the learner's
@@ -148,46 +168,60 @@ def policy_loss(
     The two share one formula; they differ in intent (decoupled: a stale behaviour policy; tis:
     the generator-vs-learner numerical mismatch of the same weights). `is_over_cap="mask"`
     drops tokens whose weight exceeds `is_cap` (w = 0) instead of truncating to it, which is
-    what AReaL does with `behav_imp_weight_cap`. `is_cap=None` means no cap.
+    what AReaL does with `behav_imp_weight_cap`. `is_cap=None` means no cap. Log-ratios are
+    clamped to [-20, 20] so exp stays finite.
 
     Stats (python floats over valid tokens; NaN when there are none; `tokens` = their count):
-    clip_frac_low (A < 0, ratio < 1 - clip_low), clip_frac_high (A > 0, ratio > 1 + clip_high),
-    dual_clip_frac (the dual clip is the active term), ratio_mean/min/max, and for off-policy
-    modes is_weight_mean/min/max (after cap) and is_over_cap_frac. Merge micro-batches'
-    stats with `merge_stats`.
+    clip_frac_low and clip_frac_high (ppo and gspo: A < 0 with r < 1 - clip_low, A > 0 with
+    r > 1 + clip_high; cispo: the weight is clipped below / above, whatever the sign of A),
+    dual_clip_frac, ratio_mean/min/max (gspo: the sequence ratio s on each token), and for
+    off-policy modes is_weight_mean/min/max (after cap) and is_over_cap_frac. Merge
+    micro-batches' stats with `merge_stats`.
     """
     import torch
 
     _check_policy_args(
-        off_policy, behaviour_logp, is_cap, is_over_cap, clip_low, clip_high, dual_clip
+        loss_type, off_policy, behaviour_logp, is_cap, is_over_cap, clip_low, clip_high, dual_clip
     )
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     adv = advantages.detach().to(logp.dtype).expand_as(logp)
     valid = mask.detach().bool()
+    old = old_logp.detach()
 
-    log_ratio = torch.clamp(logp - old_logp.detach(), min=-_MAX_LOG_RATIO, max=_MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
     dual_active = torch.zeros_like(valid)
-    if dual_clip is not None:
-        cap = dual_clip * adv.abs()
-        dual_active = (adv < 0) & (loss > cap)
-        loss = torch.where(dual_active, cap, loss)
+    if loss_type == "cispo":
+        ratio = torch.exp(torch.clamp(logp.detach() - old, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+        loss = -torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv * logp
+        sign = None  # the clip acts whatever the advantage's sign
+    else:
+        if loss_type == "gspo":
+            m = valid.to(logp.dtype)
+            seq = ((logp.detach() - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+            log_ratio = logp - logp.detach() + seq.unsqueeze(-1)
+        else:
+            log_ratio = logp - old
+        ratio = torch.exp(torch.clamp(log_ratio, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO))
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        loss = torch.maximum(unclipped, clipped)
+        if dual_clip is not None:
+            cap = dual_clip * adv.abs()
+            dual_active = (adv < 0) & (loss > cap)
+            loss = torch.where(dual_active, cap, loss)
+        sign = adv
 
     weights = over = None
     if off_policy != "none":
         assert behaviour_logp is not None
         weights, over = _is_weights(
-            old_logp.detach(), behaviour_logp.detach(), is_cap=is_cap, over_cap=is_over_cap
+            old, behaviour_logp.detach(), is_cap=is_cap, over_cap=is_over_cap
         )
         loss = loss * weights
     loss = torch.where(valid, loss, torch.zeros_like(loss))
 
     stats = _policy_stats(
-        adv,
+        sign,
         ratio.detach(),
         valid,
         dual_active,
@@ -205,13 +239,16 @@ def _frac(flag: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _policy_stats(adv, r, valid, dual_active, weights, over, *, clip_low, clip_high) -> dict:
+    """``adv`` None: count clipped ratios whatever the advantage's sign (CISPO)."""
     import torch
 
     with torch.no_grad():
+        neg = valid if adv is None else adv < 0
+        pos = valid if adv is None else adv > 0
         vals = {
             "tokens": valid.sum(),
-            "clip_frac_low": _frac((adv < 0) & (r < 1.0 - clip_low), valid),
-            "clip_frac_high": _frac((adv > 0) & (r > 1.0 + clip_high), valid),
+            "clip_frac_low": _frac(neg & (r < 1.0 - clip_low), valid),
+            "clip_frac_high": _frac(pos & (r > 1.0 + clip_high), valid),
             "dual_clip_frac": _frac(dual_active, valid),
         }
         vals.update(_masked_stats(r, valid, "ratio"))
@@ -223,23 +260,39 @@ def _policy_stats(adv, r, valid, dual_active, weights, over, *, clip_low, clip_h
     return dict(zip(vals, floats, strict=True))
 
 
+# Fractions computed from summed counts after merging (numerator, denominator).
+_COUNT_FRACTIONS = {
+    "mismatch_masked_frac": ("mismatch_masked_tokens_count", "mismatch_tokens_count"),
+    "mismatch_masked_seq_frac": ("mismatch_masked_seqs_count", "mismatch_seqs_count"),
+}
+
+
 def merge_stats(stats: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Combine per-micro-batch stats: token-weighted means for *_mean/*_frac, min/max else."""
+    """Combine per-micro-batch stats: token-weighted means for *_mean/*_frac, min/max else.
+
+    Keys ending in ``_count`` are summed over every micro-batch (an all-masked one included),
+    and the fractions of ``_COUNT_FRACTIONS`` are computed from those sums."""
     live = [s for s in stats if s.get("tokens", 0) > 0]
-    if not live:
-        return {"tokens": 0.0}
-    total = sum(s["tokens"] for s in live)
-    out: dict[str, float] = {"tokens": total}
-    for key in live[0]:
-        if key == "tokens":
-            continue
-        values = [s[key] for s in live]
-        if key.endswith("_min"):
-            out[key] = min(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(v * s["tokens"] for v, s in zip(values, live, strict=True)) / total
+    counts = {
+        k: sum(s.get(k, 0.0) for s in stats) for s in stats for k in s if k.endswith("_count")
+    }
+    out: dict[str, float] = {"tokens": sum(s["tokens"] for s in live)} if live else {"tokens": 0.0}
+    if live:
+        total = out["tokens"]
+        for key in live[0]:
+            if key == "tokens" or key.endswith("_count"):
+                continue
+            values = [s[key] for s in live]
+            if key.endswith("_min"):
+                out[key] = min(values)
+            elif key.endswith("_max"):
+                out[key] = max(values)
+            else:
+                out[key] = sum(v * s["tokens"] for v, s in zip(values, live, strict=True)) / total
+    out.update(counts)
+    for key, (num, den) in _COUNT_FRACTIONS.items():
+        if den in counts:
+            out[key] = counts[num] / counts[den] if counts[den] else float("nan")
     return out
 
 
@@ -337,55 +390,3 @@ def aggregate_loss(
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / m.sum(dim=-1).clamp(min=1.0)
     return per_seq.sum() / global_denominator
-
-
-def mismatch_stats(
-    learner_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
-    """Training-inference mismatch over valid tokens (no grad), as python floats.
-
-    With d = learner_logp - behaviour_logp (tokens were sampled from the behaviour policy):
-    kl_k3_mean = mean(exp(d) - d - 1), an unbiased, non-negative per-token estimate of
-    KL(behaviour || learner); kl_k1_mean = mean(-d), the plain estimate of the same KL;
-    abs_diff_mean = mean|d|; ratio_mean/min/max of exp(d) = pi_learner / pi_behaviour.
-    `tokens` is the count (all stats NaN when it is 0); merge micro-batches with `merge_stats`.
-    """
-    import torch
-
-    with torch.no_grad():
-        valid = mask.detach().bool()
-        d = (learner_logp.detach() - behaviour_logp.detach()).to(torch.float64)[valid]
-        if d.numel() == 0:
-            nan = float("nan")
-            return {
-                "tokens": 0.0,
-                "kl_k3_mean": nan,
-                "kl_k1_mean": nan,
-                "abs_diff_mean": nan,
-                "ratio_mean": nan,
-                "ratio_min": nan,
-                "ratio_max": nan,
-            }
-        dc = d.clamp(max=_MAX_LOG_RATIO)
-        ratio = torch.exp(dc)
-        vals = torch.stack(
-            [
-                d.new_tensor(float(d.numel())),
-                (ratio - dc - 1.0).mean(),
-                (-d).mean(),
-                d.abs().mean(),
-                ratio.mean(),
-                ratio.min(),
-                ratio.max(),
-            ]
-        )
-        names = [
-            "tokens",
-            "kl_k3_mean",
-            "kl_k1_mean",
-            "abs_diff_mean",
-            "ratio_mean",
-            "ratio_min",
-            "ratio_max",
-        ]
-        return dict(zip(names, vals.tolist(), strict=True))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.learner import batching, losses
+from services.learner import batching, losses, mismatch
 from services.learner.cycle import Sample, as_batch_fields
 from services.learner.dist import all_reduce, rank_world
 from services.learner.logprobs import micro_batches, proximal_is_current
@@ -75,8 +75,9 @@ def make_loss_fn(
     stats_out: list[dict[str, float]],
     proximal_from_forward: bool | None = None,
 ):
-    """The per-micro-batch loss: clipped policy loss (+ KL term, − entropy bonus), aggregated
-    over the WHOLE step's ``denominator`` so micro-batch losses simply add up.
+    """The per-micro-batch loss: policy loss (``learner.policy_loss``; + KL term, − entropy
+    bonus) over the tokens the mismatch mask keeps, aggregated over the WHOLE step's
+    ``denominator`` so micro-batch losses simply add up (masked tokens stay in it).
 
     ``proximal_from_forward`` (default: ``proximal_is_current(cfg)``): anchor the ratio to this
     forward pass's own log-probs, detached, instead of the micro-batch's recomputed ``old_logp``."""
@@ -85,6 +86,10 @@ def make_loss_fn(
 
     ln = cfg.learner
     want_entropy = ln.entropy_coef != 0
+    masking = any(
+        b is not None
+        for b in (ln.mismatch_mask_token, ln.mismatch_mask_sequence, ln.mismatch_mask_geometric)
+    )
     if proximal_from_forward is None:
         proximal_from_forward = proximal_is_current(cfg)
 
@@ -104,7 +109,21 @@ def make_loss_fn(
             anchor = mb["behaviour_logp"]
         else:
             anchor = logp.detach() if proximal_from_forward else mb["old_logp"]
+        raw_mismatch = mismatch.mismatch_stats(logp, mb["behaviour_logp"], mask)
+        if masking:
+            # the learner's side of the ratio: the proximal policy, or this forward's own
+            # log-probs when the ratio is anchored to the behaviour policy (off_policy none)
+            keep, mask_counts = mismatch.mismatch_mask(
+                logp.detach() if off == "none" else anchor,
+                mb["behaviour_logp"],
+                mask,
+                token=ln.mismatch_mask_token,
+                sequence=ln.mismatch_mask_sequence,
+                geometric=ln.mismatch_mask_geometric,
+            )
+            mask = mask * keep.to(mask.dtype)
         token_loss, stats = losses.policy_loss(
+            loss_type=ln.policy_loss,
             logp=logp,
             old_logp=anchor,
             advantages=mb["advantage"],
@@ -131,13 +150,9 @@ def make_loss_fn(
             assert entropy is not None
             token_loss = token_loss - ln.entropy_coef * entropy
             stats["entropy_mean"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-        stats.update(
-            {
-                f"mismatch_{k}": v
-                for k, v in losses.mismatch_stats(logp, mb["behaviour_logp"], mask).items()
-                if k != "tokens"
-            }
-        )
+        stats.update({f"mismatch_{k}": v for k, v in raw_mismatch.items() if k != "tokens"})
+        if masking:
+            stats.update(mask_counts)
         stats_out.append(stats)
         return losses.aggregate_loss(
             token_loss, mask, mode=ln.loss_agg, global_denominator=denominator

@@ -52,6 +52,21 @@ class _Metrics:
             "tether_learner_duplicate_groups_total",
             "scored groups received again after training (acked, not trained)",
         )
+        self.filtered = metric(
+            "Counter",
+            "tether_learner_filtered_samples_total",
+            "responses of equal-reward groups left out of training (no signal)",
+        )
+        self.overlong = metric(
+            "Counter",
+            "tether_learner_overlong_masked_samples_total",
+            "responses cut off at max_response_tokens and masked from the loss",
+        )
+        self.filter_rate = metric(
+            "Gauge",
+            "tether_learner_dynamic_sampling_filter_rate",
+            "smoothed share of equal-reward groups that steers dynamic sampling's extra prompts",
+        )
         self.staleness = metric(
             "Histogram",
             "tether_learner_staleness_steps",
@@ -116,6 +131,7 @@ class Rank0:
         self.metrics_path = RunDir(run_dir).metrics
         self.trackers = Trackers(cfg, run_dir)
         self._last_housekeeping = 0.0
+        self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
     def _start_publisher(self):
         from common.weights.publisher import WeightPublisher
@@ -139,11 +155,13 @@ class Rank0:
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             "dispatched_through": self.dispatcher.dispatched_through,
+            "dispatch": self.dispatcher.state(),
             "eval_history": self.eval_history[-50:],
         }
 
     def restore(self, extra: dict[str, Any]) -> None:
         self.dispatcher.dispatched_through = int(extra.get("dispatched_through", -1))
+        self.dispatcher.restore(extra.get("dispatch"))
         self.eval_history = list(extra.get("eval_history", []))
 
     def ack_trained(self, next_cycle: int) -> None:
@@ -218,18 +236,74 @@ class Rank0:
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
     ) -> list[wire.ScoredGroup] | None:
         """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping).
-        ``idle`` runs before every blocking read (the heartbeat and the other ranks' keepalive)."""
+        ``idle`` runs before every blocking read (the heartbeat and the other ranks' keepalive).
+        With dynamic sampling: until every dispatched group is here and ``prompts_per_cycle``
+        of them are informative, topping up as ``sampling.py`` says; ``selection_counts`` then
+        holds the responses filtered and surplus among the groups not returned."""
+        if self.dispatcher.dynamic:
+            return self._collect_dynamic(cycle, stop=stop, idle=idle)
         need = self.cfg.run.prompts_per_cycle
         with self.timer.phase("waiting_input"):
             while len(self.buffer[cycle]) < need:
                 idle()
                 if stop():
                     return None
-                for d in self.consumer.read(64, self.cfg.bus.block_ms):
-                    self._take(d, cycle)
+                self._read(cycle)
         deliveries = list(self.buffer.pop(cycle).values())
         self.trained_deliveries += deliveries
         return [d.msg for d in deliveries]
+
+    def _read(self, cycle: int) -> None:
+        for d in self.consumer.read(64, self.cfg.bus.block_ms):
+            self._take(d, cycle)
+
+    def _collect_dynamic(
+        self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None]
+    ) -> list[wire.ScoredGroup] | None:
+        from services.learner import sampling
+
+        need, n = self.cfg.run.prompts_per_cycle, self.cfg.run.responses_per_prompt
+        with self.timer.phase("waiting_input"):
+            while True:
+                expected = self.dispatcher.positions(cycle)
+                here = {d.msg.group.index: d.msg for d in self.buffer[cycle].values()}
+                if not expected <= set(here):
+                    idle()
+                    if stop():
+                        return None
+                    self._read(cycle)
+                    continue
+                sel = sampling.select([here[g] for g in expected], need, fill=False)
+                missing = need - len(sel.chosen)
+                if missing == 0 or not self.dispatcher.top_up(
+                    cycle, missing, filtered=len(sel.filtered), examined=len(expected)
+                ):
+                    break
+        # groups at positions this replay did not dispatch (none unless the run diverged)
+        # are examined too, so that every received group is accounted for
+        sel = sampling.select([d.msg for d in self.buffer[cycle].values()], need, fill=True)
+        self.dispatcher.observe(
+            filtered=sum(1 for g in here.values() if not sampling.informative(g.rewards)),
+            examined=len(here),
+        )
+        self.selection_counts = {
+            "filtered_samples": len(sel.filtered) * n,
+            "surplus_samples": len(sel.surplus) * n,
+        }
+        self.metrics.filtered.inc(len(sel.filtered) * n)
+        self.metrics.filter_rate.set(self.dispatcher.filter_rate or 0.0)
+        if sel.informative < need:
+            log.warning(
+                "cycle %d: only %d of %d groups carry signal after %d extra prompts (the cap, "
+                "learner.max_extra_prompts_per_cycle); the rest train at weight 0",
+                cycle,
+                sel.informative,
+                need,
+                self.dispatcher.extra_used(cycle),
+            )
+        self.dispatcher.forget(cycle)
+        self.trained_deliveries += list(self.buffer.pop(cycle).values())
+        return sel.chosen
 
     # ------------------------------------------------------------------ evaluation
     def start_eval(self, version: int) -> None:
@@ -304,6 +378,10 @@ class Rank0:
             rec["staleness_max"],
             rec["seconds"],
         )
+
+    def count_masked(self, *, filtered: int, overlong: int) -> None:
+        self.metrics.filtered.inc(filtered)
+        self.metrics.overlong.inc(overlong)
 
     def close(self) -> None:
         self.publisher.close()

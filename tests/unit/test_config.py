@@ -286,3 +286,41 @@ def test_health_limits_that_would_kill_healthy_services_are_refused():
         load("scorer.liveness_s=3", "bus.block_ms=2000")
     cfg = load("learner.keepalive_s=5", "learner.collective_timeout_s=60")
     assert cfg.learner.keepalive_s == 5 and cfg.generator.liveness_s == 60.0
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["learner.clip_low=1.0"], 'only policy_loss = "cispo" accepts'),
+        (['learner.policy_loss="gspo"', "learner.dual_clip=3.0"], "dual_clip applies to"),
+        (["learner.mismatch_mask_token=[2.0, 0.5]"], "mismatch_mask_token"),
+        (["learner.mismatch_mask_geometric=[0.9]"], "mismatch_mask_geometric"),
+        (["learner.dynamic_sampling=true"], "filter_equal_reward_groups = true"),
+        (["learner.max_extra_prompts_per_cycle=4"], "has no effect"),
+        (
+            [
+                "learner.dynamic_sampling=true",
+                "learner.filter_equal_reward_groups=true",
+                "run.responses_per_prompt=1",
+            ],
+            "responses_per_prompt ≥ 2",
+        ),
+    ],
+)
+def test_learner_algorithm_settings_that_cannot_work_are_refused(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=sets, env={})
+
+
+def test_dynamic_sampling_cap_is_derived_and_cispo_may_drop_its_lower_clip():
+    res = load_config(
+        overrides=[
+            "learner.dynamic_sampling=true",
+            "learner.filter_equal_reward_groups=true",
+            'learner.policy_loss="cispo"',
+            "learner.clip_low=1.0",
+        ],
+        env={},
+    )
+    assert res.config.learner.max_extra_prompts_per_cycle == 2 * res.config.run.prompts_per_cycle
+    assert "learner.max_extra_prompts_per_cycle" in res.config._derived

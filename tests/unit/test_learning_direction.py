@@ -15,9 +15,23 @@ from services.learner.train_step import train_step
 @pytest.mark.parametrize("off_policy", ["decoupled", "tis", "none"])
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
 def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
+    samples, delta, _ = train_three_cycles(
+        tmp_path, f'learner.off_policy="{off_policy}"', f'learner.advantage_estimator="{estimator}"'
+    )
+    up = [d for d, s in zip(delta, samples, strict=True) if s.reward > 0]
+    down = [d for d, s in zip(delta, samples, strict=True) if s.reward == 0]
+    assert min(up) > 0 and max(down) < 0, (up, down)
+
+
+def train_three_cycles(tmp_path, *sets: str, edit=None):
+    """Three cycles of two optimizer steps on two groups of four made-up responses (reward
+    1 for odd ones), through the real learner path. ``edit(samples)`` may change the samples
+    after the behaviour log-probs are set. Returns (samples, change of each response's log-prob,
+    the steps' merged stats)."""
     import torch
 
     from common.demo.tiny_model import build_tiny_model
+    from services.learner import losses
     from services.learner.model import load_policy
 
     torch.manual_seed(0)
@@ -29,12 +43,7 @@ def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
             "run.responses_per_prompt": 4,
             "run.train_steps_per_cycle": 2,
         },
-        overrides=[
-            f'learner.off_policy="{off_policy}"',
-            f'learner.advantage_estimator="{estimator}"',
-            "learner.lr=3e-3",
-            "generator.temperature=0.7",
-        ],
+        overrides=["learner.lr=3e-3", "generator.temperature=0.7", *sets],
         env={},
     ).config
     g = torch.Generator().manual_seed(1)
@@ -66,7 +75,10 @@ def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
         strict=True,
     ):
         s.behaviour_logp = lp  # as if the generator sampled them with these weights
+    if edit is not None:
+        edit(samples)
     opt = optim.build_optimizer(model, lr=cfg.learner.lr)
+    stats: list[dict[str, float]] = []
     sched = optim.build_scheduler(opt, optim.build_schedule())
     for cycle in range(3):
         assign_advantages(samples, cfg)
@@ -85,14 +97,11 @@ def test_rewarded_responses_become_more_likely(tmp_path, off_policy, estimator):
             loss_fn = objective.make_loss_fn(
                 cfg,
                 denominator=objective.step_denominator(cfg, samples, idx, torch.device("cpu")),
-                stats_out=[],
+                stats_out=stats,
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=1.0)
     after = seq_logp()
-    delta = [a - b for a, b in zip(after, before, strict=True)]
-    up = [d for d, s in zip(delta, samples, strict=True) if s.reward > 0]
-    down = [d for d, s in zip(delta, samples, strict=True) if s.reward == 0]
-    assert min(up) > 0 and max(down) < 0, (up, down)
+    return samples, [a - b for a, b in zip(after, before, strict=True)], losses.merge_stats(stats)
 
 
 def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(tmp_path):

@@ -10,12 +10,12 @@ from services.learner.losses import (
     entropy_from_logits,
     kl_penalty,
     merge_stats,
-    mismatch_stats,
     policy_loss,
     step_denominator,
     token_entropy,
     token_logprobs,
 )
+from services.learner.mismatch import mismatch_stats
 
 LN2 = math.log(2.0)
 

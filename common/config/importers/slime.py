@@ -179,6 +179,8 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
         "grpo": "grpo",
         "reinforce_plus_plus": "reinforce_pp",
         "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
+        "gspo": "grpo",  # GRPO advantages with the GSPO / CISPO loss (learner.policy_loss)
+        "cispo": "grpo",
     }
     est = m.peer_estimator("advantage_estimator", table, "grpo")
     no_std = m.get("disable_grpo_std_normalization", False)

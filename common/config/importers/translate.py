@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.config.importers.loss_and_sampling import map_loss_and_sampling
 from common.config.importers.mapping import Mapper, why_unmapped
 from common.config.importers.openrlhf import map_openrlhf
 from common.config.importers.result import PEERS, ImportProblem, ImportResult
@@ -47,5 +48,6 @@ def import_peer_config(
     if not src.problems:
         mapper = Mapper(peer, src, result)
         _MAPPERS[peer](mapper)
+        map_loss_and_sampling(peer, mapper)
         mapper.finish(why_unmapped)
     return result

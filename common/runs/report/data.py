@@ -72,7 +72,8 @@ def service_rates(service: dict[str, Any], *, responses_per_prompt: int) -> dict
 def accounting_rows(
     status: dict[str, Any], *, responses_per_prompt: int, passes_per_cycle: int, eval_groups: int
 ) -> list[tuple[str, str, int, str]]:
-    """The identity generated = trained + dropped + filtered + dead-lettered + in flight, in
+    """The identity generated = trained + dropped + filtered + masked over-long + surplus +
+    dead-lettered + in flight, in
     trajectories (responses), as (key, label, value, source) rows; the last row is the unexplained
     remainder (0 when the books balance).
 
@@ -85,13 +86,15 @@ def accounting_rows(
     trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
     dropped = acc.get("dropped_stale_samples", 0)
     filtered = acc.get("filtered_samples", 0)
+    overlong = acc.get("overlong_masked_samples", 0)
+    surplus = acc.get("surplus_samples", 0)
     dead = acc.get("dead_letters", 0) * n
     queued = sum(
         streams.get(s, {}).get(k, 0)
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
     )
     in_flight = queued * n
-    rest = generated - trained - dropped - filtered - dead - in_flight
+    rest = generated - trained - dropped - filtered - overlong - surplus - dead - in_flight
     return [
         (
             "generated",
@@ -107,6 +110,18 @@ def accounting_rows(
             "older than max_staleness when their step came",
         ),
         ("filtered", "filtered (equal-reward groups)", filtered, "no learning signal"),
+        (
+            "overlong_masked",
+            "masked (cut off at max_response_tokens)",
+            overlong,
+            "learner.overlong_filter",
+        ),
+        (
+            "surplus",
+            "surplus (dynamic sampling)",
+            surplus,
+            "informative groups beyond prompts_per_cycle",
+        ),
         ("dead_lettered", "dead-lettered", dead, "dead-letter entries × responses per group"),
         (
             "in_flight",
