@@ -1,5 +1,6 @@
 """Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``receive()`` when an
-update is pending; a failed update leaves the previous complete version in place."""
+update is pending, from the learner (pairwise) or from the member above in the chain, passing it
+on to the member below; a failed update leaves the previous complete version in place."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from common.weights.chain import PROGRESS_EVERY_S, Forwarder, Route, cancellable, link
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
@@ -38,6 +40,8 @@ class WeightReceiver:
         self._pstore: Any = None
         self._pg: Any = None
         self._spare = self._latest_buf = None
+        self._links: dict[tuple[int, int], Any] = {}  # (chain epoch, link) -> its pairwise group
+        self._forwarding: list[tuple[Any, Forwarder]] = []  # buffers still being passed on
 
     @property
     def joined(self) -> bool:
@@ -110,19 +114,51 @@ class WeightReceiver:
             if time.monotonic() >= deadline:
                 raise WeightSyncError(f"no weight update arrived within {wait_s} s")
             time.sleep(0.02)
+        text = self._pstore.get("route").decode() if self._pstore.check(["route"]) else "0:pair"
+        route, pstore = Route.parse(text), self._pstore
+        t_end = time.monotonic() + self.timeout_s
+        self._forwarding = [(b, f) for b, f in self._forwarding if f.alive()]
+        if any(b is self._spare for b, _ in self._forwarding):
+            self._spare = None  # still being read by a relay to a slow member: take a fresh one
+        fwd = None
         try:
+            if route.epoch:
+                pg = cancellable(lambda: self._chain_link(route, 1, t_end), t_end,
+                                 lambda: _called_off(pstore, text))  # fmt: skip
+                if route.position < route.length:
+                    fwd = Forwarder(lambda: self._chain_link(route, 0, t_end), t_end,
+                                    lambda: _called_off(pstore, text),
+                                    lambda why: _report(pstore, f"{text}|{why}", "below"))  # fmt: skip
+            else:
+                pg = self._pg
             version, named, _, buf = receive_update(
-                self._pg,
+                pg,
                 device=self.device or "cpu",
                 on_unit=on_unit,
                 staging=self._spare,
-                deadline=time.monotonic() + self.timeout_s,
+                deadline=t_end,
+                relay=fwd.put if fwd else None,
+                progress=_reporter(pstore, text),
+                cancelled=lambda: _called_off(pstore, text),
             )
         except Exception as e:
-            self._pg = None  # the group is in an unknown state: rejoin
+            # an op left behind may still write into the staging buffer: never reuse it
+            self._spare = None
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            if route.epoch:  # the pairwise group is intact: the learner retries or drops us
+                self._links.clear()
+                _report(pstore, f"{text}|err|{reason}")
+            else:
+                self._pg = None  # the group is in an unknown state: rejoin
             if isinstance(e, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight update failed mid-transfer: {e}") from e
+        finally:
+            if fwd is not None:
+                fwd.close()
+        _report(pstore, f"{text}|ok")
+        if fwd is not None:
+            self._forwarding.append((buf, fwd))
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"got version {version} after {self.version}: not newer")
         self.version = version
@@ -131,5 +167,48 @@ class WeightReceiver:
         self._spare, self._latest_buf = self._latest_buf, buf
         return version, named
 
-    def close(self) -> None:
+    def _chain_link(self, route: Route, rank: int, deadline: float):
+        """The group of the link above (rank 1) or below (rank 0) this member in the chain of
+        ``route``; built once per chain epoch, waiting for the other end until ``deadline``."""
+        key = (route.epoch, route.position + 1 - rank)
+        if key not in self._links:
+            if any(k[0] != route.epoch for k in self._links):
+                self._links.clear()
+            self._links[key] = link(self._store, key[0], key[1], rank, backend=self.backend,
+                                    timeout_s=max(deadline - time.monotonic(), 0.1))  # fmt: skip
+        return self._links[key]
+
+    def close(self, *, flush_s: float | None = None) -> None:
+        """Leave; first let the relays to the members below finish (up to ``flush_s``, default
+        ``timeout_s``): a member that exits mid-relay breaks the chain below it."""
+        end = time.monotonic() + (self.timeout_s if flush_s is None else flush_s)
+        for _, fwd in self._forwarding:
+            fwd.join(max(0.0, end - time.monotonic()))
+        self._forwarding = []
         self._pg = self._pstore = self._store = self._spare = self._latest_buf = None
+        self._links.clear()
+
+
+def _called_off(pstore, route: str) -> bool:
+    """The learner moved this member to another round, or dropped it."""
+    return pstore.get("route").decode() != route or pstore.check(["dropped"])
+
+
+def _report(pstore, value: str, key: str = "result") -> None:
+    try:
+        pstore.set(key, value)
+    except Exception:  # noqa: BLE001 - the learner then blames us after its stall time
+        logger.warning("weight sync: could not report %r to the learner", value, exc_info=True)
+
+
+def _reporter(pstore, route: str):
+    """``progress(n)`` for ``receive_update``: pieces received, at most every PROGRESS_EVERY_S."""
+    last = [0.0]
+
+    def progress(n: int) -> None:
+        now = time.monotonic()
+        if n == 1 or now - last[0] >= PROGRESS_EVERY_S:
+            pstore.set("progress", f"{route}|{n}")
+            last[0] = now
+
+    return progress

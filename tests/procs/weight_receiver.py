@@ -59,6 +59,7 @@ def main() -> None:
             from safetensors.torch import save_file
 
             save_file({n: t.clone() for n, t in named}, a.save)
+    rx.close()  # lets the relay to the member below in the chain finish
 
 
 if __name__ == "__main__":
