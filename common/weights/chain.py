@@ -48,13 +48,33 @@ class Route:
         return cls(*(int(x) for x in parts))  # type: ignore[arg-type]
 
 
-def link(store, epoch: int, position: int, rank: int, *, backend: str, timeout_s: float):
-    """The pairwise group of link ``position`` of chain ``epoch`` (blocks until both ends are in)."""
+def link(host: str, port: int, epoch: int, position: int, rank: int, *, backend: str,
+         timeout_s: float):  # fmt: skip
+    """The pairwise group of link ``position`` of chain ``epoch`` (blocks until both ends are in).
+
+    It meets over a store client of its own: a rendezvous holds its client's lock while it waits
+    for the other end, and the learner's watch and a member's checks must go on meanwhile."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     prefix = f"wsync/chain/{epoch}/link/{position}/"
-    return make_pair_group(dist.PrefixStore(prefix, store), rank, backend=backend,
+    return make_pair_group(dist.PrefixStore(prefix, client), rank, backend=backend,
                            timeout_s=timeout_s)  # fmt: skip
+
+
+def release_later(groups, *, after_s: float) -> None:
+    """Let go of process groups on a helper thread, ``after_s`` (their ops' timeout) from now: a
+    gloo group with an op still pending (a peer that stopped) blocks in its destructor until that
+    op times out, and whoever drops the last reference pays for it. This thread holds one until
+    then, so that it is not the caller's time (nor that of an exception's traceback)."""
+
+    def hold(held=groups) -> None:
+        time.sleep(after_s)
+        held = None  # noqa: F841 - dropped here, on this thread
+
+    threading.Thread(target=hold, name="wsync-release", daemon=True).start()
 
 
 def cancellable(fn, deadline: float, cancelled):
@@ -118,6 +138,8 @@ class Forwarder:
             self.error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             logger.warning("weight sync: passing the update on failed: %s", self.error)
             self._on_error(self.error)
+        finally:
+            self.pg = None  # any wait in its destructor is this thread's
 
 
 @dataclass(eq=False)

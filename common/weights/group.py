@@ -4,6 +4,7 @@ broadcast, and the deadline every collective is held to (``finish``)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_KEY = "wsync/backend"  # set by the publisher: receivers use the learner's choice
 GPU_KEY = "wsync/learner_gpu"  # NCCL: the learner's GPU, so a generator on it can say so
+INSTANCE_KEY = "wsync/instance"  # one id per publisher: a version means something only within it
 NCCL_WATCHDOG_MARGIN_S = 60.0
 PROBE_TIMEOUT_S = 5.0  # connecting to the weight store's port before building the TCPStore client
 
@@ -105,7 +107,8 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
         else:
             limit = min(next_check, deadline) if deadline is not None else next_check
             try:
-                work.wait(timedelta(seconds=max(limit - now, 0.0005)))
+                # whole milliseconds, at least 1: c10d reads a 0 ms timeout as "wait forever"
+                work.wait(timedelta(milliseconds=max(1, math.ceil((limit - now) * 1000))))
                 return
             except RuntimeError as e:
                 if "Operation timed out!" not in str(e):

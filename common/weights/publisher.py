@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -15,9 +16,16 @@ from typing import Any
 
 from common.telemetry.metrics import metric
 from common.weights.buckets import unit_buffers
-from common.weights.chain import ChainRound, Route, link
+from common.weights.chain import ChainRound, Route, link, release_later
 from common.weights.checksum import hash_tensor
-from common.weights.group import BACKEND_KEY, GPU_KEY, default_device, gpu_uuid, make_pair_group
+from common.weights.group import (
+    BACKEND_KEY,
+    GPU_KEY,
+    INSTANCE_KEY,
+    default_device,
+    gpu_uuid,
+    make_pair_group,
+)
 from common.weights.layout import ALIGN, WeightSyncError, build_layout
 from common.weights.transfer import send_update
 
@@ -77,7 +85,7 @@ class WeightPublisher:
         import torch.distributed as dist
 
         self.backend, self.timeout_s, self.bucket_bytes = backend, timeout_s, bucket_bytes
-        self.fanout, self.chunk_bytes = fanout, chunk_bytes
+        self.fanout, self.chunk_bytes, self._host = fanout, chunk_bytes, host
         # a member quiet for a quarter of the deadline is stuck: the rest still get the version
         self._round = ChainRound(stall_s=timeout_s / 4, grace_s=min(0.5, timeout_s / 8))
         self._chain_key: list = []  # the (member, join epoch)s of the current chain epoch
@@ -87,10 +95,12 @@ class WeightPublisher:
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))  # fmt: skip
         self._store.set(BACKEND_KEY, backend)
+        self._store.set(INSTANCE_KEY, uuid.uuid4().hex)
         if backend == "nccl":
             self._store.set(GPU_KEY, gpu_uuid(self.device))
         self._members: dict[str, _Member] = {}
         self._latest: _Update | None = None
+        self._publishing = False  # the acceptor leaves members that have a version to publish()
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
         self._joins_seen = 0
@@ -136,7 +146,7 @@ class WeightPublisher:
         hasher = threading.Thread(target=self._hash, args=(update, named), daemon=True)
         hasher.start()
         with self._lock:
-            self._latest = update
+            self._latest, self._publishing = update, True
         if self._accept_lock.acquire(blocking=False):  # else the acceptor will catch them up
             try:
                 self._accept_pending()
@@ -144,11 +154,15 @@ class WeightPublisher:
                 self._accept_lock.release()
         with self._lock:
             members = list(self._members.values())
-        if self.fanout == "chain":
-            per_member, root_bytes = self._send_chain(update, members, t0 + self.timeout_s)
-        else:
-            per_member = self._send_all(update, members, t0 + self.timeout_s)
-            root_bytes = update.nbytes * len(members)
+        try:
+            if self.fanout == "chain":
+                per_member, root_bytes = self._send_chain(update, members, t0 + self.timeout_s)
+            else:
+                per_member = self._send_all(update, members, t0 + self.timeout_s)
+                root_bytes = update.nbytes * len(members)
+        finally:
+            with self._lock:
+                self._publishing = False
         hasher.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
         seconds = time.monotonic() - t0
         metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
@@ -158,13 +172,19 @@ class WeightPublisher:
                              root_bytes, self._chain_epoch)  # fmt: skip
 
     def publish_to_new_members(self) -> dict[str, str]:
-        """Accept pending joins and send the latest version to members that lack it."""
+        """Accept pending joins and send the latest version to members that lack it: during a
+        publish only to those that have no version at all (new members; the publish serves the
+        others, and catches up here afterwards any it could not lock)."""
         with self._accept_lock:
             self._accept_pending()
         with self._lock:
             update = self._latest
             behind = [
-                m for m in self._members.values() if update and m.version_sent < update.version
+                m
+                for m in self._members.values()
+                if update
+                and m.version_sent < update.version
+                and (m.version_sent < 0 or not self._publishing)
             ]
         if not behind or update is None:
             return {}
@@ -197,17 +217,26 @@ class WeightPublisher:
         entries = self._store.get("wsync/joins").decode().split(";")[:-1]
         for entry in entries[self._joins_seen :]:
             self._joins_seen += 1
-            member_id, _, epoch = entry.rpartition(":")
-            pstore = dist.PrefixStore(f"wsync/{member_id}/{epoch}/", self._store)
+            # <member>:<join epoch>:<version it holds from this publisher, -1 for none>
+            member_id, epoch, has = entry.split(":")
+            prefix = f"wsync/{member_id}/{epoch}/"
+            pstore = dist.PrefixStore(prefix, self._store)
+            with self._lock:  # what the member must wait for (set before it can finish joining)
+                pstore.set("current", str(self._latest.version if self._latest else -1))
             try:
-                pg = make_pair_group(pstore, 0, backend=self.backend, timeout_s=self.timeout_s)
+                # the rendezvous over a client of its own: it holds its client's lock while it
+                # waits, and a publish's watch uses the main one meanwhile
+                client = dist.TCPStore(self._host, self.port, is_master=False,
+                                       timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+                pg = make_pair_group(dist.PrefixStore(prefix, client), 0, backend=self.backend,
+                                     timeout_s=self.timeout_s)  # fmt: skip
             except Exception as e:
                 logger.warning("weight sync: join of %s epoch %s failed: %s", member_id, epoch, e)
                 metric("Counter", "tether_weights_member_failures_total", "Member failures",
                         ("reason",)).labels("join").inc()  # fmt: skip
                 continue
             with self._lock:
-                self._members[member_id] = _Member(member_id, int(epoch), pg, pstore)
+                self._members[member_id] = _Member(member_id, int(epoch), pg, pstore, int(has))
                 n = len(self._members)
             metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
@@ -234,7 +263,8 @@ class WeightPublisher:
 
     def _send_one(self, m: _Member, update: _Update, deadline: float) -> str:
         if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            return "timeout"
+            # held by a chain publish until its deadline: the member's outcome is that publish's
+            return "ok" if m.version_sent >= update.version else "timeout"
         try:
             if m.version_sent >= update.version:
                 return "ok"
@@ -302,6 +332,7 @@ class WeightPublisher:
                 self._chain_epoch + 1,
                 False,
             )
+            release_later(self._links1, after_s=self.timeout_s + 1)
             self._links1 = {}
             metric("Gauge", "tether_weights_chain_epoch", "Weight chain epoch").set(
                 self._chain_epoch
@@ -321,7 +352,8 @@ class WeightPublisher:
             self._use_device()
             pg = self._links1.get(epoch)
             if pg is None:
-                pg = link(self._store, epoch, 1, 0, backend=self.backend, timeout_s=self.timeout_s)
+                pg = link(self._host, self.port, epoch, 1, 0, backend=self.backend,
+                          timeout_s=self.timeout_s)  # fmt: skip
                 if epoch == self._chain_epoch:
                     self._links1[epoch] = pg
             send_update(pg, update.header, update.version, update.units,

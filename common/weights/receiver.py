@@ -9,10 +9,18 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from common.weights.chain import PROGRESS_EVERY_S, Forwarder, Route, cancellable, link
+from common.weights.chain import (
+    PROGRESS_EVERY_S,
+    Forwarder,
+    Route,
+    cancellable,
+    link,
+    release_later,
+)
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
+    INSTANCE_KEY,
     PROBE_TIMEOUT_S,
     default_device,
     gpu_uuid,
@@ -36,6 +44,8 @@ class WeightReceiver:
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
         self.version: int | None = None
         self.epoch: int | None = None
+        self._instance = ""  # the publisher ``version`` came from
+        self.current = -1  # the learner's latest version when it accepted our join (-1: none)
         self._store: Any = None
         self._pstore: Any = None
         self._pg: Any = None
@@ -72,11 +82,19 @@ class WeightReceiver:
                     f"the learner and generator {self.member_id!r} share GPU {self.device}: NCCL "
                     'cannot connect two ranks on one GPU; set weights.backend = "gloo"'
                 )
+            has_id = self._store.check([INSTANCE_KEY])
+            instance = self._store.get(INSTANCE_KEY).decode() if has_id else ""
+            if instance != self._instance:  # another learner: its versions start over
+                self.version, self._instance = None, instance
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
             self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
-            self._store.append("wsync/joins", f"{self.member_id}:{epoch};")
+            has = -1 if self.version is None else self.version  # not sent again on the catch-up
+            self._store.append("wsync/joins", f"{self.member_id}:{epoch}:{has};")
             self._pg = make_pair_group(self._pstore, 1, backend=self.backend,
                                        timeout_s=self.timeout_s)  # fmt: skip
+            # set before the learner's side of the rendezvous (absent: nothing to wait for)
+            has_current = self._pstore.check(["current"])
+            self.current = int(self._pstore.get("current")) if has_current else -1
         except Exception as e:
             raise WeightSyncError(
                 f"could not join the learner's weight sync at {self.host}:{self.port} "
@@ -120,13 +138,13 @@ class WeightReceiver:
         self._forwarding = [(b, f) for b, f in self._forwarding if f.alive()]
         if any(b is self._spare for b, _ in self._forwarding):
             self._spare = None  # still being read by a relay to a slow member: take a fresh one
-        fwd = None
+        fwd = pg = None
         try:
             if route.epoch:
-                pg = cancellable(lambda: self._chain_link(route, 1, t_end), t_end,
+                pg = cancellable(lambda: self._chain_link(route, 1), t_end,
                                  lambda: _called_off(pstore, text))  # fmt: skip
                 if route.position < route.length:
-                    fwd = Forwarder(lambda: self._chain_link(route, 0, t_end), t_end,
+                    fwd = Forwarder(lambda: self._chain_link(route, 0), t_end,
                                     lambda: _called_off(pstore, text),
                                     lambda why: _report(pstore, f"{text}|{why}", "below"))  # fmt: skip
             else:
@@ -146,9 +164,11 @@ class WeightReceiver:
             self._spare = None
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             if route.epoch:  # the pairwise group is intact: the learner retries or drops us
-                self._links.clear()
+                release_later((self._links, pg), after_s=self.timeout_s + 1)
+                self._links = {}
                 _report(pstore, f"{text}|err|{reason}")
             else:
+                release_later((pg,), after_s=self.timeout_s + 1)
                 self._pg = None  # the group is in an unknown state: rejoin
             if isinstance(e, WeightSyncError):
                 raise
@@ -167,15 +187,16 @@ class WeightReceiver:
         self._spare, self._latest_buf = self._latest_buf, buf
         return version, named
 
-    def _chain_link(self, route: Route, rank: int, deadline: float):
+    def _chain_link(self, route: Route, rank: int):
         """The group of the link above (rank 1) or below (rank 0) this member in the chain of
-        ``route``; built once per chain epoch, waiting for the other end until ``deadline``."""
+        ``route``; built once per chain epoch (the rendezvous waits up to ``timeout_s``)."""
         key = (route.epoch, route.position + 1 - rank)
         if key not in self._links:
             if any(k[0] != route.epoch for k in self._links):
-                self._links.clear()
-            self._links[key] = link(self._store, key[0], key[1], rank, backend=self.backend,
-                                    timeout_s=max(deadline - time.monotonic(), 0.1))  # fmt: skip
+                release_later(self._links, after_s=self.timeout_s + 1)
+                self._links = {}
+            self._links[key] = link(self.host, self.port, key[0], key[1], rank,
+                                    backend=self.backend, timeout_s=self.timeout_s)  # fmt: skip
         return self._links[key]
 
     def close(self, *, flush_s: float | None = None) -> None:
@@ -186,7 +207,8 @@ class WeightReceiver:
             fwd.join(max(0.0, end - time.monotonic()))
         self._forwarding = []
         self._pg = self._pstore = self._store = self._spare = self._latest_buf = None
-        self._links.clear()
+        release_later(self._links, after_s=self.timeout_s + 1)
+        self._links = {}
 
 
 def _called_off(pstore, route: str) -> bool:
