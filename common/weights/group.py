@@ -35,6 +35,15 @@ def default_device(backend: str) -> str:
     return f"cuda:{torch.cuda.current_device()}"
 
 
+def use_device(device: str) -> None:
+    """Make ``device`` this thread's current GPU (a no-op for host memory): the CUDA device is
+    per thread, and every sender or relay thread must start its NCCL ops on its side's GPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
 def probe(host: str, port: int, *, timeout_s: float) -> None:
     """Fail at once when nothing listens at the weight store's address (a learner that died or
     restarted elsewhere): a TCPStore client keeps retrying a refused connection for up to

@@ -25,6 +25,7 @@ from common.weights.group import (
     default_device,
     gpu_uuid,
     make_pair_group,
+    use_device,
 )
 from common.weights.layout import ALIGN, WeightSyncError, build_layout
 from common.weights.transfer import send_update
@@ -100,7 +101,7 @@ class WeightPublisher:
             self._store.set(GPU_KEY, gpu_uuid(self.device))
         self._members: dict[str, _Member] = {}
         self._latest: _Update | None = None
-        self._publishing = False  # the acceptor leaves members that have a version to publish()
+        self._publishing = False  # while true the acceptor leaves the members to publish()
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
         self._joins_seen = 0
@@ -172,9 +173,9 @@ class WeightPublisher:
                              root_bytes, self._chain_epoch)  # fmt: skip
 
     def publish_to_new_members(self) -> dict[str, str]:
-        """Accept pending joins and send the latest version to members that lack it: during a
-        publish only to those that have no version at all (new members; the publish serves the
-        others, and catches up here afterwards any it could not lock)."""
+        """Accept pending joins and send the latest version to members that lack it; not while a
+        publish runs (it serves the members it could lock; a member that joined meanwhile is
+        caught up here right after it, within the publish's deadline)."""
         with self._accept_lock:
             self._accept_pending()
         with self._lock:
@@ -182,9 +183,7 @@ class WeightPublisher:
             behind = [
                 m
                 for m in self._members.values()
-                if update
-                and m.version_sent < update.version
-                and (m.version_sent < 0 or not self._publishing)
+                if update and m.version_sent < update.version and not self._publishing
             ]
         if not behind or update is None:
             return {}
@@ -270,7 +269,7 @@ class WeightPublisher:
                 return "ok"
             m.store.set("route", str(Route(update.version)))
             m.store.set("pending", str(update.version))
-            self._use_device()
+            use_device(self.device)  # this sender thread's GPU
             send_update(m.pg, update.header, update.version, update.units,
                         lambda: update.wait_digest(deadline), deadline)  # fmt: skip
             m.version_sent = update.version
@@ -282,12 +281,6 @@ class WeightPublisher:
             return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
         finally:
             m.lock.release()
-
-    def _use_device(self) -> None:
-        if self.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.set_device(torch.device(self.device))  # this sender thread's device
 
     def _send_chain(self, update: _Update, members: list[_Member], deadline: float):
         """Send ``update`` down a chain of the members this thread can lock now (the others are
@@ -349,7 +342,7 @@ class WeightPublisher:
     def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float) -> None:
         """The learner's only send of a chain round: to the first member, over link 1."""
         try:
-            self._use_device()
+            use_device(self.device)
             pg = self._links1.get(epoch)
             if pg is None:
                 pg = link(self._host, self.port, epoch, 1, 0, backend=self.backend,

@@ -26,6 +26,7 @@ from common.weights.group import (
     gpu_uuid,
     make_pair_group,
     probe,
+    use_device,
 )
 from common.weights.layout import WeightSyncError
 from common.weights.transfer import receive_update
@@ -144,7 +145,7 @@ class WeightReceiver:
                 pg = cancellable(lambda: self._chain_link(route, 1), t_end,
                                  lambda: _called_off(pstore, text))  # fmt: skip
                 if route.position < route.length:
-                    fwd = Forwarder(lambda: self._chain_link(route, 0), t_end,
+                    fwd = Forwarder(lambda: self._relay_link(route), t_end,
                                     lambda: _called_off(pstore, text),
                                     lambda why: _report(pstore, f"{text}|{why}", "below"))  # fmt: skip
             else:
@@ -199,6 +200,11 @@ class WeightReceiver:
                                     backend=self.backend, timeout_s=self.timeout_s)  # fmt: skip
         return self._links[key]
 
+    def _relay_link(self, route: Route):
+        """The link below, from the relay's own thread (which must first pick this side's GPU)."""
+        use_device(self.device or "cpu")
+        return self._chain_link(route, 0)
+
     def close(self, *, flush_s: float | None = None) -> None:
         """Leave; first let the relays to the members below finish (up to ``flush_s``, default
         ``timeout_s``): a member that exits mid-relay breaks the chain below it."""
@@ -213,7 +219,9 @@ class WeightReceiver:
 
 def _called_off(pstore, route: str) -> bool:
     """The learner moved this member to another round, or dropped it."""
-    return pstore.get("route").decode() != route or pstore.check(["dropped"])
+    if pstore.check(["dropped"]):
+        return True
+    return pstore.check(["route"]) and pstore.get("route").decode() != route
 
 
 def _report(pstore, value: str, key: str = "result") -> None:
