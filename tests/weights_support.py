@@ -63,3 +63,15 @@ def publish_in_thread(pub: WeightPublisher, named, version: int) -> dict:
     box["thread"] = threading.Thread(target=run, daemon=True)
     box["thread"].start()
     return box
+
+
+def stop_all(procs: list, pub: WeightPublisher) -> None:
+    """End the receiver processes still running (woken first, in case one was SIGSTOPped) and
+    the publisher."""
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+    pub.close()

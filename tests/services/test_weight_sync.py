@@ -23,6 +23,7 @@ from tests.weights_support import (  # noqa: E402
     events,
     publish_in_thread,
     start_receiver,
+    stop_all,
     wait_for,
     weights,
 )
@@ -82,10 +83,7 @@ def test_two_receivers_exact_then_sigkill_mid_broadcast_then_rejoin(tmp_path):
             assert [e for e in events(log) if e.get("version") == 3][0]["checksum"] == r3.checksum
         assert a.wait(20) == 0 and b2.wait(20) == 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        pub.close()
+        stop_all(procs, pub)
 
 
 @pytest.mark.slow
@@ -110,10 +108,7 @@ def test_hung_member_times_out_without_blocking_the_others(tmp_path, fanout, out
         assert set(pub.members()) == {"a"}
         assert wait_for(lambda: any(e.get("version") == 7 for e in events(log_a)))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        pub.close()
+        stop_all(procs, pub)
 
 
 def _hand_rolled_learner(store, member: str, epoch: int):
