@@ -81,6 +81,20 @@ process (Tether's services and TRL alike); without it each process uses the libr
   has nothing to generate, taken from the learner on a shared machine. Fixed after these rows
   were measured: generators now watch the learner's `weights:publishing` announcement in Redis
   and call into the engine only when a newer version is announced (or every 5 s).
+- **Weights to N generators on one machine.** `tether bench weights --generators 1,2,4` counts
+  what the learner itself writes to its sockets (`wchar` in its `/proc/self/io`; the loopback
+  counter of `/proc/net/dev` agrees) over a 200 MB publish to 1, 2 and 4 receiver processes,
+  pairwise and down a chain alternately on the same receivers. The learner's bytes are the
+  measure that carries over to a cluster: down a chain they stay at 1.00× the model for any N
+  (pairwise N×; gloo's own broadcast, a binomial tree, ⌈log2(N + 1)⌉×). The seconds do not carry
+  over: on loopback every copy, the learner's and each relay's, is a memcpy through the same two
+  cores and memory bus, so the N copies a chain still makes (one per link) cost the same CPU
+  here as N pairwise sends, and at a load of 7–16 on 2 cores one publish varied 0.6–2.3 s from
+  one repeat to the next. What would limit it on separate hosts is one link's bandwidth plus one
+  piece (`weights.chunk_mb`, 4 MB) of delay per extra generator (`common/runs/plan.py`). The
+  publish ÷ bare-broadcast ratio (0.15 in that run, 0.50 on an idle machine earlier) is
+  dominated by the same load; an A/B at load 13 alternating whole 64 MB units and 4 MB pieces
+  found no cost to the pieces (best 1.50 s whole-unit pairwise, 1.01 s in a 4 MB chain).
 
 """
 

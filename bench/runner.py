@@ -61,6 +61,7 @@ def run_one(
     reuse: dict[str, Any] | None = None,
     threads: int | None = None,
     size: str | None = None,
+    generators: tuple[int, ...] = (),
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -82,7 +83,19 @@ def run_one(
         kwargs["size"] = size
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
+    if what == "weights" and generators:
+        kwargs["generators"] = generators
     return fn(out_path=out, **kwargs)
+
+
+def _generators(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--generators {text!r}: give counts >= 1 separated by commas, e.g. 1,2,4")
+    return counts
 
 
 def run_bench(args: Any) -> int:
@@ -100,10 +113,12 @@ def run_bench(args: Any) -> int:
     work_dir = Path(getattr(args, "work_dir", None) or "bench/work")
     threads = getattr(args, "threads", None)
     size = getattr(args, "size", None)
+    generators = _generators(getattr(args, "generators", None) or ("1,2" if quick else "1,2,4"))
     if what != "all":
         result = run_one(
-            what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size
-        )
+            what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
+            generators=generators,
+        )  # fmt: skip
         if result is None:
             print(f"bench {what}: its module is not available in this checkout")
             return 1
@@ -120,6 +135,7 @@ def run_bench(args: Any) -> int:
                 reuse=reuse,
                 threads=threads,
                 size=size,
+                generators=generators,
             )
             if name == "pipeline":
                 pipeline = result

@@ -1,9 +1,17 @@
 """Benchmark: a ``WeightPublisher.publish`` of N MB to one receiver process against a bare gloo
-broadcast of the same bytes, in the same run, on the same machine.
+broadcast of the same bytes, in the same run, on the same machine; then, for each number of
+generators in ``generators``, the bytes the learner sends and the seconds a publish takes, down a
+chain against pairwise, and what gloo's own broadcast sends from its root.
 
 The publish includes what the bare broadcast does not: the header, bucketing, the xxh3
 checksum on both sides (the receiver verifies before returning) and the thread hand-off.
 Timed on the learner side; each figure is the best of ``repeats`` after one warm-up.
+
+Bytes sent by the learner: the growth of ``wchar`` in ``/proc/self/io`` of this process (the
+learner) over a publish: every byte handed to a write-type system call, sockets included (the
+weight store's server thread adds a few kB). Bytes over loopback: ``lo``'s transmit counter in
+``/proc/net/dev`` (every process). Checked against gloo's broadcast: 1.00x the buffer for one
+receiver.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 
 
 def run_weights_bench(
-    *, total_mb: int = 256, num_tensors: int = 16, repeats: int = 3, out_path: str | None = None
-) -> dict:
-    """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio."""
+    *, total_mb: int = 200, num_tensors: int = 16, repeats: int = 3, out_path: str | None = None,
+    generators: tuple[int, ...] = (),
+) -> dict:  # fmt: skip
+    """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio, and
+    with ``generators`` the scaling section (see the module docstring)."""
     import torch
 
     from common.weights.group import broadcast, make_pair_group
@@ -87,11 +97,142 @@ def run_weights_bench(
         "all_publish_seconds": publish_s,
         "all_bare_seconds": bare_s,
     }
+    if generators:
+        result.update(_scaling(named, generators, repeats))
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(result, indent=2))
     return result
 
 
+def _written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
+def _loopback_sent() -> int:
+    with open("/proc/net/dev") as f:
+        return next(
+            int(line.split(":")[1].split()[8]) for line in f if line.strip().startswith("lo:")
+        )
+
+
+def _member(port: int, name: str, count: int) -> None:
+    from common.weights.receiver import WeightReceiver
+
+    rx = WeightReceiver("127.0.0.1", port, name, timeout_s=120.0)
+    rx.join()
+    for _ in range(count):
+        rx.receive(wait_s=300.0)
+    rx.close()  # lets the relay to the member below finish
+
+
+def _bcast_member(port: int, rank: int, world: int, nbytes: int) -> None:
+    from datetime import timedelta
+
+    import torch
+
+    from common.weights.group import broadcast
+
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    pg = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
+    broadcast(pg, torch.empty(nbytes, dtype=torch.uint8)).wait()
+
+
+def _spawn(target, args_list: list[tuple]) -> list:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a) for a in args_list]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _gloo_root_bytes(n: int, nbytes: int) -> float:
+    """What gloo's own broadcast sends from its root to ``n`` others, in copies of the buffer."""
+    from datetime import timedelta
+
+    import torch
+
+    from common.weights.group import broadcast
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = _spawn(_bcast_member, [(store.port, r, n + 1, nbytes) for r in range(1, n + 1)])
+    try:
+        pg = torch.distributed.ProcessGroupGloo(store, 0, n + 1, timedelta(seconds=120))
+        before = _written()
+        broadcast(pg, torch.ones(nbytes, dtype=torch.uint8)).wait()
+        return (_written() - before) / nbytes
+    finally:
+        for p in procs:
+            p.join(60)
+
+
+def _scaling(named: list, generators: tuple[int, ...], repeats: int) -> dict:
+    """Per N: pairwise and chain publishes to the same N receiver processes, alternating."""
+    import os
+
+    from common.weights.publisher import WeightPublisher
+
+    load_before = os.getloadavg()
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    gloo = {str(n): _gloo_root_bytes(n, 64 << 20) for n in generators}
+    table: dict[str, dict[str, dict]] = {"pairwise": {}, "chain": {}}
+    version = 0
+    for n in generators:
+        pub = WeightPublisher("127.0.0.1", 0, timeout_s=300.0)
+        procs = _spawn(_member, [(pub.port, f"g{i}", 2 * (repeats + 1)) for i in range(n)])
+        runs: dict[str, list] = {"pairwise": [], "chain": []}
+        try:
+            deadline = time.monotonic() + 300
+            while len(pub.members()) < n:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    raise RuntimeError(f"the benchmark's {n} receiver processes did not join")
+                time.sleep(0.05)
+            for _ in range(repeats + 1):
+                for fanout in ("pairwise", "chain"):
+                    pub.fanout, version = fanout, version + 1
+                    w0, l0 = _written(), _loopback_sent()
+                    report = pub.publish(named, version)
+                    if set(report.per_member.values()) != {"ok"}:
+                        raise RuntimeError(f"{fanout} publish failed: {report.per_member}")
+                    runs[fanout].append({"seconds": report.seconds, "root_bytes": _written() - w0,
+                                         "loopback_bytes": _loopback_sent() - l0})  # fmt: skip
+            for p in procs:
+                p.join(120)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            pub.close()
+        for fanout, rs in runs.items():
+            timed = rs[1:]
+            table[fanout][str(n)] = {
+                "seconds": min(r["seconds"] for r in timed),
+                "root_bytes": min(r["root_bytes"] for r in timed),
+                "root_copies": min(r["root_bytes"] for r in timed) / nbytes,
+                "loopback_copies": min(r["loopback_bytes"] for r in timed) / nbytes,
+                "all": rs,
+            }
+    lo, hi = str(min(generators)), str(max(generators))
+    ratios = {
+        f"ratio_{f}_{k}_n{hi}_vs_n{lo}": table[f][hi][k] / table[f][lo][k]
+        for f in ("chain", "pairwise")
+        for k in ("root_bytes", "seconds")
+    }
+    return {
+        "generators": list(generators),
+        "scaling_bytes": nbytes,
+        "gloo_broadcast_root_copies": gloo,
+        "scaling": table,
+        **ratios,
+        "load_average": [load_before[0], *os.getloadavg()],
+        "cpu_count": os.cpu_count(),
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_weights_bench(out_path="runs/bench/weights.json"), indent=2))
+    print(
+        json.dumps(
+            run_weights_bench(out_path="runs/bench/weights.json", generators=(1, 2)), indent=2
+        )
+    )

@@ -24,6 +24,13 @@ def add_plan_verb(sub: argparse._SubParsersAction) -> None:
     shape.add_argument(
         "--scaling", type=float, default=0.9, help="learner throughput kept per doubling of ranks"
     )
+    shape.add_argument(
+        "--weights-fanout",
+        choices=["chain", "pairwise"],
+        default="chain",
+        help="how weights reach the generators (weights.fanout): chain = the learner sends "
+        "them once, pairwise = once per generator (default chain)",
+    )
     work = p.add_argument_group("workload (default: the seed 001 shape on Qwen2.5-3B)")
     work.add_argument("--responses", type=int, default=120, help="responses per cycle")
     work.add_argument("--prompt-tokens", type=int, default=512)
@@ -84,7 +91,8 @@ def run_plan(args: argparse.Namespace) -> int:
         }
         shape = ClusterShape(generators=args.generators, scorers=args.scorers,
                              learner_ranks=args.learner_ranks,
-                             learner_scaling_efficiency=args.scaling)  # fmt: skip
+                             learner_scaling_efficiency=args.scaling,
+                             weights_fanout=args.weights_fanout)  # fmt: skip
         modes = {
             "async": plan(rates=rates, shape=shape, **work),
             "sync": plan(rates=rates, shape=shape, max_staleness=args.steps_per_cycle - 1, **work),

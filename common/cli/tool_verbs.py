@@ -109,6 +109,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--work-dir", default="bench/work", help="where models and run directories are built"
     )
+    bench.add_argument(
+        "--generators",
+        default=None,
+        metavar="N,N,...",
+        help="weights: numbers of receiving generators to publish to, chain against pairwise "
+        "(default 1,2,4; 1,2 with --quick)",
+    )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     bench.set_defaults(func=_bench)

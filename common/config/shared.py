@@ -119,7 +119,23 @@ class WeightsConfig(Section):
         "the learner and each generator on different GPUs",
     )
     timeout_s: float = Field(
-        120.0, gt=0.0, description="deadline of one weight broadcast to one generator"
+        120.0,
+        gt=0.0,
+        description="deadline of one publish to every generator; in a chain, a generator that "
+        "makes no progress for a quarter of it is dropped (it rejoins) and the rest get the "
+        "version at once",
+    )
+    fanout: Literal["chain", "pairwise"] = Field(
+        "chain",
+        description="chain = the learner sends each byte once, each generator passes it on to "
+        "the next (publish time ≈ flat in the number of generators on separate hosts); "
+        "pairwise = the learner sends the whole model to every generator (N × its bytes)",
+    )
+    chunk_mb: float = Field(
+        4.0,
+        gt=0.0,
+        description="piece a chain passes on at a time: smaller = less delay per extra "
+        "generator (one piece each), larger = fewer operations",
     )
     bucket_mb: float = Field(
         64.0, gt=0.0, description="tensors are flattened into buckets of this size"

@@ -8,7 +8,10 @@ namespace ``<run>:`` (``Bus.key`` adds it)::
 
 Keys: ``version:learner`` (policy version = optimizer steps done), ``version:generator:<id>``,
 ``weights:addr`` (host:port of the learner's weight store), ``weights:publishing`` (the version
-the learner is sending: generators watch it instead of the store), ``status`` (a hash with one
+the learner is sending: generators watch it instead of the store), ``weights:epoch`` (the
+weight chain's membership epoch after the last publish: it moves whenever a generator joined, left
+or was dropped; the learner's weight store holds the chain itself, which the process groups need
+for their rendezvous), ``status`` (a hash with one
 field ``<service>:<id>`` per replica: phase seconds, counters, heartbeat; read by ``tether
 status``) and ``done:<group>`` (a consumer group's dedupe ids, scored by commit time).
 """
@@ -24,6 +27,7 @@ LEARNER_CONSUMER = "learner-0"  # rank 0's name in the learner's group (one lear
 LEARNER_VERSION = "version:learner"
 WEIGHTS_ADDR = "weights:addr"
 WEIGHTS_PUBLISHING = "weights:publishing"
+WEIGHTS_EPOCH = "weights:epoch"
 STATUS = "status"
 # Hash: generator id -> groups it has published over the run (all its processes): the status
 # accounting's "generated", which must not restart at 0 when a generator restarts.

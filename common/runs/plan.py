@@ -7,7 +7,15 @@ The model (one cycle = ``responses`` responses generated, scored, trained on, we
 - score    = responses / (score_responses_per_s × scorers)
 - train    = responses × (prompt_tokens + response_tokens) / (train_tokens_per_s × ranks × scaling)
              where scaling = learner_scaling_efficiency ** log2(ranks) (1 for one rank)
-- sync     = param_bytes / sync_bytes_per_s (the learner publishes; generators pause to load)
+- sync     = the learner's publish to every generator (generators pause to load), over links of
+             sync_bytes_per_s each: down a chain (``weights.fanout = "chain"``, the default) the
+             learner sends the bytes once and each generator passes each piece of
+             ``weights.chunk_mb`` on, so (param_bytes + (generators - 1) × chunk_bytes) / rate;
+             pairwise, the learner sends them once per generator: generators × param_bytes / rate.
+             Measured (`tether bench weights`, 200 MB over loopback, bench/README.md): the
+             learner's bytes per publish are 1.00× for 1, 2 and 4 generators down a chain and
+             1×, 2×, 4× pairwise; gloo's own broadcast is a binomial tree that sends
+             ceil(log2(N + 1)) copies from its root (1×, 2×, 3×).
 
 Synchronous (``max_staleness < train_steps_per_cycle``: cycle c+1 waits for cycle c's weights):
 ``cycle = generate + score + train + sync``. Asynchronous (at least one cycle of overlap): a
@@ -45,10 +53,16 @@ class ClusterShape:
     scorers: int = 1
     learner_ranks: int = 1
     learner_scaling_efficiency: float = 0.9  # throughput kept per doubling of learner ranks
+    weights_fanout: str = "chain"  # weights.fanout: "chain" (one copy out) or "pairwise" (N)
+    chunk_bytes: int = 4 << 20  # weights.chunk_mb: the piece a chain passes on at a time
 
     def __post_init__(self) -> None:
         if min(self.generators, self.scorers, self.learner_ranks) < 1:
             raise ValueError(f"ClusterShape {self}: every count must be >= 1")
+        if self.weights_fanout not in ("chain", "pairwise"):
+            raise ValueError(
+                f"ClusterShape.weights_fanout = {self.weights_fanout!r}: 'chain' or 'pairwise'"
+            )
         if not 0 < self.learner_scaling_efficiency <= 1:
             raise ValueError("ClusterShape.learner_scaling_efficiency must be in (0, 1]")
 
@@ -83,7 +97,7 @@ def plan(
         "train": responses_per_cycle
         * (prompt_tokens + response_tokens)
         / (rates.train_tokens_per_s * shape.learner_ranks * scaling),
-        "sync": param_bytes / rates.sync_bytes_per_s,
+        "sync": sync_seconds(param_bytes, shape) / rates.sync_bytes_per_s,
     }
     overlapped = staleness >= train_steps_per_cycle
     lanes = {
@@ -106,6 +120,15 @@ def plan(
         "responses_per_s": responses_per_cycle / cycle,
         "speedup_over_sync": sum(stages.values()) / cycle,
     }
+
+
+def sync_seconds(param_bytes: int, shape: ClusterShape) -> float:
+    """Bytes on the slowest path of one publish, in units of one link's rate (see the module
+    docstring): the learner's NIC pairwise, the chain's length in pieces down a chain."""
+    n = shape.generators
+    if shape.weights_fanout == "pairwise":
+        return float(n * param_bytes)
+    return float(param_bytes + (n - 1) * min(shape.chunk_bytes, param_bytes))
 
 
 def rates_from_pipeline(result: dict[str, Any], *, prompt_tokens: int) -> StageRates:

@@ -1,41 +1,66 @@
 """Versioned, bounded, elastic weight sync: learner (rank 0) -> generators.
 
-Modules: ``layout`` (an update's header: offsets, units, dtypes), ``buckets`` (packing tensors
-into the units sent), ``checksum``, ``group`` (the pairwise process group, its collectives and
-deadline), ``transfer`` (one update on the wire, both sides), ``publisher`` (learner side:
-membership, concurrent sends) and ``receiver`` (generator side).
+Modules: ``layout`` (an update's header: offsets, units, pieces, dtypes), ``buckets`` (packing
+tensors into the units sent), ``checksum``, ``group`` (a pairwise process group, its broadcast and
+the deadline every collective is held to), ``transfer`` (one update over one link, both sides),
+``chain`` (routes, links, the member's relay, the learner's failure rule), ``publisher`` (learner
+side: membership, chain rounds, pairwise catch-ups) and ``receiver`` (generator side).
 
 Membership
     The learner hosts a ``torch.distributed.TCPStore`` (``is_master``). A generator joins by
-    bumping ``wsync/epoch/<member>`` (its epoch: 1 on the first join, +1 on every rejoin) and
-    appending ``<member>:<epoch>`` to a join list. The publisher's acceptor thread (or
-    ``publish_to_new_members()``) picks joins up within ``accept_interval_s`` and both sides build
-    a 2-process group (``ProcessGroupGloo``, or ``ProcessGroupNCCL`` with ``backend="nccl"``:
-    same code) over ``PrefixStore("wsync/<member>/<epoch>/", store)`` with ``timeout_s``. The
-    publisher writes its backend to the store and a receiver (``backend="auto"``) follows it, so
-    both sides always agree; with NCCL the buffers live on each side's current GPU, and every
-    collective is polled against the deadline (``finish``): NCCL's ``wait()`` does not block,
-    and a stuck transfer aborts only that member's group. The NCCL pair has not been run here
-    (one GPU at most; NCCL refuses two ranks on one device); gloo is the default.
+    bumping ``wsync/epoch/<member>`` (its join epoch: 1 on the first join, +1 on every rejoin)
+    and appending ``<member>:<join epoch>:<version it holds>`` to a join list. The publisher's
+    acceptor thread (or ``publish_to_new_members()``) picks joins up within
+    ``accept_interval_s`` and both sides build a 2-process group (``ProcessGroupGloo``, or
+    ``ProcessGroupNCCL`` with ``backend="nccl"``: same code) over
+    ``PrefixStore("wsync/<member>/<epoch>/", store)`` with ``timeout_s``: the join path. Over it
+    the acceptor sends a new member the latest version at once (unless it holds it already), so a
+    restarted generator has the current weights before it generates anything. The publisher
+    writes its backend to the store and a receiver (``backend="auto"``) follows it, so both sides
+    always agree; with NCCL the buffers live on each side's current GPU, and every collective is
+    waited on in slices against the deadline (``finish``): NCCL's ``wait()`` does not block, and
+    a stuck transfer aborts only that link. The NCCL links have not been run here (one GPU at
+    most; NCCL refuses two ranks on one device); gloo is the default.
 
-Why one group per member and not one per membership epoch
-    A shared group makes every member wait for the slowest one and a peer that dies mid-broadcast
-    poisons the collective for all. Pairwise groups isolate failures: a dead or hung generator only
-    breaks its own group; it is dropped and the others finish. The cost is that the learner sends
-    the bytes once per member (N x the traffic of a tree broadcast), which is fine for a handful of
-    generators on one node; very large fleets would want a relay tree (not built).
+One copy out of the learner: a chain (``fanout = "chain"``, the default)
+    Measured first (``tether bench weights``): gloo's own broadcast over one group of the
+    learner and N members is a binomial tree; its root sends ceil(log2(N + 1)) copies (1, 2 and
+    3 copies for N = 1, 2, 4; ``wchar`` of the root's ``/proc/self/io`` and the loopback
+    counter agree). So a publish goes down a chain instead: learner -> m1 -> ... -> mN, in
+    pieces of ``chunk_bytes``; each member passes every piece to the next (``Forwarder``, its
+    own thread) while it receives the next one, so the learner sends each byte once and every
+    extra member adds one piece of delay. Every link is a pairwise group over
+    ``wsync/chain/<chain epoch>/link/<position>/``, built once per chain epoch; the chain epoch
+    moves when the members change or a round failed, and the learner mirrors it to Redis
+    (``weights:epoch``). NCCL's own broadcast is a pipelined ring with the same one-copy
+    property, but one collective over all members is what lets one dead member hang them all:
+    the chain keeps each link separate on both backends, with the same code.
 
-One update on the wire (per member; every step is a broadcast from rank 0 = learner)
+Failures in a chain (``ChainRound``)
+    Each member reports ``progress`` and ``result`` in its store prefix; the learner watches
+    them. The chain breaks at its first member without the version: that member is blamed when it
+    reports an error, when it makes no progress for ``timeout_s / 4`` (dead, SIGSTOPped, hung),
+    or when anything below it failed and it stayed quiet for a moment. It is dropped (it rejoins
+    through the join path) and the members below it get the version at once down a new chain,
+    within the same deadline; members waiting on a link that was called off notice within
+    ``CANCEL_CHECK_S``. A relay that fails never fails its own member, so the one to blame is
+    the member that did not get the version, not the one above it. Measured with three members
+    (``tests/services/test_weight_chain.py``): the middle one SIGKILLed mid-publish costs about
+    0.6 s, SIGSTOPped about 2 s with an 8 s deadline.
+
+One update on the wire (per link; every step is a broadcast from rank 0 = the sender)
     1. ``int64[3]`` = (magic, version, header length)
     2. ``uint8[header length]`` = JSON header: version, tensor names (sorted), dtypes, shapes,
        byte offsets in a flat staging buffer (64-byte aligned), the units and the total bytes.
     3. the units: runs of consecutive tensors of at most ``bucket_bytes``; a tensor at least as big
        as a bucket goes alone and is sent from its own memory (no copy); small tensors are packed
-       once per publish into shared buffers.
+       once per publish into shared buffers. Each unit goes in pieces of at most the header's
+       ``chunk`` bytes, which a relay passes on as they come.
     4. ``uint8[16]`` = checksum (sent last so sending overlaps the sender's hashing).
-    Before step 1 the learner sets ``pending`` = version in the member's store prefix, so a
-    generator can poll cheaply (``WeightReceiver.poll()``) and only enter the collective when an
-    update is really on its way.
+    Before step 1 the learner sets ``route`` (which link to listen on: pairwise or a place in a
+    chain) and ``pending`` = version in the member's store prefix, so a generator can poll
+    cheaply (``WeightReceiver.poll()``) and only enter the collective when an update is really
+    on its way.
 
 Checksum
     xxh3-128 over, for every tensor in name order, ``"<name>|<dtype>|<shape>\\n"`` followed by its
@@ -44,8 +69,9 @@ Checksum
 
 Guarantees
     * ``publish`` returns within ``timeout_s`` (+ thread hand-off slack) whatever the members do;
-      each member gets "ok", "timeout" or "error: ..."; failed members are dropped and may rejoin
-      (new epoch). A member that (re)joins is sent the latest version promptly by the acceptor.
+      each member gets "ok", "timeout", "stalled: ...", "broke the chain (...)" or "error: ...";
+      failed members are dropped and may rejoin (new join epoch). A member that (re)joins is sent
+      the latest version promptly by the acceptor unless it holds it.
     * Versions are strictly increasing ints (learner optimizer steps); each member receives them in
       order.
     * The receiver gets everything into a staging buffer and verifies the checksum before handing

@@ -26,3 +26,35 @@ def tensors_checksum(named_tensors: Iterable[tuple[str, Any]]) -> str:
     for name, t in sorted(named_tensors, key=lambda nt: nt[0]):
         hash_tensor(h, name, t)
     return h.hexdigest()
+
+
+class StreamHasher:
+    """``tensors_checksum`` of the tensors of a layout as their bytes arrive in a staging buffer in
+    offset order: ``upto(offset)`` hashes every byte below ``offset`` not yet hashed (alignment
+    padding excluded), so hashing overlaps the transfer piece by piece."""
+
+    def __init__(self, layout: dict, staging) -> None:
+        import xxhash
+
+        self.h = xxhash.xxh3_128()
+        self.tensors, self.staging = layout["tensors"], staging
+        self.i = self.pos = 0  # next tensor, and how far into it the hash is
+
+    def upto(self, offset: int) -> None:
+        while self.i < len(self.tensors):
+            name, dt, shape, off, nbytes = self.tensors[self.i]
+            if self.pos == 0:
+                if off >= offset and nbytes:
+                    return
+                self.h.update(f"{name}|{dt}|{shape}\n".encode())
+            end = min(off + nbytes, offset)
+            if end > off + self.pos:
+                b = self.staging[off + self.pos : end]
+                self.h.update((b.cpu() if b.device.type != "cpu" else b).numpy())
+                self.pos = end - off
+            if self.pos < nbytes:
+                return
+            self.i, self.pos = self.i + 1, 0
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()

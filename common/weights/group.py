@@ -4,6 +4,7 @@ broadcast, and the deadline every collective is held to (``finish``)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND_KEY = "wsync/backend"  # set by the publisher: receivers use the learner's choice
 GPU_KEY = "wsync/learner_gpu"  # NCCL: the learner's GPU, so a generator on it can say so
+INSTANCE_KEY = "wsync/instance"  # one id per publisher: a version means something only within it
 NCCL_WATCHDOG_MARGIN_S = 60.0
 PROBE_TIMEOUT_S = 5.0  # connecting to the weight store's port before building the TCPStore client
 
@@ -31,6 +33,15 @@ def default_device(backend: str) -> str:
             '(on different GPUs: NCCL refuses two ranks on one device); use "gloo" (the default)'
         )
     return f"cuda:{torch.cuda.current_device()}"
+
+
+def use_device(device: str) -> None:
+    """Make ``device`` this thread's current GPU (a no-op for host memory): the CUDA device is
+    per thread, and every sender or relay thread must start its NCCL ops on its side's GPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
 
 
 def probe(host: str, port: int, *, timeout_s: float) -> None:
@@ -79,24 +90,53 @@ def broadcast(pg, tensor):
     return pg.broadcast([tensor], opts)
 
 
-def finish(pg, work, deadline: float | None) -> None:
-    """Wait for one collective, bounded by ``deadline`` (``time.monotonic()``; None = the group's
-    own timeout).
+CANCEL_CHECK_S = 0.05  # how often a waiting collective asks whether its round was called off
 
-    gloo's ``wait()`` blocks the caller and honours the group's timeout. NCCL's only orders the
-    GPU stream and returns at once: completion is polled instead, and a transfer still running at
-    the deadline (a peer that died or hangs) aborts the pairwise communicator — only this member
-    is lost — instead of leaving NCCL's watchdog to kill the process later.
+
+def finish(pg, work, deadline: float | None, cancelled=None) -> None:
+    """Wait for one collective, bounded by ``deadline`` (``time.monotonic()``; None = the group's
+    own timeout) and by ``cancelled`` (a zero-argument callable asked every ``CANCEL_CHECK_S``:
+    true = the learner called this round off, e.g. to retry without a stuck member).
+
+    Both backends are waited on in slices, so a deadline or a cancellation ends the wait at once:
+    gloo's ``wait(timeout)`` returns as soon as the op completes and raises "Operation timed out!"
+    at the end of a slice without harming the op; NCCL's ``wait()`` only orders the GPU stream, so
+    its completion is polled. Past the deadline an NCCL communicator is aborted (only this group is
+    lost) instead of leaving NCCL's watchdog to kill the process later; a gloo op left behind
+    fails by itself at the group's timeout, and its buffer is not reused (see the receiver).
     """
-    if type(pg).__name__ != "ProcessGroupNCCL":
-        work.wait()
-        return
-    while not work.is_completed():
-        if deadline is not None and time.monotonic() >= deadline:
+    nccl = type(pg).__name__ == "ProcessGroupNCCL"
+    next_check = time.monotonic() + CANCEL_CHECK_S
+    while True:
+        now = time.monotonic()
+        if nccl:
+            if work.is_completed():
+                break
+            time.sleep(0.0005)
+        else:
+            limit = min(next_check, deadline) if deadline is not None else next_check
             try:
-                pg.abort()
-            except Exception:  # noqa: BLE001 - the member is dropped either way
-                logger.warning("aborting the NCCL weight group failed", exc_info=True)
-            raise WeightSyncError("NCCL weight transfer did not finish before the deadline")
-        time.sleep(0.0005)
+                # whole milliseconds, at least 1: c10d reads a 0 ms timeout as "wait forever"
+                work.wait(timedelta(milliseconds=max(1, math.ceil((limit - now) * 1000))))
+                return
+            except RuntimeError as e:
+                if "Operation timed out!" not in str(e):
+                    raise
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            _give_up(pg, nccl, "weight transfer did not finish before the deadline")
+        if now >= next_check:
+            next_check = now + CANCEL_CHECK_S
+            if cancelled is not None and cancelled():
+                _give_up(pg, nccl, "weight transfer called off by the learner (new round)")
     work.wait()  # raises the collective's error, if any
+
+
+def _give_up(pg, nccl: bool, why: str):
+    if nccl:
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - the group is dropped either way
+            logger.warning("aborting the NCCL weight group failed", exc_info=True)
+        why = "NCCL " + why
+    raise WeightSyncError(why)

@@ -22,8 +22,12 @@ def dtype_of(name: str):
     return dt
 
 
-def build_layout(named: list[tuple[str, Any]], version: int, bucket_bytes: int) -> dict:
-    """The JSON header for a sorted list of tensors: offsets, units, total bytes."""
+def build_layout(
+    named: list[tuple[str, Any]], version: int, bucket_bytes: int, chunk_bytes: int = 0
+) -> dict:
+    """The JSON header for a sorted list of tensors: offsets, units, total bytes, and the chunk:
+    each unit goes on the wire in pieces of at most ``chunk`` bytes (0 = whole units), so that a
+    relay can pass a piece on while the next one arrives."""
     tensors, units, off = [], [], 0
     cur: list[int] = []
     for i, (name, t) in enumerate(named):
@@ -39,4 +43,12 @@ def build_layout(named: list[tuple[str, Any]], version: int, bucket_bytes: int) 
     unit_ranges = [
         [tensors[u[0]][3], tensors[u[-1]][3] + tensors[u[-1]][4], u[0], u[-1] + 1] for u in units
     ]
-    return {"version": version, "tensors": tensors, "units": unit_ranges, "total": off}
+    return {"version": version, "tensors": tensors, "units": unit_ranges, "total": off,
+            "chunk": chunk_bytes}  # fmt: skip
+
+
+def pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` is sent in: pieces of at most ``chunk`` (0 = one piece)."""
+    if chunk <= 0 or end - start <= chunk:
+        return [(start, end)]
+    return [(a, min(a + chunk, end)) for a in range(start, end, chunk)]

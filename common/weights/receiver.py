@@ -1,5 +1,6 @@
 """Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``receive()`` when an
-update is pending; a failed update leaves the previous complete version in place."""
+update is pending, from the learner (pairwise) or from the member above in the chain, passing it
+on to the member below; a failed update leaves the previous complete version in place."""
 
 from __future__ import annotations
 
@@ -8,14 +9,24 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from common.weights.chain import (
+    PROGRESS_EVERY_S,
+    Forwarder,
+    Route,
+    cancellable,
+    link,
+    release_later,
+)
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
+    INSTANCE_KEY,
     PROBE_TIMEOUT_S,
     default_device,
     gpu_uuid,
     make_pair_group,
     probe,
+    use_device,
 )
 from common.weights.layout import WeightSyncError
 from common.weights.transfer import receive_update
@@ -34,10 +45,14 @@ class WeightReceiver:
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
         self.version: int | None = None
         self.epoch: int | None = None
+        self._instance = ""  # the publisher ``version`` came from
+        self.current = -1  # the learner's latest version when it accepted our join (-1: none)
         self._store: Any = None
         self._pstore: Any = None
         self._pg: Any = None
         self._spare = self._latest_buf = None
+        self._links: dict[tuple[int, int], Any] = {}  # (chain epoch, link) -> its pairwise group
+        self._forwarding: list[tuple[Any, Forwarder]] = []  # buffers still being passed on
 
     @property
     def joined(self) -> bool:
@@ -68,11 +83,19 @@ class WeightReceiver:
                     f"the learner and generator {self.member_id!r} share GPU {self.device}: NCCL "
                     'cannot connect two ranks on one GPU; set weights.backend = "gloo"'
                 )
+            has_id = self._store.check([INSTANCE_KEY])
+            instance = self._store.get(INSTANCE_KEY).decode() if has_id else ""
+            if instance != self._instance:  # another learner: its versions start over
+                self.version, self._instance = None, instance
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
             self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
-            self._store.append("wsync/joins", f"{self.member_id}:{epoch};")
+            has = -1 if self.version is None else self.version  # not sent again on the catch-up
+            self._store.append("wsync/joins", f"{self.member_id}:{epoch}:{has};")
             self._pg = make_pair_group(self._pstore, 1, backend=self.backend,
                                        timeout_s=self.timeout_s)  # fmt: skip
+            # set before the learner's side of the rendezvous (absent: nothing to wait for)
+            has_current = self._pstore.check(["current"])
+            self.current = int(self._pstore.get("current")) if has_current else -1
         except Exception as e:
             raise WeightSyncError(
                 f"could not join the learner's weight sync at {self.host}:{self.port} "
@@ -110,19 +133,53 @@ class WeightReceiver:
             if time.monotonic() >= deadline:
                 raise WeightSyncError(f"no weight update arrived within {wait_s} s")
             time.sleep(0.02)
+        text = self._pstore.get("route").decode() if self._pstore.check(["route"]) else "0:pair"
+        route, pstore = Route.parse(text), self._pstore
+        t_end = time.monotonic() + self.timeout_s
+        self._forwarding = [(b, f) for b, f in self._forwarding if f.alive()]
+        if any(b is self._spare for b, _ in self._forwarding):
+            self._spare = None  # still being read by a relay to a slow member: take a fresh one
+        fwd = pg = None
         try:
+            if route.epoch:
+                pg = cancellable(lambda: self._chain_link(route, 1), t_end,
+                                 lambda: _called_off(pstore, text))  # fmt: skip
+                if route.position < route.length:
+                    fwd = Forwarder(lambda: self._relay_link(route), t_end,
+                                    lambda: _called_off(pstore, text),
+                                    lambda why: _report(pstore, f"{text}|{why}", "below"))  # fmt: skip
+            else:
+                pg = self._pg
             version, named, _, buf = receive_update(
-                self._pg,
+                pg,
                 device=self.device or "cpu",
                 on_unit=on_unit,
                 staging=self._spare,
-                deadline=time.monotonic() + self.timeout_s,
+                deadline=t_end,
+                relay=fwd.put if fwd else None,
+                progress=_reporter(pstore, text),
+                cancelled=lambda: _called_off(pstore, text),
             )
         except Exception as e:
-            self._pg = None  # the group is in an unknown state: rejoin
+            # an op left behind may still write into the staging buffer: never reuse it
+            self._spare = None
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            if route.epoch:  # the pairwise group is intact: the learner retries or drops us
+                release_later((self._links, pg), after_s=self.timeout_s + 1)
+                self._links = {}
+                _report(pstore, f"{text}|err|{reason}")
+            else:
+                release_later((pg,), after_s=self.timeout_s + 1)
+                self._pg = None  # the group is in an unknown state: rejoin
             if isinstance(e, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight update failed mid-transfer: {e}") from e
+        finally:
+            if fwd is not None:
+                fwd.close()
+        _report(pstore, f"{text}|ok")
+        if fwd is not None:
+            self._forwarding.append((buf, fwd))
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"got version {version} after {self.version}: not newer")
         self.version = version
@@ -131,5 +188,57 @@ class WeightReceiver:
         self._spare, self._latest_buf = self._latest_buf, buf
         return version, named
 
-    def close(self) -> None:
+    def _chain_link(self, route: Route, rank: int):
+        """The group of the link above (rank 1) or below (rank 0) this member in the chain of
+        ``route``; built once per chain epoch (the rendezvous waits up to ``timeout_s``)."""
+        key = (route.epoch, route.position + 1 - rank)
+        if key not in self._links:
+            if any(k[0] != route.epoch for k in self._links):
+                release_later(self._links, after_s=self.timeout_s + 1)
+                self._links = {}
+            self._links[key] = link(self.host, self.port, key[0], key[1], rank,
+                                    backend=self.backend, timeout_s=self.timeout_s)  # fmt: skip
+        return self._links[key]
+
+    def _relay_link(self, route: Route):
+        """The link below, from the relay's own thread (which must first pick this side's GPU)."""
+        use_device(self.device or "cpu")
+        return self._chain_link(route, 0)
+
+    def close(self, *, flush_s: float | None = None) -> None:
+        """Leave; first let the relays to the members below finish (up to ``flush_s``, default
+        ``timeout_s``): a member that exits mid-relay breaks the chain below it."""
+        end = time.monotonic() + (self.timeout_s if flush_s is None else flush_s)
+        for _, fwd in self._forwarding:
+            fwd.join(max(0.0, end - time.monotonic()))
+        self._forwarding = []
         self._pg = self._pstore = self._store = self._spare = self._latest_buf = None
+        release_later(self._links, after_s=self.timeout_s + 1)
+        self._links = {}
+
+
+def _called_off(pstore, route: str) -> bool:
+    """The learner moved this member to another round, or dropped it."""
+    if pstore.check(["dropped"]):
+        return True
+    return pstore.check(["route"]) and pstore.get("route").decode() != route
+
+
+def _report(pstore, value: str, key: str = "result") -> None:
+    try:
+        pstore.set(key, value)
+    except Exception:  # noqa: BLE001 - the learner then blames us after its stall time
+        logger.warning("weight sync: could not report %r to the learner", value, exc_info=True)
+
+
+def _reporter(pstore, route: str):
+    """``progress(n)`` for ``receive_update``: pieces received, at most every PROGRESS_EVERY_S."""
+    last = [0.0]
+
+    def progress(n: int) -> None:
+        now = time.monotonic()
+        if n == 1 or now - last[0] >= PROGRESS_EVERY_S:
+            pstore.set("progress", f"{route}|{n}")
+            last[0] = now
+
+    return progress

@@ -69,7 +69,8 @@ class WeightFollower:
         log.info(
             "joined weight sync at %s:%d as %s (epoch %s)", host, port, self.sid, res[0]["epoch"]
         )
-        await self.apply_update(wait_s=timeout)
+        if res[0]["behind"]:  # else the learner holds nothing newer: no update is coming
+            await self.apply_update(wait_s=timeout)
 
     async def apply_update(self, *, wait_s: float | None = None) -> bool:
         """Pause, receive + verify + load, relabel, resume. Returns True when a new version loaded."""

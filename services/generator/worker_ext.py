@@ -3,7 +3,9 @@
 Pass ``worker_extension_cls="services.generator.worker_ext.TetherWorkerExtension"`` to the engine;
 the methods below run inside the worker process through ``collective_rpc``:
 
-- ``tether_join(host, port, member_id, timeout_s)`` -> ``{"member_id", "epoch"}``
+- ``tether_join(host, port, member_id, timeout_s)`` -> ``{"member_id", "epoch", "behind"}``:
+  ``behind`` = the learner has (or will have: none published yet) a version this engine lacks,
+  and sends it now
 - ``tether_poll()`` -> ``{"pending": version | None, "error": str | None}`` (cheap: two store
   lookups; ``error`` set means the learner dropped us or we are not joined: call ``tether_join``)
 - ``tether_receive_update(wait_s=None)`` -> ``{"ok", "version", "bytes", "seconds", "checksum",
@@ -46,7 +48,10 @@ class TetherWorkerExtension:
             self._tether_rx = WeightReceiver(host, port, member_id, timeout_s=timeout_s)
         else:
             self._tether_rx.version = self._tether_version
-        return {"member_id": member_id, "epoch": self._tether_rx.join()}
+        epoch = self._tether_rx.join()
+        rx = self._tether_rx
+        behind = rx.version is None or rx.current > rx.version
+        return {"member_id": member_id, "epoch": epoch, "behind": behind}
 
     def tether_poll(self) -> dict:
         from common.weights.layout import WeightSyncError

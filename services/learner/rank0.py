@@ -146,6 +146,8 @@ class Rank0:
             backend=backend,
             timeout_s=w.timeout_s,
             bucket_bytes=int(w.bucket_mb * 2**20),
+            fanout=w.fanout,
+            chunk_bytes=int(w.chunk_mb * 2**20),
         )
         self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{pub.port}")
         log.info("weight store on %s:%d", w.host, pub.port)
@@ -207,14 +209,18 @@ class Rank0:
             streams.WEIGHTS_PUBLISHING, version
         )  # generators watch this key, not the store
         report = self.publisher.publish(state.items(), version)
+        self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
         self.bus.set(streams.LEARNER_VERSION, version)
         self.metrics.version.set(version)
         bad = {k: v for k, v in report.per_member.items() if v != "ok"}
         log.info(
-            "published v%d (%.1f MB in %.2f s) to %d generator(s)%s",
+            "published v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
+            "to %d generator(s)%s",
             version,
             report.bytes / 1e6,
             report.seconds,
+            report.root_bytes / 1e6,
+            report.epoch,
             len(report.per_member),
             f"; failed: {bad}" if bad else "",
         )

@@ -1,11 +1,13 @@
 """A plain weight-sync receiver process for tests and the benchmark (no vLLM).
 
-Joins the learner's weight sync, receives ``--count`` updates and appends one JSON line per event
-to ``--log``: ``{"event": "joined", "epoch": E}``, ``{"event": "update", "version": V,
-"checksum": C, "bytes": B}`` (checksum recomputed from the received tensors) or
-``{"event": "error", "error": "..."}``. ``--stall-after-unit K`` makes it write
-``{"event": "stalled"}`` after unit K of update number ``--stall-on-update`` and sleep (so a test can SIGKILL or
-time it out mid-broadcast). ``--save PATH`` stores the last update as safetensors.
+Joins the learner's weight sync, receives until ``--count`` updates arrived (rejoining, as a
+generator does, when the learner dropped it) and appends one JSON line per event to ``--log``:
+``{"event": "joined", "epoch": E}``, ``{"event": "update", "version": V, "checksum": C,
+"bytes": B}`` (checksum recomputed from the received tensors) or ``{"event": "error", "error":
+"..."}``. ``--stall-after-unit K`` makes it write ``{"event": "stalled"}`` after unit K of receive
+attempt number ``--stall-on-update`` and sleep ``--stall-seconds`` (so a test can SIGKILL, SIGSTOP
+or time it out mid-broadcast). ``--save PATH`` stores the last update as safetensors. On leaving
+it lets its relay to the member below in a chain finish.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def main() -> None:
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--log", required=True)
     p.add_argument("--stall-after-unit", type=int, default=-1)
-    p.add_argument("--stall-on-update", type=int, default=1, help="1-based update number")
+    p.add_argument("--stall-on-update", type=int, default=1, help="1-based receive attempt")
+    p.add_argument("--stall-seconds", type=float, default=3600.0)
     p.add_argument("--save", default="")
     a = p.parse_args()
 
@@ -44,21 +47,26 @@ def main() -> None:
     def on_unit(k: int) -> None:
         if k == a.stall_after_unit and updates[0] == a.stall_on_update:
             _log(a.log, event="stalled")
-            time.sleep(3600)
+            time.sleep(a.stall_seconds)
 
-    for _ in range(a.count):
+    received = 0
+    while received < a.count:
+        if not rx.joined:
+            _log(a.log, event="joined", epoch=rx.join())
         updates[0] += 1
         try:
             version, named = rx.receive(on_unit=on_unit)
         except WeightSyncError as e:
             _log(a.log, event="error", error=str(e), version=rx.version)
             continue
+        received += 1
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         _log(a.log, event="update", version=version, checksum=tensors_checksum(named), bytes=nbytes)
         if a.save:
             from safetensors.torch import save_file
 
             save_file({n: t.clone() for n, t in named}, a.save)
+    rx.close()  # lets the relay to the member below in the chain finish
 
 
 if __name__ == "__main__":

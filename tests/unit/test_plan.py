@@ -165,3 +165,24 @@ def test_tether_plan_bad_input_exits_2_naming_it(capsys):
     assert "every count must be >= 1" in capsys.readouterr().err
     assert main(["plan", "--train-tps", "-5"]) == 2
     assert "train_tokens_per_s = -5.0" in capsys.readouterr().err
+
+
+def test_sync_down_a_chain_stays_flat_in_generators_and_pairwise_grows():
+    """Issue 16: the learner sends the bytes once down a chain (plus one piece per extra hop of
+    delay), once per generator pairwise."""
+    work = dict(SHAPE, param_bytes=6 * 10**9)
+    chain = [
+        plan(rates=RATES, shape=ClusterShape(generators=n), **work)["stage_seconds"]["sync"]
+        for n in (1, 4, 8)
+    ]
+    pairwise = [
+        plan(rates=RATES, shape=ClusterShape(generators=n, weights_fanout="pairwise"), **work)[
+            "stage_seconds"
+        ]["sync"]
+        for n in (1, 4, 8)
+    ]
+    assert chain[0] == pairwise[0] == pytest.approx(6.0)
+    assert chain[2] == pytest.approx(6.0 + 7 * (4 << 20) / 1e9)  # 8 generators: 6.03 s
+    assert pairwise == pytest.approx([6.0, 24.0, 48.0])
+    with pytest.raises(ValueError, match="weights_fanout"):
+        ClusterShape(weights_fanout="tree")
