@@ -16,14 +16,14 @@ from bench.staleness_report import readme_row, readme_section, write_report
 def test_full_grid_is_the_documented_slice():
     arms = st.full_grid()
     names = [a.name for a in arms]
-    assert len(names) == len(set(names)) == 16
+    assert len(names) == len(set(names)) == 14
     assert st.BASELINE in arms
     # synchronous baselines for every S, every correction at every depth at S = 4
     assert {a.steps_per_cycle for a in arms if a.depth == "sync"} == {1, 2, 4, 8}
     at4 = {(a.depth, a.correction) for a in arms if a.steps_per_cycle == 4}
     assert at4 == {(d, c) for d in st.DEPTHS for c in st.CORRECTIONS}
     assert {a.max_staleness for a in arms if a.steps_per_cycle == 4} == {3, 7, 15}
-    assert "S8-ms31-none" in names and "S2-ms7-decoupled" in names
+    assert {"S8-ms31-none", "S8-ms31-decoupled"} < set(names)
     assert set(st.quick_grid()) == {st.BASELINE, *(a for a in arms if a.name in
                                     ("S4-ms15-decoupled", "S4-ms15-none"))}  # fmt: skip
 
