@@ -83,15 +83,14 @@ def full_grid(corrections: tuple[str, ...] = tuple(CORRECTIONS)) -> list[Arm]:
     - the largest S at the deep bound, decoupled and uncorrected: S = 8, staleness up to 31
       (with 24 steps, every cycle of the run may come from the first weights).
 
-    14 configurations; × 3 seeds ≈ 42 runs of ~1 min on a quiet 2-core machine.
+    14 configurations; × 3 seeds ≈ 42 runs of ~1 min on a quiet 2-core machine. Ordered by what
+    they tell (the baseline, then the deepest S = 4 runs), so a study cut short keeps the main
+    comparison.
     """
-    arms = [Arm(steps_per_cycle=s, depth="sync", correction="decoupled") for s in (1, 2, 4, 8)]
-    arms += [
-        Arm(steps_per_cycle=4, depth=d, correction=c)
-        for d in DEPTHS
-        for c in corrections
-        if not (d == "sync" and c == "decoupled")
-    ]
+    at4 = [Arm(steps_per_cycle=4, depth=d, correction=c) for d in reversed(DEPTHS)
+           for c in corrections]  # fmt: skip
+    arms = [BASELINE, *at4]
+    arms += [Arm(steps_per_cycle=s, depth="sync", correction="decoupled") for s in (2, 8)]
     arms += [
         Arm(steps_per_cycle=8, depth="deep", correction=c)
         for c in ("decoupled", "none")
@@ -327,11 +326,14 @@ def run_staleness_bench(
             Study(arms=tuple(quick_grid()), seeds=(0,)) if quick else Study(arms=tuple(full_grid()))
         )
     root = Path(work_dir).resolve() / "staleness"
+    if out_path is not None:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     machine = machine_info()
     t0 = time.monotonic()
     assets = prepare_assets(root / "assets", seed=0)  # the one shared warm-up
     warmup_s = time.monotonic() - t0
-    progress, configs = _Progress(), []
+    progress = _Progress()
+    runs: dict[Arm, list[dict[str, Any]]] = {arm: [] for arm in study.arms}
     total = len(study.arms) * len(study.seeds)
     head = {
         "bench": "staleness",
@@ -342,18 +344,21 @@ def run_staleness_bench(
         "warmup": assets.warmup_report,
         "command": "tether bench staleness" + (" --quick" if quick else ""),
     }
-    for arm in study.arms:
-        runs = []
-        for seed in study.seeds:
-            runs.append(run_one(arm, study, seed=seed, root=root, assets=assets, threads=threads))
+    # seed by seed: a study cut short has every configuration once before any twice
+    for seed in study.seeds:
+        for arm in study.arms:
+            got = run_one(arm, study, seed=seed, root=root, assets=assets, threads=threads)
+            runs[arm].append(got)
             progress.done += 1
             print(f"[{progress.done}/{total}] {arm.name} seed {seed}: accuracy "
-                  f"{runs[-1]['final_accuracy']:.3f}, staleness ≤ {runs[-1]['staleness_max']}, "
-                  f"{runs[-1]['wall_s']:.0f} s", flush=True)  # fmt: skip
-        configs.append(aggregate(arm, runs))
-        if out_path is not None and len(configs) < len(study.arms):  # a study cut short keeps these
-            partial = Path(out_path).with_suffix(".partial")
-            partial.write_text(json.dumps({**head, "configurations": configs}, indent=2) + "\n")
+                  f"{got['final_accuracy']:.3f}, staleness ≤ {got['staleness_max']}, "
+                  f"{got['wall_s']:.0f} s", flush=True)  # fmt: skip
+            if out_path is not None and progress.done < total:  # what a cut-short study keeps
+                partial = [aggregate(a, r) for a, r in runs.items() if r]
+                Path(out_path).with_suffix(".partial").write_text(
+                    json.dumps({**head, "configurations": partial}, indent=2) + "\n"
+                )
+    configs = [aggregate(arm, r) for arm, r in runs.items()]
     result: dict[str, Any] = {
         **head,
         "load_average_after": list(os.getloadavg()),

@@ -17,7 +17,7 @@ def test_full_grid_is_the_documented_slice():
     arms = st.full_grid()
     names = [a.name for a in arms]
     assert len(names) == len(set(names)) == 14
-    assert st.BASELINE in arms
+    assert arms[0] == st.BASELINE and arms[1].name == "S4-ms15-decoupled"  # most telling first
     # synchronous baselines for every S, every correction at every depth at S = 4
     assert {a.steps_per_cycle for a in arms if a.depth == "sync"} == {1, 2, 4, 8}
     at4 = {(a.depth, a.correction) for a in arms if a.steps_per_cycle == 4}
@@ -141,3 +141,38 @@ def test_readme_and_html_report(tmp_path):
     section = readme_section(tmp_path)
     assert "| S4-ms15-decoupled | 4 | 15 | decoupled | 0.880 ± 0.000 | 0.978 |" in section
     assert "decoupled PPO is within 5% of synchronous training" in section
+
+
+def test_the_bench_runs_seed_by_seed_and_writes_its_outputs(tmp_path, monkeypatch):
+    """The orchestration with a FAKE run (a stand-in for `tether train`, which takes minutes)
+    and fake assets (no warm-up): order of runs, the partial file, JSON, PNG and HTML."""
+    import common.demo.run as demo_run
+
+    order, partials = [], []
+    out = tmp_path / "results" / "staleness_x.json"
+
+    def fake_run(arm, study, *, seed, root, assets, threads):
+        order.append((arm.name, seed))
+        if out.with_suffix(".partial").exists():
+            partials.append(
+                len(json.loads(out.with_suffix(".partial").read_text())["configurations"])
+            )
+        acc = 0.9 if arm.correction == "decoupled" else 0.5
+        return _run(seed, acc, ((arm.max_staleness,),))
+
+    class Assets:
+        warmup_report = {"reused": True}
+
+    monkeypatch.setattr(st, "run_one", fake_run)
+    monkeypatch.setattr(demo_run, "prepare_assets", lambda root, seed: Assets())
+    study = st.Study(arms=tuple(st.quick_grid()), seeds=(0, 1))
+    r = st.run_staleness_bench(out_path=out, work_dir=tmp_path, study=study)
+    assert order == [(a.name, s) for s in (0, 1) for a in study.arms]
+    assert partials == [1, 2, 3, 3, 3]  # every configuration once before any twice
+    assert not out.with_suffix(".partial").exists()
+    assert (
+        json.loads(out.read_text())["comparison"]["worst_at_staleness"]["none"]["ratio"]
+        == 0.5 / 0.9
+    )
+    assert out.with_suffix(".png").exists() and out.with_suffix(".html").exists()
+    assert [c["seeds"] for c in r["configurations"]] == [[0, 1]] * 3
