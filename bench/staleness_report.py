@@ -184,7 +184,8 @@ gets to it).
 response by how many optimizer steps its policy lags (`staleness_counts`). No slow-down knob
 was needed: the dispatcher hands out every cycle the bound allows as soon as its weights exist,
 and the vLLM generator outruns the learner on this task, so the measured staleness reaches the
-bound (column "at the bound": the share of responses exactly at `max_staleness`).
+bound (column "staleness max"; "at the bound" is the share of responses exactly at
+`max_staleness`, at most 1/S of a run: only the last step of a cycle can reach it).
 
 **The grid.** The full product S ∈ {1, 2, 4, 8} × 3 depths × 3 corrections × 3 seeds is 108
 runs of ~1 min each on a quiet machine (start-up included); the budget is 60 min. The slice:
@@ -238,7 +239,7 @@ def readme_row(r: dict[str, Any]) -> str:
     return (
         f"| staleness | demo (0.56 M) | final held-out accuracy: sync {cmp['baseline_accuracy']:.3f}; "
         f"{measured} | {ratios or 'n/a'} (worst configuration of each) | "
-        f"{len(r['configurations'])} configurations × {len(r['study']['seeds'])} seeds, measured "
+        f"{len(r['configurations'])} configurations × {len(r['study']['seeds'])} seed(s), measured "
         f"staleness up to {top}; see the section below | {r['machine']['load_average'][0]:.1f} | "
         f"`{r['command']}` |"
     )
