@@ -201,6 +201,25 @@ IS-capped, accuracy 0.60 → 0.95, as synchronous training in `tether bench qual
 decoupled and uncorrected PPO both collapsed (0.60 → 0.01 and 0.035; 2.6 % and 3.6 % of tokens
 clipped, gradient-norm spikes of 18–21), and at 3e-4 synchronous training itself (S = 1) peaked
 at 0.82 at step 8 and fell to 0.46: too high for any comparison. 2e-4 lies below that.
+
+**What it found (the `--quick` slice, 3 seeds, below).** At S = 4 with staleness up to 15
+steps, decoupled PPO reached 0.40 ± 0.06 held-out accuracy against 0.81 ± 0.07 for synchronous
+training (0.49×): far from the 5 % target. Uncorrected PPO did better, 0.61 ± 0.05 (0.75×), in
+every seed. The study can fail, and decoupled PPO fails it here; the corrections are not yet
+evidence that off-policy training is safe. A reading, not yet tested: with `none` the clip is
+anchored to the stale behaviour log-probs, so tokens the policy already moved are clipped (1.8 %
+of tokens) and the stale batches mostly stop pushing; decoupled PPO re-anchors the clip to the
+proximal policy, which lets a 15-step-old batch push again with a weight up to `is_cap` = 2
+(0.4 % of tokens capped), a larger effective step at an lr that is already near the edge (3e-4
+destabilises synchronous training). Runs to separate that from a defect: the S = 4 sync and
+default rows of the full grid, and `is_cap` 1 / `is_over_cap = "mask"` as extra corrections.
+
+**Budget.** Measured here on a shared machine: `--quick` (3 runs, the warm-up reused) 897 s at a
+load of 14–25; the three-seed slice 39 min at 10–25. On a quiet machine a run of 24 steps takes
+~60–70 s (the demo run of `tether bench quality`, 24 steps with 7 evaluations: 66 s at load 2.1),
+so `--quick` ≈ 3–4 min plus the warm-up (~2–4 min when not cached) and the full study ≈ 42 × 65
+s ≈ 45 min plus the warm-up: within 60 min by that estimate, not by a measurement. The full
+study has not been run yet (load 10–35 while this was written).
 """
 
 
