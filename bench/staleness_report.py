@@ -158,7 +158,8 @@ def write_report(r: dict[str, Any], out_path: Path) -> dict[str, Path]:
     )
     page = (
         f'<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title>'
-        f"<style>{CSS}</style></head><body><h1>{esc(title)}</h1>"
+        # one line: the page is a generated file, committed with its results
+        f"<style>{CSS.replace(chr(10), '')}</style></head><body><h1>{esc(title)}</h1>"
         f'<p class="sub">`{esc(r["command"])}` · {esc(r["machine"]["time"])} · load '
         f"{r['machine']['load_average'][0]:.1f} · drawn {time.strftime('%Y-%m-%d %H:%M:%S')}</p>"
         f'<section id="summary"><div class="cards">{cards}</div></section>{body}</body></html>\n'
