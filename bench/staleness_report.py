@@ -45,7 +45,7 @@ def _curves(configs: list[dict[str, Any]], *, what: str) -> str | None:
         ax.set(title=title, xlabel="optimizer step",
                ylabel="held-out accuracy (mean of seeds)" if what == "accuracy"
                else "training reward (mean of seeds)")  # fmt: skip
-        ax.legend(loc="lower right", fontsize="x-small")
+        ax.legend(loc="best", fontsize="x-small")
     return png_b64(fig)
 
 
