@@ -212,8 +212,10 @@ anchored to the stale behaviour log-probs, so tokens the policy already moved ar
 of tokens) and the stale batches mostly stop pushing; decoupled PPO re-anchors the clip to the
 proximal policy, which lets a 15-step-old batch push again with a weight up to `is_cap` = 2
 (0.4 % of tokens capped), a larger effective step at an lr that is already near the edge (3e-4
-destabilises synchronous training). Runs to separate that from a defect: the S = 4 sync and
-default rows of the full grid, and `is_cap` 1 / `is_over_cap = "mask"` as extra corrections.
+destabilises synchronous training). It is the overlap, not S = 4 itself: a probe of the full
+grid's S = 4 sync rows (staleness ≤ 3, one seed, `results/probes/`) gave decoupled 0.82 (as
+synchronous) and none 0.77. Next runs: the default depth (≤ 7) and three seeds of the full grid,
+and `is_cap` = 1 / `is_over_cap = "mask"` as extra corrections.
 
 **Budget.** Measured here on a shared machine: `--quick` (3 runs, the warm-up reused) 897 s at a
 load of 14–25; the three-seed slice 39 min at 10–25. On a quiet machine a run of 24 steps takes
