@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.staleness_report import readme_row as row_staleness
+from bench.staleness_report import readme_section as staleness_section
 from common.runs.plan import GPU_ASSUMED
 
 HEADER = """# Tether benchmarks
@@ -205,6 +207,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_peer(r)
         elif kind == "quality":
             rows += _row_quality(r)
+        elif kind == "staleness":
+            rows += [row_staleness(r)]
         else:
             rows += _row_generic(f.stem, r)
     table = [
@@ -220,6 +224,7 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         + "\n".join(table)
         + "\n"
         + extra
+        + staleness_section(Path(results_dir))
         + gpu_section(Path(results_dir) / "gpu")
         + plan_section(results_dir)
     )

@@ -15,7 +15,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ORDER = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality")
+ORDER = (
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness",
+)  # fmt: skip
 
 
 def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
@@ -37,6 +39,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "pipeline": {"quick": True},
         "peer": {"quick": True},
         "quality": {"quick": True},
+        "staleness": {"quick": True},
     }
     return presets[what]
 
@@ -72,7 +75,7 @@ def run_one(
             what,
         )
         return None
-    e2e = what in ("pipeline", "peer", "quality")
+    e2e = what in ("pipeline", "peer", "quality", "staleness")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
     suffix += f"_t{threads}" if threads and e2e else ""
     out = out_dir / f"{what}{suffix}.json"

@@ -292,6 +292,7 @@ class LearnerService:
             self.live.beat()
             self.counters["trained_samples"] += sum(1 for i in idx if samples[i].weight > 0)
             rewards = [samples[i].reward for i in idx]
+            lags = [self.version - 1 - samples[i].policy_version for i in idx]
             self.last_step = {
                 "step": self.version,
                 "cycle": cycle,
@@ -303,7 +304,10 @@ class LearnerService:
                 "seconds": time.monotonic() - t0,
                 "response_tokens": sum(len(samples[i].response_ids) for i in idx),
                 "batch_digest": _digest(samples[i].sample_id for i in idx),
-                "staleness_max": max(self.version - 1 - samples[i].policy_version for i in idx),
+                "staleness_max": max(lags),
+                # responses per staleness (index = optimizer steps behind): the measured
+                # distribution, as `tether bench staleness` reports it
+                "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
                 **{k: v for k, v in losses.merge_stats(stats_out).items() if k != "tokens"},
             }
             if self.rank0 is not None:

@@ -45,6 +45,19 @@ def test_accounting_balances(short_run):
 def test_staleness_stays_within_the_bound(short_run):
     # default max_staleness = 2·S − 1 = 1 step with one step per cycle
     assert all(0 <= s["staleness_max"] <= 1 for s in short_run.steps)
+    # the measured distribution: every response of the step counted once, at its staleness
+    for s in short_run.steps:
+        assert sum(s["staleness_counts"]) == PROMPTS * RESPONSES
+        assert len(s["staleness_counts"]) == s["staleness_max"] + 1 and s["staleness_counts"][-1]
+
+
+def test_staleness_bench_reads_a_real_run(short_run):
+    from bench.staleness import summarize_run
+
+    got = summarize_run(short_run.steps + short_run.evals)
+    assert sum(got["staleness_counts"]) == CYCLES * PROMPTS * RESPONSES
+    assert got["staleness_max"] <= 1 and 0.0 <= got["final_accuracy"] <= 1.0
+    assert len(got["reward_curve"]) == CYCLES and 0.0 <= got["clipped_frac"] <= 1.0
 
 
 def test_held_out_accuracy_measured_before_and_after(short_run):

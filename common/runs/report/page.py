@@ -55,7 +55,7 @@ tr.ok td{color:#2e7d32;font-weight:600}pre{background:#fafafa;border:1px solid #
 """
 
 
-def _img(b64: str | None, alt: str, missing: str) -> str:
+def img_tag(b64: str | None, alt: str, missing: str) -> str:
     if b64 is None:
         return f'<p class="note">{esc(missing)}</p>'
     return f'<img src="data:image/png;base64,{b64}" alt="{esc(alt)}">'
@@ -66,7 +66,7 @@ def _section(key: str, body: str, note: str = "") -> str:
     return f'<section id="{key}"><h2>{esc(SECTIONS[key])}</h2>{note_html}{body}</section>'
 
 
-def _table(head: list[str], rows: list[list[Any]], *, classes: list[str] | None = None) -> str:
+def html_table(head: list[str], rows: list[list[Any]], *, classes: list[str] | None = None) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return f'<td class="num">{v:,.3g}</td>'
@@ -127,7 +127,7 @@ def _rates(status: dict, n: int) -> str:
                 r.get("samples_per_s", "-"),
             ]
         )
-    return _table(
+    return html_table(
         ["service", "replica", "uptime s", "groups/s", "tokens/s", "trained responses/s"], rows
     )
 
@@ -151,10 +151,10 @@ def _status_sections(status: dict | None, evals: list[dict], run: dict) -> dict[
     )
     cls = [""] * (len(rows) - 1) + ["ok" if rows[-1][2] == 0 else "bad"]
     return {
-        "rates": _img(rp.plot_stage_rates(services, n), "rates per stage", "no rates")
+        "rates": img_tag(rp.plot_stage_rates(services, n), "rates per stage", "no rates")
         + _rates(status, n),
-        "time": _img(rp.plot_time(services), "time breakdown", "no phase timings in the snapshot"),
-        "accounting": _table(
+        "time": img_tag(rp.plot_time(services), "time breakdown", "no phase timings in the snapshot"),
+        "accounting": html_table(
             ["", "trajectories", "from"], [list(r[1:]) for r in rows], classes=cls
         ),
     }
@@ -184,7 +184,7 @@ def render(
     parts = [
         _section(
             "reward",
-            _img(
+            img_tag(
                 rp.plot_reward(steps, evals),
                 "reward and accuracy",
                 "no steps or evaluations recorded yet",
@@ -192,18 +192,18 @@ def render(
         ),
         _section(
             "throughput",
-            _img(rp.plot_throughput(steps, batch), "throughput", "no steps recorded yet")
+            img_tag(rp.plot_throughput(steps, batch), "throughput", "no steps recorded yet")
             + extra["rates"],
             f"{batch} responses per optimizer step; stage rates are lifetime averages of each replica",
         ),
         _section(
             "staleness",
-            _img(rp.plot_staleness(steps), "staleness", "no staleness recorded"),
+            img_tag(rp.plot_staleness(steps), "staleness", "no staleness recorded"),
             f"max_staleness = {run.get('max_staleness', '?')}: each step's oldest trajectory, in optimizer steps behind the learner",
         ),
         _section(
             "mismatch",
-            _img(rp.plot_mismatch(steps), "mismatch", "no mismatch statistics recorded"),
+            img_tag(rp.plot_mismatch(steps), "mismatch", "no mismatch statistics recorded"),
             "log-probs of the sampled tokens under the generator (behaviour) vs the learner, before the update",
         ),
         _section("time", extra["time"]),

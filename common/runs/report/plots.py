@@ -23,7 +23,7 @@ PHASE_COLOURS = {
 }
 
 
-def _png(fig: Any) -> str:
+def png_b64(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -32,7 +32,7 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _figure(ncols: int = 1, *, height: float = 3.4, integer_x: bool = True) -> tuple[Any, Any]:
+def figure(ncols: int = 1, *, height: float = 3.4, integer_x: bool = True) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +51,7 @@ def _figure(ncols: int = 1, *, height: float = 3.4, integer_x: bool = True) -> t
 def plot_reward(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str | None:
     if not steps and not evals:
         return None
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     if steps:
         ax.plot(
             [s["step"] for s in steps],
@@ -70,13 +70,13 @@ def plot_reward(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str
         )
     ax.set(xlabel="optimizer step (policy version)", ylabel="reward / accuracy")
     ax.legend(loc="best")
-    return _png(fig)
+    return png_b64(fig)
 
 
 def plot_throughput(steps: list[dict[str, Any]], batch: int) -> str | None:
     if not steps:
         return None
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     xs = [s["step"] for s in steps]
     trained = [batch - s.get("dropped_stale", 0) for s in steps]
     ax.plot(
@@ -100,14 +100,14 @@ def plot_throughput(steps: list[dict[str, Any]], batch: int) -> str | None:
         )
     ax.set(xlabel="optimizer step", ylabel="responses trained per second")
     ax.legend(loc="best")
-    return _png(fig)
+    return png_b64(fig)
 
 
 def plot_staleness(steps: list[dict[str, Any]]) -> str | None:
     values = [int(s["staleness_max"]) for s in steps if s.get("staleness_max") is not None]
     if not values:
         return None
-    fig, (ax,) = _figure(height=2.8)
+    fig, (ax,) = figure(height=2.8)
     ks = list(range(min(values), max(values) + 1))
     ax.bar(ks, [values.count(k) for k in ks], color="#5c6bc0", width=0.6)
     ax.set_xticks(ks)
@@ -115,7 +115,7 @@ def plot_staleness(steps: list[dict[str, Any]]) -> str | None:
 
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="largest staleness in the step (optimizer steps behind)", ylabel="steps")
-    return _png(fig)
+    return png_b64(fig)
 
 
 def plot_mismatch(steps: list[dict[str, Any]]) -> str | None:
@@ -126,14 +126,14 @@ def plot_mismatch(steps: list[dict[str, Any]]) -> str | None:
     present = [(k, t) for k, t in keys if any(k in s for s in steps)]
     if not present:
         return None
-    fig, axes = _figure(len(present))
+    fig, axes = figure(len(present))
     for ax, (key, title) in zip(axes, present, strict=True):
         pts = [(s["step"], s[key]) for s in steps if key in s]
         ax.plot(*zip(*pts, strict=True), "o-", ms=3, color="#00838f")
         if all(v > 0 for _, v in pts):
             ax.set_yscale("log")
         ax.set(title=title, xlabel="optimizer step")
-    return _png(fig)
+    return png_b64(fig)
 
 
 def _with_untimed(service: dict[str, Any]) -> dict[str, float]:
@@ -151,7 +151,7 @@ def plot_time(services: list[dict[str, Any]]) -> str | None:
     rows = [(name, ph) for name, ph in rows if sum(ph.values()) > 0]
     if not rows:
         return None
-    fig, (ax,) = _figure(height=0.5 * len(rows) + 1.6, integer_x=False)
+    fig, (ax,) = figure(height=0.5 * len(rows) + 1.6, integer_x=False)
     phases = [p for p in PHASE_COLOURS if any(p in ph for _, ph in rows)]
     phases += sorted({p for _, ph in rows for p in ph} - set(phases))
     for i, (_, ph) in enumerate(rows):
@@ -175,7 +175,7 @@ def plot_time(services: list[dict[str, Any]]) -> str | None:
         frameon=False,
         fontsize="small",
     )
-    return _png(fig)
+    return png_b64(fig)
 
 
 def plot_stage_rates(services: list[dict[str, Any]], responses_per_prompt: int) -> str | None:
@@ -190,7 +190,7 @@ def plot_stage_rates(services: list[dict[str, Any]], responses_per_prompt: int) 
     bars = [(k, v) for k, v in bars if v is not None]
     if not bars:
         return None
-    fig, (ax,) = _figure(height=0.45 * len(bars) + 1.2, integer_x=False)
+    fig, (ax,) = figure(height=0.45 * len(bars) + 1.2, integer_x=False)
     colours = {"generator": "#1565c0", "scorer": "#6a1b9a", "learner": "#2e7d32"}
     ax.barh(
         range(len(bars)),
@@ -200,4 +200,4 @@ def plot_stage_rates(services: list[dict[str, Any]], responses_per_prompt: int) 
     ax.set_yticks(range(len(bars)), [k for k, _ in bars])
     ax.invert_yaxis()
     ax.set(xlabel="groups per second (lifetime average; generators include evaluation groups)")
-    return _png(fig)
+    return png_b64(fig)
