@@ -13,6 +13,8 @@ the methods below run inside the worker process through ``collective_rpc``:
 - ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
   learner's (Hugging Face) naming, computed like ``common.weights.checksum.tensors_checksum``.
 - ``tether_version()`` -> the loaded policy version (None before the first update).
+- ``tether_model_info()`` -> ``{"class", "module"}`` of the model vLLM runs: its own
+  implementation (``vllm.model_executor.models.llama``) or the Transformers fallback.
 
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
 service decides what to do with requests in flight. Errors are returned, not raised, so a bad
@@ -88,6 +90,10 @@ class TetherWorkerExtension:
 
     def tether_version(self) -> int | None:
         return self._tether_version
+
+    def tether_model_info(self) -> dict:
+        model = self.model_runner.get_model()
+        return {"class": type(model).__name__, "module": type(model).__module__}
 
     def tether_weights_checksum(self, layout: list | None = None) -> str:
         """``layout``: [(name, dtype name, shape)] in the learner's naming; default: the last
