@@ -75,11 +75,18 @@ class TetherWorkerExtension:
             return {"ok": False, "version": self._tether_version, "error": str(e)}
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
         tied = self._tether_tied()
-        self.model_runner.reload_weights(
-            weights_iterator=iter(
-                [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
-            )
+        missing = self._tether_load(
+            [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
         )
+        if missing:
+            # Loaded in part: vLLM only logs this and keeps the old values of the rest.
+            error = (
+                f"the update of version {version} left {len(missing)} engine parameter(s) "
+                f"unchanged: {', '.join(missing[:8])}; the learner's tensor names do not map "
+                "onto this vLLM model (the engine now mixes versions: restart the generator)"
+            )
+            logger.error("%s", error)
+            return {"ok": False, "version": self._tether_version, "error": error}
         self._tether_version = version
         self._tether_layout = [(n, t.dtype, tuple(t.shape)) for n, t in named]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -107,6 +114,28 @@ class TetherWorkerExtension:
         return tensors_checksum([(n, self._tether_engine_tensor(n, s)) for n, _, s in layout])
 
     # -- helpers
+
+    def _tether_load(self, named: list) -> list[str]:
+        """Load ``named`` in place with ``reload_weights``; return the engine parameters that
+        it did not load (vLLM's own check only logs a warning). A model whose
+        ``load_weights`` reports nothing is not checked."""
+        model = self.model_runner.get_model()
+        expected = {n for n, _ in model.named_parameters()}
+        loaded: list[set[str]] = []
+        load_weights = model.load_weights
+
+        def recording(weights):
+            result = load_weights(weights)
+            if result is not None:
+                loaded.append(set(result))
+            return result
+
+        model.load_weights = recording  # an instance attribute shadows the method, for this call
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(named))
+        finally:
+            del model.load_weights
+        return sorted(expected - set().union(*loaded)) if loaded else []
 
     def _tether_tied(self) -> bool:
         cfg = self.model_runner.model_config.hf_config
