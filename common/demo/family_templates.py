@@ -74,20 +74,3 @@ PHI3 = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}"
 )
-
-# Mistral (v0.3-style instruct): BOS, [INST] user [/INST] answer</s>; a system message is
-# prefixed to the last user turn.
-MISTRAL = (
-    "{{- bos_token }}"
-    "{%- set system = '' %}"
-    "{%- if messages and messages[0]['role'] == 'system' %}"
-    "{%- set system = messages[0]['content'] + '\n\n' %}"
-    "{%- set messages = messages[1:] %}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- set prefix = system if loop.last or loop.revindex == 2 else '' %}"
-    "{{- '[INST] ' + prefix + message['content'] + '[/INST]' }}"
-    "{%- else %}{{- message['content'] + eos_token }}{%- endif %}"
-    "{%- endfor %}"
-)

@@ -121,7 +121,7 @@ def _train_sentencepiece(specials: list[str], vocab_size: int, prefix_space: boo
     after the specials and ``byte_fallback`` on (the trainer cannot add either itself)."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     scheme = "first" if prefix_space else "never"
     meta = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=True)
@@ -142,7 +142,12 @@ def _train_sentencepiece(specials: list[str], vocab_size: int, prefix_space: boo
     unk = "<unk>" if "<unk>" in vocab else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True,
                                fuse_unk=True))  # fmt: skip
-    tok.pre_tokenizer = meta
+    # SentencePiece always adds its dummy prefix ("  x" -> "▁▁▁x"); a Metaspace pre-tokenizer
+    # does not when the text starts with a space, so the prefix is a normalizer step, as in the
+    # Llama-2-style tokenizer.json files (which also put a "▁" after every special token).
+    steps_in = [normalizers.Prepend("▁")] if prefix_space else []
+    tok.normalizer = normalizers.Sequence([*steps_in, normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if prefix_space:
         steps.append(decoders.Strip(" ", 1, 0))

@@ -37,7 +37,7 @@ from common.demo.family_tokenizers import (
     train_tokenizer,
 )
 
-BUILD_VERSION = 2  # bump when a change below alters the files a build writes
+BUILD_VERSION = 3  # bump when a change below alters the files a build writes
 LOGIT_STD = 3.0
 GEMMA_ATTN_SCORE_STD = 25.0  # pre-soft-cap attention scores; the cap is 50
 
@@ -140,7 +140,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="phi3", title="Phi-3", architecture="Phi3ForCausalLM", model_type="phi3",
             style="sentencepiece", specials_first=("<unk>", "<s>", "</s>"),
-            specials_last=_PHI3_ADDED, trained_pieces=8000, bos="<s>", eos="<|end|>",
+            specials_last=_PHI3_ADDED, bos="<s>", eos="<|end|>",
             stop=("<|endoftext|>",), pad="<|endoftext|>", unk="<unk>",
             chat_template=templates.PHI3, vocab_multiple=64,
             config={**_DENSE, "num_key_value_heads": 4, "tie_word_embeddings": False,
