@@ -136,6 +136,8 @@ class TetherWorkerExtension:
             self.model_runner.reload_weights(weights_iterator=iter(named))
         finally:
             del model.load_weights
+        if self._tether_tied():
+            _repack_tied_lm_head(model)
         return sorted(expected - set().union(*loaded)) if loaded else []
 
     def _tether_tied(self) -> bool:
@@ -205,3 +207,25 @@ def _reset_cpu_moe_kernels(model) -> None:
         method: Any = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None
+
+
+def _repack_tied_lm_head(model) -> None:
+    """vLLM CPU: rebuild a tied output head's GEMM from the embedding just reloaded.
+
+    On CPU, vLLM packs the ``lm_head`` weight for its GEMM (``dispatch_cpu_unquantized_gemm``:
+    an sgl-kernel packed copy or a oneDNN handle) when the weights are processed. A tied head
+    (Qwen2/Qwen3 <= 4B, Llama-3.2 1B/3B: ``lm_head.tie_weights(embed_tokens)``) shares the
+    embedding's parameter but is never loaded itself, so a reload updates the embedding and
+    leaves the head's packed copy at the old weights — silently (measured on the tied Qwen3
+    fixture after an update of every parameter: mean |Δ log-prob| 0.056, max 1.1). Models that
+    compute logits from the embedding module itself (Gemma) have no separate head.
+    """
+    from vllm.platforms import current_platform
+
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not current_platform.is_cpu() or head is None or embed is None or head is embed:
+        return
+    method: Any = getattr(head, "quant_method", None)
+    if getattr(head, "weight", None) is getattr(embed, "weight", None) and method is not None:
+        method.process_weights_after_loading(head)
