@@ -105,7 +105,8 @@ class TetherWorkerExtension:
     def tether_weights_checksum(self, layout: list | None = None) -> str:
         """``layout``: [(name, dtype name, shape)] in the learner's naming; default: the last
         update's. Fused vLLM parameters (qkv_proj, gate_up_proj) are split back by their
-        ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the embedding."""
+        ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the head's own
+        packed GEMM weight where it has one (CPU), else the embedding."""
         from common.weights.checksum import tensors_checksum
 
         layout = layout if layout is not None else self._tether_layout
@@ -146,15 +147,19 @@ class TetherWorkerExtension:
 
     def _tether_engine_tensor(self, name: str, shape):
         model = self.model_runner.get_model()
+        gemm = False
         if name == "lm_head.weight" and self._tether_tied():
-            name = "model.embed_tokens.weight"
+            # A separate tied head computes the logits with its own packed copy on CPU: read
+            # that (through its GEMM), not the embedding it was packed from.
+            gemm = hasattr(getattr(model, "lm_head", None), "cpu_linear")
+            name = name if gemm else "model.embed_tokens.weight"
         module_path, _, pname = name.rpartition(".")
         part = None
         try:
             module = model.get_submodule(module_path)
         except AttributeError:
             module, part = self._tether_fused(model, module_path)
-        t = self._tether_read(module, pname)
+        t = self._tether_read(module, pname, gemm=gemm)
         if part is not None:
             start = sum(module.output_sizes[:part])
             t = t[start : start + module.output_sizes[part]]
@@ -175,16 +180,19 @@ class TetherWorkerExtension:
         raise ValueError(f"the engine has no module for {module_path!r}")
 
     @staticmethod
-    def _tether_read(module, pname: str):
+    def _tether_read(module, pname: str, *, gemm: bool = False):
         """A parameter's value. vLLM's CPU backend packs linear weights into oneDNN/sgl handles
-        and leaves an empty ``weight``: read it back through the layer's own GEMM with an
-        identity input (exact: every output is one weight times 1.0 plus zeros)."""
+        and leaves an empty ``weight`` (or, with ``gemm``, a stale one): read it back through
+        the layer's own GEMM with an identity input (exact: every output is one weight times
+        1.0 plus zeros)."""
         import torch
 
         p = getattr(module, pname)
-        if pname != "weight" or p.numel() > 0 or not hasattr(module, "cpu_linear"):
+        packed = p.numel() == 0 or gemm
+        if pname != "weight" or not packed or not hasattr(module, "cpu_linear"):
             return p.detach()
-        eye = torch.eye(module.input_size_per_partition, dtype=p.dtype, device=p.device)
+        size = p.shape[1] if p.numel() else module.input_size_per_partition
+        eye = torch.eye(size, dtype=p.dtype, device=p.device)
         with torch.no_grad():
             return module.cpu_linear(eye, p, None).t().contiguous()
 
