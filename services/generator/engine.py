@@ -136,8 +136,8 @@ class Sample:
 def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = None) -> Sample:
     """Convert a vLLM ``CompletionOutput`` (requested with ``logprobs=0``) into a ``Sample``.
 
-    ``tokenizer`` decodes the text when vLLM did not (``detokenize=False``), as vLLM would:
-    special tokens skipped."""
+    ``tokenizer``: decode the text with it, as vLLM would (special tokens skipped), for a
+    request sampled with ``detokenize=False``; without it the text is vLLM's."""
     token_ids = list(completion.token_ids)
     steps = completion.logprobs
     if steps is None or len(steps) != len(token_ids):
@@ -152,7 +152,7 @@ def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = Non
         token_ids=token_ids,
         logprobs=logprobs,
         finish_reason=str(completion.finish_reason),
-        text=completion.text or _decode(tokenizer, token_ids),
+        text=completion.text if tokenizer is None else _decode(tokenizer, token_ids),
         seconds=seconds,
         stop_reason=completion.stop_reason,
         weight_versions=spans,
@@ -160,9 +160,7 @@ def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = Non
 
 
 def _decode(tokenizer: Any, token_ids: list[int]) -> str:
-    if tokenizer is None or not token_ids:
-        return ""
-    return str(tokenizer.decode(token_ids, skip_special_tokens=True))
+    return str(tokenizer.decode(token_ids, skip_special_tokens=True)) if token_ids else ""
 
 
 class GenerationEngine:
@@ -257,7 +255,8 @@ class GenerationEngine:
                 f"request {request_id}: expected {sampling.n} responses, got {len(completions)} "
                 "(was the request aborted by a pause(mode='abort')?)"
             )
-        return [sample_from_completion(c, seconds, self._tokenizer) for c in completions]
+        decoder = None if params.detokenize else self._tokenizer
+        return [sample_from_completion(c, seconds, decoder) for c in completions]
 
     async def collective_rpc(
         self,
