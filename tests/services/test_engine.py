@@ -193,3 +193,11 @@ def test_pause_resume_and_weight_version_labels(engine, tokenizer):
     assert engine.run(engine.get_weight_version()) == "7"
     assert all(s.weight_versions == [("7", 0, 12)] for s in group)
     engine.run(engine.set_weight_version("default"))
+
+
+def test_text_is_decoded_by_tether_unless_stop_strings_need_vllms_detokenizer():
+    """vLLM's detokenizer also decodes every log-prob entry and raises on a token id past the
+    tokenizer's vocabulary (padded embeddings); Tether decodes the text itself instead
+    (tests/test_model_families.py samples such ids from the Phi-3 fixture)."""
+    assert SamplingSettings().to_vllm().detokenize is False
+    assert SamplingSettings(stop=("\n",)).to_vllm().detokenize is True
