@@ -15,7 +15,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ORDER = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality")
+ORDER = (
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "models",
+)  # fmt: skip
 
 
 def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
@@ -37,6 +39,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "pipeline": {"quick": True},
         "peer": {"quick": True},
         "quality": {"quick": True},
+        "models": {"quick": True},
     }
     return presets[what]
 
@@ -80,6 +83,8 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
+    if what == "models":
+        kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
     return fn(out_path=out, **kwargs)

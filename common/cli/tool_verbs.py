@@ -10,7 +10,9 @@ from types import ModuleType
 
 from common.cli.args import add_config_args, config_flags
 
-BENCHMARKS = ("bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality")
+BENCHMARKS = (
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "models",
+)  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
     "installed with the package. Clone it, then run `make bench`, or `python -m common.cli bench "
