@@ -198,12 +198,28 @@ def _export(row: dict[str, Any], model_dir: Path, *, device: Any) -> dict[str, A
         ],
         fc.transformers_logprobs(out, samples),
     )
+    changed = _tensors_changed(model_dir, out)
     return {
-        "ok": _parity_ok(vllm) and _parity_ok(hf),
+        "ok": _parity_ok(vllm) and _parity_ok(hf) and changed > 0,
+        "tensors_changed_by_training": changed,
         "vllm_class": vllm_class,
         "vllm_vs_learner": vllm,
         "transformers_vs_learner": hf,
     }
+
+
+def _tensors_changed(base_dir: Path, export_dir: Path) -> int:
+    """How many of the export's tensors differ from the model the run started from (both in
+    checkpoint naming): an export of the untrained weights would pass the log-prob checks."""
+    import torch
+    from safetensors.torch import load_file
+
+    base, export = load_file(str(base_dir / "model.safetensors")), {}
+    for f in sorted(export_dir.glob("*.safetensors")):
+        export.update(load_file(str(f)))
+    return sum(
+        1 for n, t in export.items() if n in base and not torch.equal(t.float(), base[n].float())
+    )
 
 
 def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: Any, quick: bool):
