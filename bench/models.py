@@ -45,6 +45,8 @@ def _stage(row: dict[str, Any], key: str, fn: Callable[[], dict[str, Any]]) -> b
     t0 = time.monotonic()
     try:
         result = fn()
+        if not result.get("ok", True) and "error" not in result and "mean_abs" in result:
+            result["error"] = f"mean |Δ| {result['mean_abs']:.2e} over the 1e-3 target"
     except Exception as e:  # noqa: BLE001 - a failing family is a result, not a crash
         log.exception("models bench: %s %s failed", row["family"], key)
         first = f"{type(e).__name__}: {e}".strip()
@@ -156,8 +158,13 @@ def _train(row: dict[str, Any], model_dir: Path, *, root: Path, data: dict, redi
         for s in steps
     )
     row["run_dir"] = run["run_dir"]
+    why = "" if every_step and trained else (
+        f"step records {[s['step'] for s in steps]} for {TRAIN_CYCLES} cycles; grad norms "
+        f"{[s['grad_norm'] for s in steps]}; dropped {[s['dropped_stale'] for s in steps]}"
+    )  # fmt: skip
     return {
-        "ok": every_step and trained,
+        "ok": not why,
+        **({"error": why} if why else {}),
         "steps": len(steps),
         "grad_norm": [round(s["grad_norm"], 4) for s in steps],
         "reward_mean": [round(s["reward_mean"], 4) for s in steps],
@@ -199,8 +206,12 @@ def _export(row: dict[str, Any], model_dir: Path, *, device: Any) -> dict[str, A
         fc.transformers_logprobs(out, samples),
     )
     changed = _tensors_changed(model_dir, out)
+    ok = _parity_ok(vllm) and _parity_ok(hf) and changed > 0
+    why = f"mean |Δ| vLLM {vllm['mean_abs']:.2e}, transformers {hf['mean_abs']:.2e}; " \
+        f"{changed} tensors changed by training"  # fmt: skip
     return {
-        "ok": _parity_ok(vllm) and _parity_ok(hf) and changed > 0,
+        "ok": ok,
+        **({} if ok else {"error": why}),
         "tensors_changed_by_training": changed,
         "vllm_class": vllm_class,
         "vllm_vs_learner": vllm,
