@@ -19,12 +19,11 @@ from typing import Any
 import pytest
 
 from bench import family_checks as fc
-from common.demo.model_families import FAMILIES, Family, build_family
-from tests.conftest import TEST_CACHE
+from common.demo.model_families import FAMILIES, Family, build_family, default_root
 
 pytestmark = pytest.mark.slow
 
-ROOT = TEST_CACHE / "families"  # built once per clone
+ROOT = default_root()  # .cache/families: built once per clone, shared with the bench
 
 
 @dataclass

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from common.data.prompts import encode_prompt
-from common.demo.model_families import FAMILIES, build_family, build_tokenizer
-from tests.conftest import TEST_CACHE
+from common.demo.model_families import FAMILIES, build_family, build_tokenizer, default_root
 
 pytestmark = pytest.mark.slow  # the first build of each family trains a tokenizer (~5 s)
 
-ROOT = TEST_CACHE / "families"
+ROOT = default_root()  # .cache/families: built once per clone, shared with the bench
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 2+2?"},
