@@ -272,8 +272,8 @@ def run_models_bench(
     """Run every family (or ``families``); ``quick``: load and parity only (no train/export).
     Returns (and writes as JSON to ``out_path``) the per-family results."""
     from bench.workload import machine_info
-    from common.demo.model_families import FAMILIES
     from common.bus.server import EmbeddedRedis
+    from common.demo.model_families import FAMILIES
     from common.demo.tasks import ArithmeticTask, write_task
     from services.learner.model import setup_distributed
 
