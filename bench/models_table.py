@@ -94,6 +94,26 @@ def _timing(result: dict[str, Any]) -> str:
     return f", {result['wall_s'] / 60:.0f} min in all at load average {start:.1f} → {end:.1f}"
 
 
+def bench_readme_row(result: dict[str, Any]) -> str:
+    """The row of ``bench/README.md``'s results table: which families passed every stage, and
+    the worst log-prob parity after the update."""
+    rows = result["families"]
+    every = ("load", "parity_before", "update", "parity_after", "train", "export")
+    stages = every[:4] if result.get("quick") else every
+    passed = [r["family"] for r in rows if all(r.get(s, {}).get("ok") for s in stages)]
+    failed = [r["family"] for r in rows if r["family"] not in passed]
+    after = [r["parity_after"]["mean_abs"] for r in rows if "mean_abs" in r.get("parity_after", {})]
+    worst = f"{max(after):.1e}" if after else "n/a"
+    load = result.get("machine", {}).get("load_average", [float("nan")])[0]
+    return (
+        f"| models | {len(rows)} families, tiny random models in their HF config classes | "
+        f"every stage ✓: {', '.join(passed) or 'none'}; ✗: {', '.join(failed) or 'none'} | "
+        f"parity after an update of every parameter: worst mean \\|Δ\\| **{worst}** (target "
+        f'1e-3) | stages per family in README.md, "Supported model families" | {load:.1f} | '
+        f"`{result['command']}` |"
+    )
+
+
 def load_results(root: Path | None = None) -> dict[str, Any]:
     from common.demo.model_families import clone_root
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.models_table import bench_readme_row
 from common.runs.plan import GPU_ASSUMED
 
 HEADER = """# Tether benchmarks
@@ -191,6 +192,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_peer(r)
         elif kind == "quality":
             rows += _row_quality(r)
+        elif kind == "models":
+            rows += [bench_readme_row(r)]
         else:
             rows += _row_generic(f.stem, r)
     table = [
