@@ -238,11 +238,10 @@ def _tensors_changed(base_dir: Path, export_dir: Path) -> int:
 
 
 def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: Any, quick: bool):
-    from common.demo.model_families import FAMILIES, build_family
+    from common.demo.model_families import build_family
 
-    f = FAMILIES[name]
-    row: dict[str, Any] = {"family": name, "title": f.title, "architecture": f.architecture,
-                           "notes": f.notes}  # fmt: skip
+    row = pending_row(name)
+    del row["pending"]
     box: dict[str, Path] = {}
 
     def build() -> dict[str, Any]:
@@ -284,26 +283,43 @@ def run_models_bench(
     root.mkdir(parents=True, exist_ok=True)
     data = write_task(root / "data", ArithmeticTask(num_train=200, num_eval=8))
     _, _, device = setup_distributed()
-    machine = machine_info()
-    rows = []
-    server = EmbeddedRedis(root / "redis", appendonly=False).start()
-    try:
-        for name in families or list(FAMILIES):
-            rows.append(_family_row(name, root=root, data=data, redis_url=server.url,
-                                    device=device, quick=quick))  # fmt: skip
-    finally:
-        server.stop()
-    result = {
+    names = families or list(FAMILIES)
+    result: dict[str, Any] = {
         "bench": "models",
         "quick": quick,
-        "machine": machine,
+        "machine": machine_info(),
         "command": "tether bench models" + (" --quick" if quick else ""),
         "train_cycles": TRAIN_CYCLES,
-        "wall_s": round(time.monotonic() - t0, 1),
-        "load_average_end": list(os.getloadavg()),  # machine.load_average is at the start
-        "families": rows,
+        "complete": False,  # True once every family ran; until then the JSON is a partial run
+        "families": [pending_row(n) for n in names],
     }
+    server = EmbeddedRedis(root / "redis", appendonly=False).start()
+    try:
+        for i, name in enumerate(names):
+            load = list(os.getloadavg())
+            row = _family_row(name, root=root, data=data, redis_url=server.url,
+                              device=device, quick=quick)  # fmt: skip
+            result["families"][i] = {**row, "load_average_start": load}
+            result["wall_s"] = round(time.monotonic() - t0, 1)
+            result["load_average_end"] = list(os.getloadavg())
+            if out_path is not None:  # after every family: a run cut short keeps what it did
+                report(result, f"models bench: {name} done", out_path)
+    finally:
+        server.stop()
+    result["complete"] = True
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result["load_average_end"] = list(os.getloadavg())  # machine.load_average is at the start
     return report(result, format_models(result), out_path)
+
+
+def pending_row(name: str) -> dict[str, Any]:
+    """A family's row before it runs: named, with no stage, marked pending (a run that stops
+    early leaves the families it did not reach in the JSON, marked, not dropped)."""
+    from common.demo.model_families import FAMILIES
+
+    f = FAMILIES[name]
+    return {"family": name, "title": f.title, "architecture": f.architecture,
+            "notes": f.notes, "pending": True}  # fmt: skip
 
 
 def format_models(result: dict[str, Any]) -> str:
