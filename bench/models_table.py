@@ -115,13 +115,15 @@ def bench_readme_row(result: dict[str, Any]) -> str:
     every = ("load", "parity_before", "update", "parity_after", "train", "export")
     stages = every[:4] if result.get("quick") else every
     passed = [r["family"] for r in rows if all(r.get(s, {}).get("ok") for s in stages)]
-    failed = [r["family"] for r in rows if r["family"] not in passed]
+    pending = [r["family"] for r in rows if r.get("pending")]
+    failed = [r["family"] for r in rows if r["family"] not in passed + pending]
     after = [r["parity_after"]["mean_abs"] for r in rows if "mean_abs" in r.get("parity_after", {})]
     worst = f"{max(after):.1e}" if after else "n/a"
     load = result.get("machine", {}).get("load_average", [float("nan")])[0]
     return (
         f"| models | {len(rows)} families, tiny random models in their HF config classes | "
-        f"every stage ✓: {', '.join(passed) or 'none'}; ✗: {', '.join(failed) or 'none'} | "
+        f"every stage ✓: {', '.join(passed) or 'none'}; ✗: {', '.join(failed) or 'none'}"
+        f"{'; not run: ' + ', '.join(pending) if pending else ''} | "
         f"parity after an update of every parameter: worst mean \\|Δ\\| **{worst}** (target "
         f'1e-3) | stages per family in README.md, "Supported model families" | {load:.1f} | '
         f"`{result['command']}` |"
