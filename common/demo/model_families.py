@@ -86,6 +86,12 @@ _PHI3_ADDED = (
     "<|user|>",
 )  # fmt: skip
 
+# What the Qwen2.5/Qwen3 tokenizers share: byte-level BPE with Qwen2's digit-by-digit split,
+# ChatML turns ended by <|im_end|>, no BOS, a vocabulary padded to a multiple of 128.
+_QWEN_TOKENIZER: dict[str, Any] = {
+    "style": "byte_level", "split": QWEN2_SPLIT, "eos": "<|im_end|>", "stop": ("<|endoftext|>",),
+    "pad": "<|endoftext|>", "vocab_multiple": 128,
+}  # fmt: skip
 _DENSE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}  # fmt: skip
 
@@ -106,18 +112,16 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             name="qwen2.5", title="Qwen2.5", architecture="Qwen2ForCausalLM",
-            model_type="qwen2", style="byte_level", specials_last=_QWEN_SPECIALS,
-            split=QWEN2_SPLIT, eos="<|im_end|>", stop=("<|endoftext|>",), pad="<|endoftext|>",
-            chat_template=templates.QWEN25, vocab_multiple=128,
+            model_type="qwen2", specials_last=_QWEN_SPECIALS, chat_template=templates.QWEN25,
+            **_QWEN_TOKENIZER,
             config={**_DENSE, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                     "use_sliding_window": False},
             notes="untied lm_head (7B+), q/k/v bias, padded vocabulary, no BOS",
         ),
         Family(
             name="qwen3", title="Qwen3", architecture="Qwen3ForCausalLM",
-            model_type="qwen3", style="byte_level", specials_last=_QWEN3_SPECIALS,
-            split=QWEN2_SPLIT, eos="<|im_end|>", stop=("<|endoftext|>",), pad="<|endoftext|>",
-            chat_template=templates.QWEN3, vocab_multiple=128,
+            model_type="qwen3", specials_last=_QWEN3_SPECIALS, chat_template=templates.QWEN3,
+            **_QWEN_TOKENIZER,
             config={**_DENSE, "head_dim": 128, "tie_word_embeddings": True,
                     "rope_theta": 1000000.0},
             notes="q/k-norm, head_dim 128 ≠ hidden/heads, tied embeddings (≤4B), no BOS",
@@ -149,9 +153,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             name="qwen3-moe", title="Qwen3-MoE", architecture="Qwen3MoeForCausalLM",
-            model_type="qwen3_moe", style="byte_level", specials_last=_QWEN3_SPECIALS,
-            split=QWEN2_SPLIT, eos="<|im_end|>", stop=("<|endoftext|>",), pad="<|endoftext|>",
-            chat_template=templates.QWEN3, vocab_multiple=128,
+            model_type="qwen3_moe", specials_last=_QWEN3_SPECIALS, chat_template=templates.QWEN3,
+            **_QWEN_TOKENIZER,
             config={**_DENSE, "head_dim": 64, "tie_word_embeddings": False,
                     "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
                     "decoder_sparse_step": 1, "norm_topk_prob": True, "rope_theta": 1000000.0},
