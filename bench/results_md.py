@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.models_table import bench_readme_row
 from bench.staleness_report import readme_row as row_staleness
 from bench.staleness_report import readme_section as staleness_section
 from common.runs.plan import GPU_ASSUMED
@@ -209,6 +210,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_quality(r)
         elif kind == "staleness":
             rows += [row_staleness(r)]
+        elif kind == "models":
+            rows += [bench_readme_row(r)]
         else:
             rows += _row_generic(f.stem, r)
     table = [

@@ -16,7 +16,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ORDER = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness",
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
 )  # fmt: skip
 
 
@@ -40,6 +40,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "peer": {"quick": True},
         "quality": {"quick": True},
         "staleness": {"quick": True},
+        "models": {"quick": True},
     }
     return presets[what]
 
@@ -84,6 +85,8 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
+    if what == "models":
+        kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:

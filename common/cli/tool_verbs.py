@@ -11,7 +11,7 @@ from types import ModuleType
 from common.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness",
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "

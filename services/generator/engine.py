@@ -109,6 +109,12 @@ class SamplingSettings:
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=0,  # 0 = only the sampled token's log-prob
+            # Text comes from ``sample_from_completion`` unless stop strings need vLLM's own
+            # incremental detokenizer. With detokenize on, vLLM 0.32 also decodes every sampled
+            # token for its log-prob entry and raises TypeError in convert_ids_list_to_tokens
+            # (killing the output handler) on an id past the tokenizer's vocabulary: a model
+            # whose embedding is padded (Phi-3: 32064 rows, 32011 tokens) can sample one.
+            detokenize=bool(self.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request: no per-step copies
         )
 
@@ -127,8 +133,11 @@ class Sample:
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-def sample_from_completion(completion: Any, seconds: float) -> Sample:
-    """Convert a vLLM ``CompletionOutput`` (requested with ``logprobs=0``) into a ``Sample``."""
+def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = None) -> Sample:
+    """Convert a vLLM ``CompletionOutput`` (requested with ``logprobs=0``) into a ``Sample``.
+
+    ``tokenizer``: decode the text with it, as vLLM would (special tokens skipped), for a
+    request sampled with ``detokenize=False``; without it the text is vLLM's."""
     token_ids = list(completion.token_ids)
     steps = completion.logprobs
     if steps is None or len(steps) != len(token_ids):
@@ -143,11 +152,15 @@ def sample_from_completion(completion: Any, seconds: float) -> Sample:
         token_ids=token_ids,
         logprobs=logprobs,
         finish_reason=str(completion.finish_reason),
-        text=completion.text,
+        text=completion.text if tokenizer is None else _decode(tokenizer, token_ids),
         seconds=seconds,
         stop_reason=completion.stop_reason,
         weight_versions=spans,
     )
+
+
+def _decode(tokenizer: Any, token_ids: list[int]) -> str:
+    return str(tokenizer.decode(token_ids, skip_special_tokens=True)) if token_ids else ""
 
 
 class GenerationEngine:
@@ -156,6 +169,7 @@ class GenerationEngine:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
         self._llm: Any = None
+        self._tokenizer: Any = None  # decodes response text (see SamplingSettings.to_vllm)
 
     async def start(self) -> None:
         """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
@@ -192,6 +206,7 @@ class GenerationEngine:
             **extra,
         )
         started = time.perf_counter()
+        self._tokenizer = load_tokenizer(s)
         self._llm = AsyncLLM.from_engine_args(args)
         logger.info(
             "vLLM engine started in %.1f s (model=%s, dtype=%s, platform=%s)",
@@ -240,7 +255,8 @@ class GenerationEngine:
                 f"request {request_id}: expected {sampling.n} responses, got {len(completions)} "
                 "(was the request aborted by a pause(mode='abort')?)"
             )
-        return [sample_from_completion(c, seconds) for c in completions]
+        decoder = None if params.detokenize else self._tokenizer
+        return [sample_from_completion(c, seconds, decoder) for c in completions]
 
     async def collective_rpc(
         self,

@@ -15,6 +15,8 @@ the methods below run inside the worker process through ``collective_rpc``:
 - ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
   learner's (Hugging Face) naming, computed like ``common.weights.checksum.tensors_checksum``.
 - ``tether_version()`` -> the loaded policy version (None before the first update).
+- ``tether_model_info()`` -> ``{"class", "module"}`` of the model vLLM runs: its own
+  implementation (``vllm.model_executor.models.llama``) or the Transformers fallback.
 
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
 service decides what to do with requests in flight. Errors are returned, not raised, so a bad
@@ -78,11 +80,18 @@ class TetherWorkerExtension:
             return {"ok": False, "version": self._tether_version, "error": str(e)}
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
         tied = self._tether_tied()
-        self.model_runner.reload_weights(
-            weights_iterator=iter(
-                [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
-            )
+        missing = self._tether_load(
+            [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
         )
+        if missing:
+            # Loaded in part: vLLM only logs this and keeps the old values of the rest.
+            error = (
+                f"the update of version {version} left {len(missing)} engine parameter(s) "
+                f"unchanged: {', '.join(missing[:8])}; the learner's tensor names do not map "
+                "onto this vLLM model (the engine now mixes versions: restart the generator)"
+            )
+            logger.error("%s", error)
+            return {"ok": False, "version": self._tether_version, "error": error}
         self._tether_version = version
         self._tether_layout = [(n, t.dtype, tuple(t.shape)) for n, t in named]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -94,10 +103,15 @@ class TetherWorkerExtension:
     def tether_version(self) -> int | None:
         return self._tether_version
 
+    def tether_model_info(self) -> dict:
+        model = self.model_runner.get_model()
+        return {"class": type(model).__name__, "module": type(model).__module__}
+
     def tether_weights_checksum(self, layout: list | None = None) -> str:
         """``layout``: [(name, dtype name, shape)] in the learner's naming; default: the last
         update's. Fused vLLM parameters (qkv_proj, gate_up_proj) are split back by their
-        ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the embedding."""
+        ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the head's own
+        packed GEMM weight where it has one (CPU), else the embedding."""
         from common.weights.checksum import tensors_checksum
 
         layout = layout if layout is not None else self._tether_layout
@@ -107,21 +121,50 @@ class TetherWorkerExtension:
 
     # -- helpers
 
+    def _tether_load(self, named: list) -> list[str]:
+        """Load ``named`` in place with ``reload_weights``; return the engine parameters that
+        it did not load (vLLM's own check only logs a warning). A model whose
+        ``load_weights`` reports nothing is not checked."""
+        model = self.model_runner.get_model()
+        expected = {n for n, _ in model.named_parameters()}
+        loaded: list[set[str]] = []
+        load_weights = model.load_weights
+
+        def recording(weights):
+            result = load_weights(weights)
+            if result is not None:
+                loaded.append(set(result))
+            return result
+
+        model.load_weights = recording  # an instance attribute shadows the method, for this call
+        _reset_cpu_moe_kernels(model)
+        try:
+            self.model_runner.reload_weights(weights_iterator=iter(named))
+        finally:
+            del model.load_weights
+        if self._tether_tied():
+            _repack_tied_lm_head(model)
+        return sorted(expected - set().union(*loaded)) if loaded else []
+
     def _tether_tied(self) -> bool:
         cfg = self.model_runner.model_config.hf_config
         return bool(getattr(cfg.get_text_config(), "tie_word_embeddings", False))
 
     def _tether_engine_tensor(self, name: str, shape):
         model = self.model_runner.get_model()
+        gemm = False
         if name == "lm_head.weight" and self._tether_tied():
-            name = "model.embed_tokens.weight"
+            # A separate tied head computes the logits with its own packed copy on CPU: read
+            # that (through its GEMM), not the embedding it was packed from.
+            gemm = hasattr(getattr(model, "lm_head", None), "cpu_linear")
+            name = name if gemm else "model.embed_tokens.weight"
         module_path, _, pname = name.rpartition(".")
         part = None
         try:
             module = model.get_submodule(module_path)
         except AttributeError:
             module, part = self._tether_fused(model, module_path)
-        t = self._tether_read(module, pname)
+        t = self._tether_read(module, pname, gemm=gemm)
         if part is not None:
             start = sum(module.output_sizes[:part])
             t = t[start : start + module.output_sizes[part]]
@@ -142,15 +185,60 @@ class TetherWorkerExtension:
         raise ValueError(f"the engine has no module for {module_path!r}")
 
     @staticmethod
-    def _tether_read(module, pname: str):
+    def _tether_read(module, pname: str, *, gemm: bool = False):
         """A parameter's value. vLLM's CPU backend packs linear weights into oneDNN/sgl handles
-        and leaves an empty ``weight``: read it back through the layer's own GEMM with an
-        identity input (exact: every output is one weight times 1.0 plus zeros)."""
+        and leaves an empty ``weight`` (or, with ``gemm``, a stale one): read it back through
+        the layer's own GEMM with an identity input (exact: every output is one weight times
+        1.0 plus zeros)."""
         import torch
 
         p = getattr(module, pname)
-        if pname != "weight" or p.numel() > 0 or not hasattr(module, "cpu_linear"):
+        packed = p.numel() == 0 or gemm
+        if pname != "weight" or not packed or not hasattr(module, "cpu_linear"):
             return p.detach()
-        eye = torch.eye(module.input_size_per_partition, dtype=p.dtype, device=p.device)
+        size = p.shape[1] if p.numel() else module.input_size_per_partition
+        eye = torch.eye(size, dtype=p.dtype, device=p.device)
         with torch.no_grad():
             return module.cpu_linear(eye, p, None).t().contiguous()
+
+
+def _reset_cpu_moe_kernels(model) -> None:
+    """vLLM 0.32 CPU: make the next load re-pack routed-expert weights.
+
+    The CPU MoE kernel needs its expert weights re-packed into a blocked layout
+    (``cpu_prepack_moe_weight``) after loading. vLLM does that when it builds the kernel, and
+    on a weight update (``moe_kernel`` already set) it skips the step, so reloaded experts stay
+    in checkpoint layout and the engine computes garbage — silently (measured: mean |Δ log-prob|
+    0.82 after an update of the Qwen3-MoE fixture). With the kernel cleared the reload takes
+    the first-load path and packs again. GPU backends do not pack; left alone there.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method: Any = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
+def _repack_tied_lm_head(model) -> None:
+    """vLLM CPU: rebuild a tied output head's GEMM from the embedding just reloaded.
+
+    On CPU, vLLM packs the ``lm_head`` weight for its GEMM (``dispatch_cpu_unquantized_gemm``:
+    an sgl-kernel packed copy or a oneDNN handle) when the weights are processed. A tied head
+    (Qwen2/Qwen3 <= 4B, Llama-3.2 1B/3B: ``lm_head.tie_weights(embed_tokens)``) shares the
+    embedding's parameter but is never loaded itself, so a reload updates the embedding and
+    leaves the head's packed copy at the old weights — silently (measured on the tied Qwen3
+    fixture after an update of every parameter: mean |Δ log-prob| 0.056, max 1.1). Models that
+    compute logits from the embedding module itself (Gemma) have no separate head.
+    """
+    from vllm.platforms import current_platform
+
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not current_platform.is_cpu() or head is None or embed is None or head is embed:
+        return
+    method: Any = getattr(head, "quant_method", None)
+    if getattr(head, "weight", None) is getattr(embed, "weight", None) and method is not None:
+        method.process_weights_after_loading(head)

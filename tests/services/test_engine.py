@@ -174,6 +174,23 @@ def test_max_tokens_and_stop_strings(engine, tokenizer):
     assert stopped.text == full.text[: full.text.index(stop)]
     assert len(stopped.logprobs) == len(stopped.token_ids)
 
+    # A stop string in the very first token: vLLM's text is empty, and stays empty. (Tether
+    # decodes only responses vLLM did not detokenize; decoding this one would give the token.)
+    for seed in range(3, 40):
+        probe = SamplingSettings(n=1, temperature=1.0, max_tokens=2, seed=seed, ignore_eos=True)
+        (first,) = engine.run(engine.generate_group(prompt_ids, probe, f"probe{seed}"))
+        head = tokenizer.decode(first.token_ids[:1])
+        if len(head) == 1 and head.isascii() and head.isprintable():
+            break
+    else:
+        raise AssertionError("no seed whose first token is one printable ASCII character")
+    at_once = SamplingSettings(
+        n=1, temperature=1.0, max_tokens=2, seed=seed, ignore_eos=True, stop=(head,)
+    )
+    (cut,) = engine.run(engine.generate_group(prompt_ids, at_once, "stop-first"))
+    assert cut.finish_reason == "stop" and cut.token_ids[:1] == first.token_ids[:1]
+    assert cut.text == ""
+
 
 def test_pause_resume_and_weight_version_labels(engine, tokenizer):
     prompt_ids = encode_prompt(tokenizer, PROMPTS[2])
@@ -193,3 +210,11 @@ def test_pause_resume_and_weight_version_labels(engine, tokenizer):
     assert engine.run(engine.get_weight_version()) == "7"
     assert all(s.weight_versions == [("7", 0, 12)] for s in group)
     engine.run(engine.set_weight_version("default"))
+
+
+def test_text_is_decoded_by_tether_unless_stop_strings_need_vllms_detokenizer():
+    """vLLM's detokenizer also decodes every log-prob entry and raises on a token id past the
+    tokenizer's vocabulary (padded embeddings); Tether decodes the text itself instead
+    (tests/services/test_model_families.py samples such ids from the Phi-3 fixture)."""
+    assert SamplingSettings().to_vllm().detokenize is False
+    assert SamplingSettings(stop=("\n",)).to_vllm().detokenize is True

@@ -236,9 +236,13 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     initial = [(n, p.detach().clone()) for n, p in hf.named_parameters()]
     assert hf.config.tie_word_embeddings and "lm_head.weight" not in dict(initial)
-    layout = [(n, str(t.dtype), list(t.shape)) for n, t in initial]
+
+    def with_head(named):  # the tied head, read from the engine's own lm_head GEMM
+        return [*named, ("lm_head.weight", dict(named)["model.embed_tokens.weight"])]
+
+    layout = [(n, str(t.dtype), list(t.shape)) for n, t in with_head(initial)]
     # the engine's checksum, read back through fused qkv/gate_up, equals the files' weights
-    assert _rpc(llm, "tether_weights_checksum", layout) == tensors_checksum(initial)
+    assert _rpc(llm, "tether_weights_checksum", layout) == tensors_checksum(with_head(initial))
     before = _greedy(llm)
 
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0, bucket_bytes=1 << 20)
@@ -253,6 +257,8 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
         assert report.per_member == {"gen0": "ok"}
         assert res["ok"] and res["version"] == 1 and res["checksum"] == report.checksum
         assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+        # the tied output head was updated too (on CPU vLLM keeps a packed copy of it)
+        assert _rpc(llm, "tether_weights_checksum", layout) == tensors_checksum(with_head(new))
         assert _rpc(llm, "tether_version") == 1
         after = _greedy(llm)
         assert after != before and all(len(t) == 16 for t in after)

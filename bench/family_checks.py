@@ -1,0 +1,211 @@
+"""Checks that a model family runs through Tether's real parts: load, log-prob parity, update.
+
+Shared by ``tests/services/test_model_families.py`` (CI) and ``tether bench models`` (the full matrix).
+Everything is the production path: a vLLM engine with Tether's worker extension, the learner's
+``load_policy`` (FSDP2 over a process group) and ``token_logprobs_and_entropy``, and a weight
+update published with ``WeightPublisher`` from ``full_state_dict_cpu`` and loaded by
+``tether_receive_update`` — the calls the learner and generator services make.
+
+Parity: for the same sampled responses, the generator's behaviour log-probs (vLLM,
+``SamplingParams(logprobs=0)``) against the learner's. Both sides run fp32 here, so the
+difference is kernel summation order only; the target is a mean |Δ| below ``PARITY_MEAN_ABS``.
+Checked before any update and after one that perturbs every learner parameter, so a weight the
+update does not load shows up as a mismatch instead of silence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PARITY_MEAN_ABS = 1e-3  # the fp32 target (nats per token)
+PERTURB_REL = 0.1  # each tensor gets N(0, (0.1 · its RMS)²) noise; 0.02 · 0.1 when all zero
+PROMPTS = [
+    "What is 12+34? Answer in \\boxed{}.",
+    "Write one sentence about the sea.",
+    "List three prime numbers.",
+    "Translate 'good morning' into French.",
+]
+EXT = "services.generator.worker_ext.TetherWorkerExtension"
+
+
+@dataclass
+class Sampled:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # the generator's behaviour log-probs
+
+
+def start_engine(model_dir: str | Path, *, max_model_len: int = 512, seed: int = 0) -> Any:
+    """A vLLM engine (fp32, eager, Tether's worker extension) on ``model_dir``."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+        max_model_len=max_model_len, seed=seed, worker_extension_cls=EXT,
+    )  # fmt: skip
+
+
+def stop_engine(llm: Any) -> None:
+    """Shut the engine's core process down now rather than at garbage collection."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def rpc(llm: Any, method: str, *args: Any) -> Any:
+    return llm.collective_rpc(method, args=args)[0]
+
+
+def engine_model_class(llm: Any) -> str:
+    """``module.Class`` of the model the engine runs (vLLM's own or the Transformers fallback)."""
+    info = rpc(llm, "tether_model_info")
+    return f"{info['module']}.{info['class']}"
+
+
+def prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """The generator's encoding of a chat prompt (``common.data.prompts.encode_prompt``)."""
+    from common.data.prompts import encode_prompt
+
+    return encode_prompt(tokenizer, text)
+
+
+def sample(
+    llm: Any, tokenizer: Any, *, n: int = 8, max_tokens: int = 40, seed: int = 0
+) -> list[Sampled]:
+    """``n`` responses to each of ``PROMPTS``, sampled at temperature 1 with behaviour
+    log-probs, as ``services.generator.engine.SamplingSettings.to_vllm`` asks for them."""
+    from services.generator.engine import SamplingSettings, sample_from_completion
+
+    params = SamplingSettings(n=n, max_tokens=max_tokens, seed=seed).to_vllm()
+    prompts = [prompt_ids(tokenizer, p) for p in PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    samples = []
+    for ids, out in zip(prompts, outs, strict=True):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            s = sample_from_completion(c, 0.0)
+            samples.append(Sampled(ids, s.token_ids, s.logprobs))
+    return samples
+
+
+def learner_logprobs(model: Any, samples: list[Sampled]) -> list[list[float]]:
+    """The learner's log-probs of each sampled token: one right-padded batch through
+    ``token_logprobs_and_entropy``, as a training step scores it."""
+    import torch
+
+    from services.learner.model import token_logprobs_and_entropy
+
+    rows = [s.prompt_ids + s.token_ids for s in samples]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    response = torch.zeros_like(input_ids)
+    for i, (s, row) in enumerate(zip(samples, rows, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        response[i, len(s.prompt_ids) : len(row)] = 1
+    with torch.no_grad():
+        logp, _ = token_logprobs_and_entropy(model, input_ids, attention, response)
+    return [
+        logp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.token_ids)].tolist()
+        for i, s in enumerate(samples)
+    ]
+
+
+def compare(samples: list[Sampled], learner: list[list[float]]) -> dict[str, float]:
+    """Mean and max |Δ| of the log-probs, and the k3 estimate of KL(generator ‖ learner)
+    (``exp(r) − 1 − r`` with ``r = learner − generator``, averaged over tokens)."""
+    diffs, k3 = [], []
+    for s, lp in zip(samples, learner, strict=True):
+        for g, q in zip(s.logprobs, lp, strict=True):
+            r = q - g
+            diffs.append(abs(r))
+            k3.append(math.expm1(r) - r)
+    every = [x for s in samples for x in s.logprobs]
+    return {
+        "mean_abs": sum(diffs) / len(diffs),
+        "max_abs": max(diffs),
+        "k3": sum(k3) / len(k3),
+        "tokens": len(diffs),
+        "generator_logprob_mean": sum(every) / len(every),
+        "generator_logprob_min": min(every),
+    }
+
+
+def perturb_every_parameter(model: Any, *, seed: int = 0) -> list[str]:
+    """Add noise to every parameter of the learner's model in place (under FSDP: every shard).
+    Returns the names of the parameters changed (all of them)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    # After a forward without backward, FSDP2 leaves the root's parameters unsharded: their
+    # registered tensors are then the all-gathered copies, and writes to them would be lost.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    gen = torch.Generator().manual_seed(seed)
+    changed = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            rms = float(local.float().pow(2).mean().sqrt()) if local.numel() else 0.0
+            scale = PERTURB_REL * (rms if rms > 0 else 0.02)
+            local.add_(torch.randn(local.shape, generator=gen, dtype=local.dtype) * scale)
+            changed.append(name)
+    return changed
+
+
+def publish_update(
+    llm: Any, model: Any, *, version: int, timeout_s: float = 60.0, leave_out: str = ""
+) -> dict:
+    """One real weight update: the learner's publish path into the engine's worker extension.
+    Returns the worker's answer (``ok``, ``version``, ``checksum``, ``error``) with the
+    publisher's report and the published tensor names. ``leave_out``: a tensor name not to
+    send (a learner whose names miss one of the engine's parameters)."""
+    from common.weights.publisher import WeightPublisher
+    from services.learner.model import HostStaging, full_state_dict_cpu
+
+    state = full_state_dict_cpu(model, staging=HostStaging())
+    state.pop(leave_out, None)
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
+    try:
+        joined = threading.Thread(
+            target=rpc, args=(llm, "tether_join", "127.0.0.1", pub.port, "families", timeout_s)
+        )
+        joined.start()
+        while joined.is_alive():
+            pub.publish_to_new_members()
+            joined.join(0.05)
+        box: dict[str, Any] = {}
+        sender = threading.Thread(
+            target=lambda: box.setdefault("report", pub.publish(state.items(), version))
+        )
+        sender.start()
+        res = rpc(llm, "tether_receive_update", timeout_s)
+        sender.join(timeout_s)
+    finally:
+        pub.close()
+    report = box.get("report")
+    return {
+        **res,
+        "published": sorted(state),
+        "per_member": report.per_member if report else {},
+        "sent_checksum": report.checksum if report else None,
+    }
+
+
+def transformers_logprobs(model_dir: str | Path, samples: list[Sampled]) -> list[list[float]]:
+    """Log-probs of the sampled tokens under a plain transformers load of ``model_dir`` (an
+    export), with the attention implementation the learner uses for it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.model import attention_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, **attention_kwargs(model_dir)
+    ).eval()
+    return learner_logprobs(model, samples)

@@ -1,0 +1,56 @@
+"""How `tether bench models` records a family's stages (``bench/models.py``): every stage that
+fails says why, and a family that fails early stays in the results with its error."""
+
+from __future__ import annotations
+
+from bench import models
+
+
+def test_a_stage_that_passes_records_its_numbers_and_time() -> None:
+    row: dict = {"family": "x"}
+    assert models._stage(row, "parity_before", lambda: {"ok": True, "mean_abs": 2e-6, "k3": 0.0})
+    assert row["parity_before"]["ok"] and row["parity_before"]["mean_abs"] == 2e-6
+    assert row["parity_before"]["seconds"] >= 0 and "error" not in row["parity_before"]
+
+
+def test_a_stage_that_fails_on_its_numbers_says_why() -> None:
+    row: dict = {"family": "x"}
+    assert not models._stage(row, "parity_after", lambda: {"ok": False, "mean_abs": 0.82})
+    assert row["parity_after"]["error"] == "mean |Δ| 8.20e-01 over the 1e-3 target"
+
+
+def test_a_stage_that_raises_records_the_exception_text() -> None:
+    def load() -> dict:
+        raise ValueError("head size 96 is not supported by the CPU attention backend")
+
+    row: dict = {"family": "x"}
+    assert not models._stage(row, "load", load)
+    assert row["load"]["error"] == (
+        "ValueError: head size 96 is not supported by the CPU attention backend"
+    )
+    assert row["load"]["ok"] is False
+
+
+def test_a_family_whose_build_fails_is_kept_with_its_error(monkeypatch, tmp_path) -> None:
+    import common.demo.model_families as families
+
+    def broken(name: str, root=None):
+        raise RuntimeError(f"cannot build {name}")
+
+    monkeypatch.setattr(families, "build_family", broken)
+    row = models._family_row(
+        "llama3", root=tmp_path, data={}, redis_url="", device=None, quick=False
+    )
+    assert row["family"] == "llama3" and row["architecture"] == "LlamaForCausalLM"
+    assert row["build"]["ok"] is False
+    assert row["build"]["error"] == "RuntimeError: cannot build llama3"
+    assert "load" not in row  # later stages are left out, not marked as passed
+
+
+def test_the_training_reward_varies_between_responses() -> None:
+    """Every training step needs responses whose rewards differ (a reward that is the same for
+    every response of an untrained model gives no gradient)."""
+    share = models.distinct_char_share
+    rewards = {share(prompt="p", response=r, ground_truth=None, metadata={}) for r in
+               ("aaaa", "abab", "abcd", "")}  # fmt: skip
+    assert rewards == {0.0, 0.25, 0.5, 1.0}
