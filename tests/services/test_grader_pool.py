@@ -23,9 +23,27 @@ def registry():
     return CollectorRegistry()
 
 
+# The answer-checking tests grade with a timeout no loaded machine reaches (sympy simplifying
+# x^2+1 against (x+1)^2 took over 2 s at load 30 and read as "timeout"); only the cut-off test
+# uses a short one, on its own pool.
 @pytest.fixture(scope="module")
 def pool(registry):
-    with GraderPool(2, 2.0, registry=registry) as pool:
+    with GraderPool(2, 60.0, registry=registry) as pool:
+        pool.wait_ready(60)
+        yield pool
+
+
+CUT_OFF_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cutting_registry():
+    return CollectorRegistry()
+
+
+@pytest.fixture(scope="module")
+def cutting_pool(cutting_registry):
+    with GraderPool(2, CUT_OFF_S, registry=cutting_registry) as pool:
         pool.wait_ready(60)
         yield pool
 
@@ -91,7 +109,8 @@ def test_missing_answers_and_bad_ground_truth(pool, registry):
     assert after - before == 5
 
 
-def test_hanging_input_is_cut_off_and_other_items_keep_flowing(pool, registry):
+def test_hanging_input_is_cut_off_and_other_items_keep_flowing(cutting_pool, cutting_registry):
+    pool, registry = cutting_pool, cutting_registry
     pids_before = set(pool.worker_pids())
     timeouts_before = _metric(registry, "tether_scorer_grade_timeouts_total")
     normal = [(rf"\frac{{{i}}}{{4}}", str(i / 4)) for i in range(40)]
@@ -99,10 +118,12 @@ def test_hanging_input_is_cut_off_and_other_items_keep_flowing(pool, registry):
     results = pool.grade_many([(HANGING_ANSWER, "7")] + normal)
     elapsed = time.monotonic() - start
     assert results[0].reason == "timeout" and not results[0].correct
-    assert 2.0 <= results[0].seconds < 4.0
+    # Cut off at the timeout (the margin is for a loaded machine's scheduling, not the grading).
+    assert CUT_OFF_S <= results[0].seconds < CUT_OFF_S + 5.0
     assert [r.reason for r in results[1:]] == ["correct"] * len(normal)
-    # The other worker kept grading while one was stuck: the batch took about one timeout.
-    assert elapsed < 2.0 + 4.0
+    # The other worker kept grading while one was stuck: the batch took about one timeout, not
+    # one per item (41 x 2 s).
+    assert elapsed < CUT_OFF_S + 10.0
     assert _metric(registry, "tether_scorer_grade_timeouts_total") - timeouts_before == 1
     pids_after = set(pool.worker_pids())
     assert len(pids_after) == 2 and len(pids_before & pids_after) == 1  # one worker replaced
