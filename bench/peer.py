@@ -249,7 +249,9 @@ def run_peer_variable_bench(
     head = wl.result_head(
         "peer", quick=False, size=size, machine=machine, w=w, model=model, threads=threads
     )
-    result = {**head, "bench": "peer_variable", "variable_length": variable}
+    how = f'run_peer_variable_bench(size="{size}", threads={threads})'
+    command = f'python -c "from bench.peer import run_peer_variable_bench; {how}"'
+    result = {**head, "bench": "peer_variable", "command": command, "variable_length": variable}
     return wl.report(result, _format_variable(variable), out_path)
 
 
