@@ -11,6 +11,8 @@ process, one after the other:
 
 Reported: responses/s of each and the ratio service ÷ bare (target ≥ 0.9), plus the weight
 publish of the same state dict to one receiver vs a bare gloo broadcast (``bench/weights.py``).
+Then ``packing``: packed vs padded train tokens/s on lengths spread over 10–100 % of the maximum
+(``bench/learner_packing.py``; target ≥ 1.5).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.learner_packing import format_packing, run_packing
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +212,14 @@ def run_learner_bench(
     vocab: int | None = None,
     overrides: Sequence[str] = (),
     repeats: int = 2,
+    packing: bool = True,
+    service_vs_bare: bool = True,
     out_path: str | Path | None = None,
 ) -> dict:
     """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B).
+    ``packing``: then packed vs padded training steps on lengths that spread
+    (``bench/learner_packing.py``), under ``"packing"`` in the result; ``service_vs_bare=False``
+    runs only that part.
 
     The model is a randomly initialised Qwen2 of the given shape (``vocab`` pads the embedding to a
     real tokenizer's size); ``overrides`` are extra ``key=value`` config settings for both paths,
@@ -284,9 +293,16 @@ def run_learner_bench(
             _release_memory()
 
         for i, order in enumerate([(service, bare), (bare, service)][: max(1, min(repeats, 2))]):
-            for path in order:
+            for path in order if service_vs_bare else ():
                 path(i)
-        service_s, bare_s = sum(services), sum(bares)
+    packed = (
+        run_packing(
+            cfg, model_dir, max_tokens=prompt_tokens + response_tokens,
+            prompt_share=prompt_tokens / (prompt_tokens + response_tokens), repeats=repeats,
+        )
+        if packing
+        else None
+    )  # fmt: skip
     responses = (cycles - 1) * prompts * per_prompt * len(services)  # timed cycles only
     tokens = responses * (prompt_tokens + response_tokens)
     result: dict[str, Any] = {
@@ -306,9 +322,33 @@ def run_learner_bench(
             "params": _param_count(model_dir),
             "overrides": list(overrides),
             "device": _device_name(),
-            "repeats": len(services),
+            "repeats": max(1, min(repeats, 2)),
             "timed": "cycles 1.. of each path (cycle 0 is a warm-up)",
         },
+        "load_average": os.getloadavg(),
+        **({"packing": packed} if packed else {}),
+    }
+    if service_vs_bare:
+        result.update(_service_fields(services, bares, service_phases, responses, tokens))
+        print(
+            f"learner: service {result['service_responses_per_s']:.2f} responses/s, bare loop "
+            f"{result['bare_responses_per_s']:.2f} responses/s, ratio "
+            f"{result['ratio_service_over_bare']:.2f} (target ≥ 0.9; load "
+            f"{result['load_average'][0]:.1f})"
+        )
+    if packed:
+        print(format_packing(packed))
+    if out_path:
+        Path(out_path).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _service_fields(
+    services: list[float], bares: list[float], service_phases: dict[str, float],
+    responses: int, tokens: int,
+) -> dict[str, Any]:  # fmt: skip
+    service_s, bare_s = sum(services), sum(bares)
+    return {
         "service_seconds": service_s,
         "bare_seconds": bare_s,
         "service_seconds_each": services,
@@ -320,16 +360,7 @@ def run_learner_bench(
         "service_train_tokens_per_s": tokens / service_s,
         "bare_train_tokens_per_s": tokens / bare_s,
         "ratio_service_over_bare": bare_s / service_s,
-        "load_average": os.getloadavg(),
     }
-    print(
-        f"learner: service {result['service_responses_per_s']:.2f} responses/s, bare loop "
-        f"{result['bare_responses_per_s']:.2f} responses/s, ratio {result['ratio_service_over_bare']:.2f} "
-        f"(target ≥ 0.9; load {result['load_average'][0]:.1f})"
-    )
-    if out_path:
-        Path(out_path).write_text(json.dumps(result, indent=2))
-    return result
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ def _trl_child(spec_path: str) -> None:
         gradient_accumulation_steps=w.responses_per_step // w.micro_batch_size,
         num_generations=w.responses_per_prompt,
         max_completion_length=w.response_tokens,
-        generation_kwargs={"min_new_tokens": w.response_tokens},
+        generation_kwargs={"min_new_tokens": w.response_tokens} if w.fixed_length else {},
         temperature=1.0,
         learning_rate=w.lr,
         lr_scheduler_type="constant",
@@ -159,6 +159,12 @@ def run_trl(c: Contest, *, work: Path) -> dict[str, Any]:
         "first_step_seconds": t[0] - out["start"],
         "wall_s": time.monotonic() - t0,
         "loss": [x.get("loss") for x in out["log_history"]],
+        # per step, from TRL's own metrics: how long the responses were and how many hit the cap
+        "completion_mean_length": [x.get("completions/mean_length") for x in out["log_history"]],
+        "completion_min_length": [x.get("completions/min_length") for x in out["log_history"]],
+        "completion_clipped_ratio": [
+            x.get("completions/clipped_ratio") for x in out["log_history"]
+        ],
     }
 
 
@@ -188,7 +194,7 @@ def run_peer_bench(
     *, quick: bool = False, size: str | None = None, out_path: str | Path | None = None,
     work_dir: str | Path = "bench/work", workload: wl.Workload | None = None,
     timeout_s: float = 3600, tether_result: dict[str, Any] | None = None,
-    threads: int | None = None,
+    threads: int | None = None, variable_length: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """TRL vs Tether (async, one cycle of overlap) on one workload, Tether run twice:
 
@@ -198,7 +204,10 @@ def run_peer_bench(
       the headline ratio: equal work per response.
     - ``tether_decoupled``: Tether's default (decoupled PPO), which adds a proximal log-prob
       forward pass per cycle to correct for the one step of staleness; ``tether_result`` reuses
-      a pipeline bench's async measurement of the same workload for this one."""
+      a pipeline bench's async measurement of the same workload for this one.
+
+    With ``variable_length`` (and a fixed-length workload) a second row follows: the same
+    workload with responses that end at EOS, TRL against ``tether`` (``variable_length`` key)."""
     w = workload or wl.preset(quick, size)
     root = Path(work_dir).resolve()
     model, train = wl.prepare(root, w)
@@ -208,6 +217,7 @@ def run_peer_bench(
     trl["load_average_after"] = list(os.getloadavg())
     tether = run_tether(contest, work=root / "tether", off_policy="none")
     decoupled = tether_result or run_tether(contest, work=root / "tether")
+    variable = _variable_row(contest, root) if w.fixed_length and variable_length else None
     result = {
         **wl.result_head(
             "peer", quick=quick, size=size, machine=machine, w=w, model=model, threads=threads
@@ -220,8 +230,53 @@ def run_peer_bench(
         "ratio_tether_over_trl": tether["trained_responses_per_s"] / trl["trained_responses_per_s"],
         "ratio_tether_decoupled_over_trl": decoupled["trained_responses_per_s"]
         / trl["trained_responses_per_s"],
+        **({"variable_length": variable} if variable else {}),
     }
     return wl.report(result, format_peer(result), out_path)
+
+
+def run_peer_variable_bench(
+    *, size: str = "full", out_path: str | Path | None = None, work_dir: str | Path = "bench/work",
+    timeout_s: float = 7200, threads: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Only the variable-length row of ``run_peer_bench`` (TRL vs Tether, responses end at EOS),
+    for a machine too loaded to run the fixed-length rows again in the same sitting."""
+    w = wl.preset(False, size)
+    root = Path(work_dir).resolve()
+    model, train = wl.prepare(root, w)
+    machine = wl.machine_info()
+    variable = _variable_row(Contest(w, model, train, timeout_s, threads), root)
+    head = wl.result_head(
+        "peer", quick=False, size=size, machine=machine, w=w, model=model, threads=threads
+    )
+    how = f'run_peer_variable_bench(size="{size}", threads={threads})'
+    command = f'python -c "from bench.peer import run_peer_variable_bench; {how}"'
+    result = {**head, "bench": "peer_variable", "command": command, "variable_length": variable}
+    return wl.report(result, _format_variable(variable), out_path)
+
+
+def _variable_row(c: Contest, root: Path) -> dict[str, Any]:
+    """The same contest with responses that end at EOS (lengths spread as real RL responses do;
+    TRL pads each batch to its longest, Tether packs): TRL against Tether's headline setting."""
+    v = Contest(replace(c.w, fixed_length=False), c.model, c.train, c.timeout_s, c.threads)
+    trl = run_trl(v, work=root / "trl_variable")
+    trl["load_average_after"] = list(os.getloadavg())
+    tether = run_tether(v, work=root / "tether_variable", off_policy="none")
+    tether["load_average_after"] = list(os.getloadavg())
+    lengths = [x for x in trl["completion_mean_length"][1:] if x is not None]
+    return {
+        "workload": v.w.describe(),
+        "trl": trl,
+        "tether": {**tether, "off_policy": "none"},
+        "trl_mean_response_tokens": sum(lengths) / len(lengths) if lengths else None,
+        "tether_mean_response_tokens": tether["trained_tokens_per_s"]
+        / tether["trained_responses_per_s"],
+        "ratio_tether_over_trl": tether["trained_responses_per_s"] / trl["trained_responses_per_s"],
+        "ratio_tether_over_trl_tokens": tether["trained_tokens_per_s"]
+        / (trl["trained_responses_per_s"] * (sum(lengths) / len(lengths)))
+        if lengths
+        else None,
+    }
 
 
 def _proximal_note(d: dict[str, Any]) -> str:
@@ -257,5 +312,35 @@ def format_peer(r: dict[str, Any]) -> str:
                 if "ratio_tether_decoupled_over_trl" in r
                 else ""
             ),
+            *([_format_variable(v)] if (v := r.get("variable_length")) else []),
         ]
     )
+
+
+def _format_variable(v: dict[str, Any]) -> str:
+    t, p = v["tether"], v["trl"]
+    trl_len = v["trl_mean_response_tokens"]
+    return (
+        f"variable lengths (EOS ends responses; mean {trl_len or float('nan'):.0f} tokens TRL, "
+        f"{v['tether_mean_response_tokens']:.0f} Tether): TRL {p['trained_responses_per_s']:.2f} "
+        f"responses/s, Tether {t['trained_responses_per_s']:.2f}; ratio Tether/TRL "
+        f"{v['ratio_tether_over_trl']:.2f} (target ≥ 2.5; load after "
+        f"{t['load_average_after'][0]:.1f})"
+    )
+
+
+def row_variable(r: dict[str, Any]) -> list[str]:
+    """The bench README row of a peer result's variable-length section (none without one)."""
+    v = r.get("variable_length")
+    if not v:
+        return []
+    t, p = v["tether"], v["trl"]
+    return [
+        f"| peer, variable length | {r['workload']['params'] / 1e6:.1f} M, ≤ {v['workload']['response_tokens']} tok "
+        f"| Tether {t['cycle_seconds']:.1f} s/step, {t['trained_responses_per_s']:.2f} resp/s; TRL "
+        f"{p['step_seconds']:.1f} s/step, {p['trained_responses_per_s']:.2f} resp/s | "
+        f"**{v['ratio_tether_over_trl']:.2f}** (Tether/TRL) | responses end at EOS: mean "
+        f"{v['trl_mean_response_tokens'] or float('nan'):.0f} tokens (TRL), "
+        f"{v['tether_mean_response_tokens']:.0f} (Tether); same algorithm as TRL | "
+        f"{t['load_average_after'][0]:.1f} (after) | `{r['command']}` |"
+    ]

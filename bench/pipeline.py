@@ -82,7 +82,7 @@ checkpoint_every_steps = 0
 off_policy = "{off_policy}"
 
 [generator]
-ignore_eos = true
+ignore_eos = {str(w.fixed_length).lower()}
 kv_cache_gib = 1
 max_num_seqs = 256
 

@@ -48,7 +48,9 @@ process (Tether's services and TRL alike); without it each process uses the libr
 - **peer**: TRL `GRPOTrainer` (transformers `generate`, fixed length via `min_new_tokens`) on the
   same model, prompts, group size, response length, 120 responses per optimizer step
   (micro-batch 8 × 15 accumulation), lr, token-mean (`dapo`) loss, no KL; trained responses/s
-  of each and the ratio.
+  of each and the ratio. A second row (`variable_length`) lets responses end at EOS (no
+  `ignore_eos`, no `min_new_tokens`), so lengths spread as real RL responses do: TRL pads each
+  micro-batch to its longest, Tether packs (`learner.pack_sequences`).
 
 ### What limits the numbers on this CPU (measured while writing the benchmark)
 
@@ -195,6 +197,9 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
 
 
 def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
+    from bench.learner_packing import row_packing
+    from bench.peer import row_variable
+
     rows = []
     for f in sorted(Path(results_dir).glob("*.json")):
         try:
@@ -205,7 +210,9 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         if kind == "pipeline":
             rows += _row_pipeline(r)
         elif kind == "peer":
-            rows += _row_peer(r)
+            rows += _row_peer(r) + row_variable(r)
+        elif kind == "peer_variable":
+            rows += row_variable(r)
         elif kind == "quality":
             rows += _row_quality(r)
         elif kind == "staleness":
@@ -213,7 +220,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         elif kind == "models":
             rows += [bench_readme_row(r)]
         else:
-            rows += _row_generic(f.stem, r)
+            packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
+            rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)
     table = [
         "## Results",
         "",

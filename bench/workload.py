@@ -2,7 +2,7 @@
 
 A locally built Qwen2-architecture model (``common.demo.tiny_model`` with larger sizes), the seed 001
 batch shape (30 prompts × 4 responses = 120 responses per optimizer step), fixed-length responses
-(``generator.ignore_eos``), rule rewards on the demo's arithmetic task, one untimed warm-up cycle
+(``generator.ignore_eos``; ``fixed_length=False`` lets them end at EOS), rule rewards on the demo's arithmetic task, one untimed warm-up cycle
 followed by ``timed_cycles`` timed ones.
 """
 
@@ -31,6 +31,10 @@ class Workload:
     lr: float = 1e-5
     micro_batch_size: int = 8
     seed: int = 0
+    # True: every response is exactly response_tokens long (Tether `ignore_eos`, TRL
+    # `min_new_tokens`); False: responses end at the model's end-of-sequence token, so lengths
+    # spread (the tiny random model ends a response with probability ~1/vocab per token)
+    fixed_length: bool = True
 
     @property
     def responses_per_step(self) -> int:

@@ -39,6 +39,14 @@ class LearnerConfig(Section):
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=1, description="token budget per micro-batch per rank (dynamic batch size)"
     )
+    pack_sequences: bool = Field(
+        True,
+        description="pack each micro-batch's samples end to end (position_ids restart per sample; "
+        "flash-attn varlen on GPU when installed, a block-diagonal sdpa mask otherwise) instead of "
+        "padding each to the longest. On by default: the same loss and gradients as padding "
+        "(tested to 1e-5 in fp32), fewer tokens through the model when lengths spread, and a "
+        "start-up probe refuses a model that ignores the boundaries",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto = fp32 on CPU, bf16 mixed precision on GPU"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from services.learner import batching
+from services.learner import batching, packing
 from services.learner.cycle import Sample
 from services.learner.dist import all_reduce, rank_world
 
@@ -29,6 +29,15 @@ def micro_batches(cfg: TetherConfig, lengths: Sequence[int]) -> list[list[int]]:
         micro_batch_size=ln.micro_batch_size,
         max_tokens_per_micro_batch=ln.max_tokens_per_micro_batch,
     )
+
+
+def collate(
+    cfg: TetherConfig, fields: Sequence[Any], indices: Sequence[int], *, pad_id: int, **kw: Any
+) -> dict[str, torch.Tensor]:
+    """``batching.collate``, plus the packed forward's inputs with ``learner.pack_sequences``:
+    one rule for the training step and the recompute passes."""
+    batch = batching.collate(fields, indices, pad_id=pad_id, **kw)
+    return packing.add_packed(batch, pad_id=pad_id) if cfg.learner.pack_sequences else batch
 
 
 def recompute_logprobs(
@@ -58,9 +67,7 @@ def recompute_logprobs(
     model.eval()
     with torch.no_grad():
         for mb in batching.pad_micro_batches(local, max(count, 1)):
-            batch = {
-                k: v.to(device) for k, v in batching.collate(fields, mb, pad_id=pad_id).items()
-            }
+            batch = {k: v.to(device) for k, v in collate(cfg, fields, mb, pad_id=pad_id).items()}
             logp, _ = token_logprobs_and_entropy(
                 model,
                 batch["input_ids"],
@@ -68,6 +75,7 @@ def recompute_logprobs(
                 batch["loss_mask"],
                 position_ids=batch["position_ids"],
                 temperature=cfg.behaviour_temperature,
+                packed=packing.packed_of(batch),
             )
             for row, i in enumerate(mb):
                 n_p, n_r = len(samples[i].prompt_ids), len(samples[i].response_ids)

@@ -133,9 +133,12 @@ class LearnerService:
             device=self.device,
             param_dtype=dtype,
             gradient_checkpointing=ln.gradient_checkpointing,
+            pack_sequences=ln.pack_sequences,
         )
         self.ref_model = (
-            model_mod.load_reference(model_dir, device=self.device, param_dtype=dtype)
+            model_mod.load_reference(
+                model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
+            )
             if ln.kl_coef > 0
             else None
         )

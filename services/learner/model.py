@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.ports import free_port
+from services.learner import packing
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +120,7 @@ def attention_kwargs(model_dir: str | Path) -> dict[str, Any]:
     return {}
 
 
-def _load_hf(model_dir: str | Path, *, device: torch.device) -> Any:
+def _load_hf(model_dir: str | Path, *, device: torch.device, attn: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,9 +131,9 @@ def _load_hf(model_dir: str | Path, *, device: torch.device) -> Any:
             "local Hugging Face model directory (e.g. one written by `tether export`)"
         )
     # Master weights in fp32; mixed precision (if any) is applied by FSDP at compute time.
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, **attention_kwargs(path)
-    )
+    # Packing's varlen kernel when asked; else what makes transformers compute what vLLM does.
+    extra = {"attn_implementation": attn} if attn else attention_kwargs(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **extra)
     # Remembered so checkpoints can name the tokenizer's home for `tether export`.
     model.tether_source_dir = str(path.resolve())
     return model.to(device)
@@ -144,8 +146,13 @@ def load_policy(
     param_dtype: torch.dtype | None = None,
     gradient_checkpointing: bool = False,
     fsdp: bool = True,
+    pack_sequences: bool = False,
 ) -> Any:
     """Load the trainable policy from a local HF directory, in train mode.
+
+    ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
+    device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
+    transformers' default (``sdpa``); a probe then refuses a model that ignores the boundaries.
 
     ``param_dtype``: compute dtype; default bf16 on CUDA (fp32 master weights and fp32 gradient
     reduction via ``MixedPrecisionPolicy``), fp32 on CPU. ``fsdp=True`` needs an initialised
@@ -157,12 +164,25 @@ def load_policy(
         param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if param_dtype != torch.float32 and not fsdp:
         raise ValueError("a non-fp32 param_dtype needs fsdp=True (mixed precision is FSDP's)")
-    model = _load_hf(model_dir, device=device)
+    varlen = pack_sequences and packing.varlen_attention_available(device)
+    model = _load_hf(model_dir, device=device, attn="flash_attention_2" if varlen else None)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp:
         _shard(model, device=device, param_dtype=param_dtype)
+    if pack_sequences:
+        gap = packing.check_packing(
+            model,
+            device=device,
+            vocab_size=int(model.config.vocab_size),
+            tolerance=1e-3 if param_dtype == torch.float32 else 5e-2,
+        )
+        logger.info(
+            "sequence packing on (attention %s; probe gap %.2g)",
+            packing.attention_implementation(model),
+            gap,
+        )
     model.train()
     return model
 
@@ -173,8 +193,12 @@ def load_reference(
     device: torch.device,
     param_dtype: torch.dtype | None = None,
     fsdp: bool = True,
+    pack_sequences: bool = False,
 ) -> Any:
     """Load a frozen reference model (KL term): no gradients, eval mode.
+
+    ``pack_sequences``: the attention implementation as ``load_policy`` picks it (the policy's
+    probe covers the reference: the same architecture).
 
     It is sharded exactly like the policy (FSDP2 per layer + root) so it costs 1/world_size of the
     memory per rank; its forward all-gathers one layer at a time. Call it under ``torch.no_grad()``.
@@ -183,7 +207,8 @@ def load_reference(
 
     if param_dtype is None:
         param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = _load_hf(model_dir, device=device)
+    varlen = pack_sequences and packing.varlen_attention_available(device)
+    model = _load_hf(model_dir, device=device, attn="flash_attention_2" if varlen else None)
     model.config.use_cache = False
     model.requires_grad_(False)
     if fsdp:
@@ -201,6 +226,7 @@ def token_logprobs_and_entropy(
     position_ids: torch.Tensor | None = None,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    packed: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each token given the tokens before it, on response positions.
 
@@ -211,6 +237,9 @@ def token_logprobs_and_entropy(
 
     ``temperature``: score ``softmax(logits / temperature)``, the distribution the generator
     sampled from (vLLM reports processed log-probs), so ratios compare like with like.
+
+    ``packed`` (``packing.add_packed``'s fields): run the forward on the packed rows instead of
+    the padded ``[B, T]`` batch; the outputs are the same ``[B, T]`` tensors.
 
     Memory: logits are computed once; only the rows that predict a response token are selected
     and upcast to fp32, and the log-prob uses ``gather - logsumexp`` (no full log-softmax copy).
@@ -225,15 +254,20 @@ def token_logprobs_and_entropy(
         )
     if response_mask.numel() and bool(response_mask[:, 0].any()):
         raise ValueError("response_mask[:, 0] must be 0: the first token has no preceding context")
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    )
     # logits[:, t] predicts token t + 1.
     pred_mask = response_mask[:, 1:].bool()
-    logits = out.logits[:, :-1][pred_mask].float()  # [N, V]
+    if packed is None:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1][pred_mask].float()  # [N, V]
+    else:
+        # the packed row position of each token that predicts a response token
+        rows = packing.forward_rows(model, packed)
+        logits = rows[packed["packed_index"][:, :-1][pred_mask]].float()
     if temperature != 1.0:
         # The generator's behaviour log-probs are those of the distribution it sampled from,
         # softmax(logits / T); the learner scores the same distribution.

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from services.learner import batching, losses, mismatch
+from services.learner import batching, losses, mismatch, packing
 from services.learner.cycle import Sample, as_batch_fields
 from services.learner.dist import all_reduce, rank_world
-from services.learner.logprobs import micro_batches, proximal_is_current
+from services.learner.logprobs import collate, micro_batches, proximal_is_current
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +50,8 @@ def rank_micro_batches(
     return [
         {
             k: v.to(device)
-            for k, v in batching.collate(
-                fields, mb, pad_id=pad_id, token_fields=TOKEN_FIELDS, seq_fields=SEQ_FIELDS
+            for k, v in collate(
+                cfg, fields, mb, pad_id=pad_id, token_fields=TOKEN_FIELDS, seq_fields=SEQ_FIELDS
             ).items()
         }
         for mb in padded
@@ -103,6 +103,7 @@ def make_loss_fn(
             position_ids=mb["position_ids"],
             with_entropy=want_entropy,
             temperature=cfg.behaviour_temperature,
+            packed=packing.packed_of(mb),
         )
         off = ln.off_policy
         if off == "none":

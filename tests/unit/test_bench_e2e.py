@@ -112,3 +112,49 @@ def test_readme_has_a_row_and_the_command_per_result(tmp_path):
 def test_unknown_benchmark_is_refused(tmp_path):
     with pytest.raises(ValueError, match="choose one of"):
         run_bench(argparse.Namespace(what="everything", out=str(tmp_path), quick=True))
+
+
+def test_variable_length_workload_lets_responses_end_at_eos(tmp_path):
+    from dataclasses import replace
+
+    from bench.pipeline import write_bench_config
+
+    def generator_section(w) -> str:
+        path = write_bench_config(
+            tmp_path / "c.toml", name="n", w=w, model=tmp_path, train=tmp_path / "t.jsonl",
+            run_dir=tmp_path, max_staleness=1,
+        )  # fmt: skip
+        return path.read_text().split("[generator]")[1]
+
+    assert "ignore_eos = true" in generator_section(QUICK)
+    assert "ignore_eos = false" in generator_section(replace(QUICK, fixed_length=False))
+
+
+def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
+    packing = {
+        "max_tokens": 192, "lengths": {"mean": 105.0}, "packed_train_tokens_per_s": 3000.0,
+        "padded_train_tokens_per_s": 1800.0, "ratio_packed_over_padded": 3000.0 / 1800.0,
+        "packed_token_slots_per_step": 14000, "padded_token_slots_per_step": 21000,
+        "real_tokens_per_step": 12600, "load_average": [4.2, 4.0, 4.0],
+    }  # fmt: skip
+    learner = {"benchmark": "learner", "settings": {"params": 3.2e6}, "packing": packing}
+    side = {"cycle_seconds": 40.0, "trained_responses_per_s": 3.0, "load_average_after": [5.5]}
+    variable = {
+        "workload": {**QUICK.describe(), "fixed_length": False},
+        "tether": side,
+        "trl": {**side, "step_seconds": 120.0, "trained_responses_per_s": 1.0},
+        "trl_mean_response_tokens": 150.0,
+        "tether_mean_response_tokens": 148.0,
+        "ratio_tether_over_trl": 3.0,
+    }
+    peer = {"bench": "peer_variable", "workload": {"params": 2.5e7}, "variable_length": variable,
+            "command": "tether bench peer --size full"}  # fmt: skip
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "learner_packing.json").write_text(json.dumps(learner))
+    (results / "peer_full_variable.json").write_text(json.dumps(peer))
+    text = write_readme(results, tmp_path / "README.md").read_text()
+    assert "| learner packing | 3.2 M, 192 tok max |" in text and "**1.67** (packed/padded)" in text
+    assert "| learner_packing |" not in text  # no empty generic row beside it
+    assert "| peer, variable length |" in text and "**3.00** (Tether/TRL)" in text
+    assert "mean 150 tokens (TRL), 148 (Tether)" in text
