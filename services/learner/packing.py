@@ -127,7 +127,7 @@ def check_packing(model: Any, *, device: torch.device, vocab_size: int, toleranc
         and compares the next-token log-probs at every real position (the largest per-position mean
     over the vocabulary). A model whose attention ignores
         the boundary lets the second sequence see the first, which moves its log-probs by far more
-        than rounding. Runs on every rank (the forward passes are FSDP collectives). ``tolerance``:
+        than rounding. Run it before sharding (``model._probe_packing``). ``tolerance``:
         about 1e-3 in fp32, 5e-2 in bf16.
     """
     import torch

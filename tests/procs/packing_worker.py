@@ -1,7 +1,8 @@
 """torchrun worker for tests/services/test_packing_fsdp.py: one optimizer step of the learner's
 real path (load_policy with its packing probe, rank_micro_batches, make_loss_fn, train_step)
-under FSDP2 on gloo, padded and then packed from the same weights; rank 0 writes both steps'
-loss and gradient norm to ``--out``."""
+under FSDP2 on gloo, padded and then packed from the same weights, each followed by the
+checkpoint's optimizer-state gather; rank 0 writes both steps' loss and gradient norm to
+``--out``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ def main() -> None:
 
     from common.config.load import load_config
     from services.learner import objective, optim
+    from services.learner.checkpoint import _optimizer_full_state
     from services.learner.cycle import Sample, assign_advantages
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
@@ -49,6 +51,8 @@ def main() -> None:
         opt = optim.build_optimizer(model, lr=1e-3)
         sched = optim.build_scheduler(opt, optim.build_schedule())
         stats = train_step(model, opt, sched, mbs, loss_fn, grad_clip=None)
+        # the final checkpoint's optimizer state must still map to the model's parameters
+        _optimizer_full_state(model, opt)
         out["packed" if pack else "padded"] = {
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
