@@ -27,7 +27,14 @@ DEMO_CONFIG = HERE / "cpu-demo.toml"
 JOBS = ("tether-learner", "tether-generator", "tether-scorer", "redis", "prometheus")
 TETHER_SERVICES = ("prepare", "learner", "generator-0", "scorer")
 # Paths a Tether container may write: the run and models volumes, its tmpfs mounts, /dev/shm.
-TETHER_WRITABLE = {"/var/lib/tether/runs", "/models", "/tmp", "/var/lib/tether/cache", "/dev/shm"}
+TETHER_WRITABLE = {
+    "/var/lib/tether/runs",
+    "/models",
+    "/tmp",
+    "/var/lib/tether/cache",
+    "/var/lib/tether/home",
+    "/dev/shm",
+}
 # What a library prints when it meets the read-only root filesystem.
 READ_ONLY_TRouble = re.compile(
     r"Read-only file system|EROFS|is not a writable directory|Permission denied|"
