@@ -212,8 +212,13 @@ class Bus:
 
     def commit(self, group: str, stream: str, entry_ids: Sequence[str], *,
                publish: Sequence[tuple[str, wire.Message]] = (),
-               dedupe_ids: Sequence[str] | None = None) -> int:  # fmt: skip
-        """Atomically publish (deduplicated) downstream messages and XACK upstream entries."""
+               dedupe_ids: Sequence[str] | None = None,
+               count_as: str | None = None) -> int:  # fmt: skip
+        """Atomically publish (deduplicated) downstream messages and XACK upstream entries.
+
+        ``count_as``: a generator id whose run-long published-groups count (``generated_groups``)
+        grows by the number published, in the same script, so that a SIGKILL can never leave a
+        published group uncounted (or counted twice)."""
         if dedupe_ids is not None and publish and len(dedupe_ids) != len(publish):
             raise ValueError(
                 "commit: dedupe_ids needs one id per published message (or no publish)"
@@ -224,7 +229,10 @@ class Bus:
         keys = [self.key(streams.done_set(group)), self.key(stream)] + [
             self.key(s) for s, _ in payloads
         ]
-        args: list[Any] = [group, gated, len(ids), *ids, len(entry_ids), *entry_ids, time.time()]
+        if count_as:
+            keys.append(self.key(streams.GENERATED_GROUPS))
+        args: list[Any] = [group, gated, count_as or "", len(ids), *ids]
+        args += [len(entry_ids), *entry_ids, time.time()]
         args += [p for _, p in payloads]
         flags = self.call(lambda: self._commit_script(keys=keys, args=args), what="commit")
         for (s, p), flag in zip(payloads, flags, strict=True):
@@ -235,13 +243,13 @@ class Bus:
         return int(sum(flags))
 
     def count_generated(self, sid: str, n: int) -> None:
-        """Add ``n`` to generator ``sid``'s run-long published-groups count (after its commit;
-        a SIGKILL between the two loses at most that commit's count)."""
+        """Add ``n`` to generator ``sid``'s run-long published-groups count. The generator counts
+        inside its commit (``commit(count_as=...)``); this is for tools and tests."""
         key = self.key(streams.GENERATED_GROUPS)
         self.call(lambda: self.redis.hincrby(key, sid, n), what="HINCRBY")
 
     def generated_groups(self) -> dict[str, int]:
-        """Generator id -> groups it published over the run (``count_generated``)."""
+        """Generator id -> groups it published over the run (``commit(count_as=...)``)."""
         key = self.key(streams.GENERATED_GROUPS)
         raw = self.call(lambda: self.redis.hgetall(key), what="HGETALL")
         return {k.decode(): int(v) for k, v in raw.items()}
@@ -290,31 +298,37 @@ def _parse_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# KEYS: done-set, upstream stream, downstream streams...
-# ARGV: group, gated, n_ids, ids..., n_acks, acks..., now, payloads... (payload i -> KEYS[2+i])
+# KEYS: done-set, upstream stream, downstream streams..., [count hash when count_as is set]
+# ARGV: group, gated, count_as, n_ids, ids..., n_acks, acks..., now, payloads...
+# (payload i -> KEYS[2+i]; the count hash is the key after the last downstream stream)
 # Publish first, ack last: a script error part-way leaves entries pending (redelivered, deduped),
-# never acked-but-unpublished.
+# never acked-but-unpublished. The count grows with what was published, in the same script.
 _COMMIT_LUA = """
-local group, gated, n_ids = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local group, gated, count_as, n_ids = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local fresh = {}
 for i = 1, n_ids do
-  local id = ARGV[3 + i]
+  local id = ARGV[4 + i]
   if fresh[id] == nil then fresh[id] = (redis.call('ZSCORE', KEYS[1], id) == false) end
 end
-local p = 4 + n_ids
+local p = 5 + n_ids
 local n_acks = tonumber(ARGV[p])
 local now = ARGV[p + n_acks + 1]
 for id, is_new in pairs(fresh) do
   if is_new then redis.call('ZADD', KEYS[1], now, id) end
 end
-local published = {}
-for i = 1, #ARGV - (p + n_acks + 1) do
+local published, n_published = {}, 0
+local n_payloads = #ARGV - (p + n_acks + 1)
+for i = 1, n_payloads do
   local payload = ARGV[p + n_acks + 1 + i]
   published[i] = 0
-  if gated == 0 or fresh[ARGV[3 + i]] then
+  if gated == 0 or fresh[ARGV[4 + i]] then
     redis.call('XADD', KEYS[2 + i], '*', 'm', payload)
     published[i] = 1
+    n_published = n_published + 1
   end
+end
+if count_as ~= '' and n_published > 0 then
+  redis.call('HINCRBY', KEYS[3 + n_payloads], count_as, n_published)
 end
 for i = 1, n_acks do redis.pcall('XACK', KEYS[2], group, ARGV[p + i]) end
 return published

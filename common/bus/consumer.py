@@ -167,14 +167,18 @@ class Consumer:
 
     def commit(self, deliveries: Sequence[Delivery], *,
                publish: Sequence[tuple[str, wire.Message]] = (),
-               dedupe_ids: Sequence[str] | None = None) -> int:  # fmt: skip
-        """Atomically: publish each message whose dedupe id is new, mark ids done, XACK all.
+               dedupe_ids: Sequence[str] | None = None,
+               count_as: str | None = None) -> int:  # fmt: skip
+        """Atomically: publish each message whose dedupe id is new, mark ids done, XACK all
+        (and add what was published to generator ``count_as``'s run-long count).
 
         ``dedupe_ids[i]`` gates ``publish[i]``; with no ``publish``, ids are only marked done.
         Returns how many messages were published (the rest were duplicates).
         """
         ids = [d.entry_id for d in deliveries]
-        return self.bus.commit(self.group, self.stream, ids, publish=publish, dedupe_ids=dedupe_ids)
+        return self.bus.commit(
+            self.group, self.stream, ids, publish=publish, dedupe_ids=dedupe_ids, count_as=count_as
+        )
 
     def ack(self, deliveries: Sequence[Delivery]) -> int:
         ids = [d.entry_id for d in deliveries]

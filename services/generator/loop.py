@@ -223,11 +223,14 @@ class GeneratorService:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
         finally:
             self._waiting_backpressure -= 1
-        published = await asyncio.to_thread(
-            consumer.commit, [d], publish=[(streams.GROUPS, group)], dedupe_ids=[group.group_id]
+        # the commit also adds to the run-long count per generator id (a restart continues it)
+        await asyncio.to_thread(
+            consumer.commit,
+            [d],
+            publish=[(streams.GROUPS, group)],
+            dedupe_ids=[group.group_id],
+            count_as=self.sid,
         )
-        if published:  # the run-long count per generator id (a restart continues it)
-            await asyncio.to_thread(self.bus.count_generated, self.sid, published)
         n_tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_generated += n_tokens
         self.groups_published += 1

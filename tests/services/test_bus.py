@@ -86,6 +86,30 @@ def test_commit_publishes_once_when_two_consumers_process_the_same_entries(redis
     assert bus.backlog("in", "w") == (0, 0)
 
 
+def test_the_generated_count_grows_in_the_commit_and_only_with_what_was_published(
+    redis_server,
+) -> None:
+    # The count is part of the commit script: no SIGKILL can fall between publishing a group
+    # and counting it (the compose smoke once saw the books 8 short after a generator kill,
+    # when the count was a second round trip). A duplicate commit adds nothing.
+    bus = new_bus(redis_server, claim_idle_ms=50)
+    slow, fast = bus.consumer("in", "w", "slow"), bus.consumer("in", "w", "fast")
+    for i in range(3):
+        bus.publish("in", prompt(i))
+    taken = slow.read(3)
+    time.sleep(0.1)
+    claimed = fast.read(3)
+    out = [("out", prompt(i)) for i in range(3)]
+    ids = [f"p{i}" for i in range(3)]
+    assert fast.commit(claimed[:2], publish=out[:2], dedupe_ids=ids[:2], count_as="gen-b") == 2
+    assert slow.commit(taken, publish=out, dedupe_ids=ids, count_as="gen-a") == 1
+    assert fast.commit(claimed[2:], publish=out[2:], dedupe_ids=ids[2:], count_as="gen-b") == 0
+    assert bus.generated_groups() == {"gen-b": 2, "gen-a": 1}
+    assert bus.redis.xlen(f"{bus.settings.run}:out") == 3 and bus.backlog("in", "w") == (0, 0)
+    bus.consumer("in", "w", "c").commit([], publish=[], count_as="gen-c")  # nothing published
+    assert "gen-c" not in bus.generated_groups()
+
+
 def test_restarted_consumer_drains_its_own_pending_first(redis_server) -> None:
     bus = new_bus(redis_server)
     first = bus.consumer("in", "w", "c")
