@@ -218,8 +218,9 @@ def run_learner_bench(
 ) -> dict:
     """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B).
     ``packing``: then packed vs padded training steps on lengths that spread
-    (``bench/learner_packing.py``), under ``"packing"`` in the result; ``service_vs_bare=False``
-    runs only that part.
+    (``bench/learner_packing.py``), under ``"packing"`` in the result (micro-batches cut by
+    count) and ``"packing_token_budget"`` (cut by a token budget of eight longest sequences);
+    ``service_vs_bare=False`` runs only that part.
 
     The model is a randomly initialised Qwen2 of the given shape (``vocab`` pads the embedding to a
     real tokenizer's size); ``overrides`` are extra ``key=value`` config settings for both paths,
@@ -295,14 +296,20 @@ def run_learner_bench(
         for i, order in enumerate([(service, bare), (bare, service)][: max(1, min(repeats, 2))]):
             for path in order if service_vs_bare else ():
                 path(i)
-    packed = (
-        run_packing(
-            cfg, model_dir, max_tokens=prompt_tokens + response_tokens,
-            prompt_share=prompt_tokens / (prompt_tokens + response_tokens), repeats=repeats,
+    packed = budgeted = None
+    if packing:
+        # twice: micro-batches cut by the config's count, then by a token budget of eight
+        # longest sequences (the peers' dynamic batch size, how packing is usually run)
+        longest = prompt_tokens + response_tokens
+        share = prompt_tokens / longest
+        packed = run_packing(
+            cfg, model_dir, max_tokens=longest, prompt_share=share, repeats=repeats
         )
-        if packing
-        else None
-    )  # fmt: skip
+        if cfg.learner.max_tokens_per_micro_batch is None:
+            budgeted = run_packing(
+                cfg, model_dir, max_tokens=longest, prompt_share=share, repeats=repeats,
+                token_budget=8 * longest,
+            )  # fmt: skip
     responses = (cycles - 1) * prompts * per_prompt * len(services)  # timed cycles only
     tokens = responses * (prompt_tokens + response_tokens)
     result: dict[str, Any] = {
@@ -327,6 +334,7 @@ def run_learner_bench(
         },
         "load_average": os.getloadavg(),
         **({"packing": packed} if packed else {}),
+        **({"packing_token_budget": budgeted} if budgeted else {}),
     }
     if service_vs_bare:
         result.update(_service_fields(services, bares, service_phases, responses, tokens))
@@ -336,8 +344,9 @@ def run_learner_bench(
             f"{result['ratio_service_over_bare']:.2f} (target ≥ 0.9; load "
             f"{result['load_average'][0]:.1f})"
         )
-    if packed:
-        print(format_packing(packed))
+    for p in (packed, budgeted):
+        if p:
+            print(format_packing(p))
     if out_path:
         Path(out_path).write_text(json.dumps(result, indent=2))
     return result

@@ -73,14 +73,21 @@ def _steps(cfg: Any, model_dir: str, samples: list[Any], steps: int) -> tuple[fl
 
 def run_packing(
     cfg: Any, model_dir: str, *, max_tokens: int, prompt_share: float, steps: int = 3,
-    repeats: int = 2, seed: int = 0,
+    repeats: int = 2, seed: int = 0, token_budget: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Packed vs padded train tokens/s on one batch of ``cfg.run.train_batch_size`` samples."""
+    """Packed vs padded train tokens/s on one batch of ``cfg.run.train_batch_size`` samples.
+
+    ``token_budget``: cut micro-batches by tokens (``learner.max_tokens_per_micro_batch``, the
+    peers' dynamic batch size, which is how packing is usually run) instead of by the config's
+    count."""
     n = cfg.run.prompts_per_cycle * cfg.run.responses_per_prompt
     configs = {}
     for pack in (True, False):
         c = cfg.model_copy(deep=True)
         c.learner.pack_sequences = pack
+        if token_budget is not None:
+            c.learner.micro_batch_size = None
+            c.learner.max_tokens_per_micro_batch = token_budget
         configs[pack] = c
     samples = _samples(
         configs[True], n=n, max_tokens=max_tokens, prompt_share=prompt_share, seed=seed
@@ -102,8 +109,8 @@ def run_packing(
         "distribution": "sequence length uniform over 10-100 % of max_tokens; prompt "
         f"{prompt_share:.0%} of each",
         "micro_batching": {
-            "micro_batch_size": cfg.learner.micro_batch_size,
-            "max_tokens_per_micro_batch": cfg.learner.max_tokens_per_micro_batch,
+            "micro_batch_size": configs[True].learner.micro_batch_size,
+            "max_tokens_per_micro_batch": configs[True].learner.max_tokens_per_micro_batch,
         },
         "timed_steps_each": steps,
         "real_tokens_per_step": tokens,
@@ -118,9 +125,16 @@ def run_packing(
     }
 
 
+def _cut(r: dict[str, Any]) -> str:
+    mb = r.get("micro_batching") or {}
+    if mb.get("max_tokens_per_micro_batch"):
+        return f"micro-batches of ≤ {mb['max_tokens_per_micro_batch']} tokens"
+    return f"micro-batches of {mb.get('micro_batch_size')} samples"
+
+
 def format_packing(r: dict[str, Any]) -> str:
     return (
-        f"learner packing: packed {r['packed_train_tokens_per_s']:.0f} train tokens/s, padded "
+        f"learner packing ({_cut(r)}): packed {r['packed_train_tokens_per_s']:.0f} train tokens/s, padded "
         f"{r['padded_train_tokens_per_s']:.0f}, ratio {r['ratio_packed_over_padded']:.2f} "
         f"(target ≥ 1.5; slots/step {r['packed_token_slots_per_step']} vs "
         f"{r['padded_token_slots_per_step']} for {r['real_tokens_per_step']} tokens; "
@@ -130,16 +144,18 @@ def format_packing(r: dict[str, Any]) -> str:
 
 def row_packing(r: dict[str, Any]) -> list[str]:
     """The bench README row of a learner result's packing section (none without one)."""
-    p = r.get("packing") if r.get("benchmark") == "learner" else None
-    if not p:
+    if r.get("benchmark") != "learner":
         return []
     settings = r["settings"]
     return [
-        f"| learner packing | {settings['params'] / 1e6:.1f} M, {p['max_tokens']} tok max | "
+        f"| learner packing | {settings['params'] / 1e6:.1f} M, {p['max_tokens']} tok max, "
+        f"{_cut(p)} | "
         f"packed {p['packed_train_tokens_per_s']:.0f} train tokens/s, padded "
         f"{p['padded_train_tokens_per_s']:.0f} | **{p['ratio_packed_over_padded']:.2f}** "
         f"(packed/padded) | lengths uniform over 10–100 % of the max (mean {p['lengths']['mean']:.0f}); "
         f"token slots per step {p['packed_token_slots_per_step']} packed vs "
         f"{p['padded_token_slots_per_step']} padded for {p['real_tokens_per_step']} tokens | "
         f"{p['load_average'][0]:.1f} | `tether bench learner` |"
+        for p in (r.get("packing"), r.get("packing_token_budget"))
+        if p
     ]

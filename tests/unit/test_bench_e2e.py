@@ -136,8 +136,12 @@ def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
         "padded_train_tokens_per_s": 1800.0, "ratio_packed_over_padded": 3000.0 / 1800.0,
         "packed_token_slots_per_step": 14000, "padded_token_slots_per_step": 21000,
         "real_tokens_per_step": 12600, "load_average": [4.2, 4.0, 4.0],
+        "micro_batching": {"micro_batch_size": 8, "max_tokens_per_micro_batch": None},
     }  # fmt: skip
-    learner = {"benchmark": "learner", "settings": {"params": 3.2e6}, "packing": packing}
+    budgeted = {**packing, "ratio_packed_over_padded": 1.8,
+                "micro_batching": {"micro_batch_size": None, "max_tokens_per_micro_batch": 1536}}  # fmt: skip
+    learner = {"benchmark": "learner", "settings": {"params": 3.2e6}, "packing": packing,
+               "packing_token_budget": budgeted}  # fmt: skip
     side = {"cycle_seconds": 40.0, "trained_responses_per_s": 3.0, "load_average_after": [5.5]}
     variable = {
         "workload": {**QUICK.describe(), "fixed_length": False},
@@ -154,7 +158,10 @@ def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
     (results / "learner_packing.json").write_text(json.dumps(learner))
     (results / "peer_full_variable.json").write_text(json.dumps(peer))
     text = write_readme(results, tmp_path / "README.md").read_text()
-    assert "| learner packing | 3.2 M, 192 tok max |" in text and "**1.67** (packed/padded)" in text
+    assert "| learner packing | 3.2 M, 192 tok max, micro-batches of 8 samples |" in text
+    assert "**1.67** (packed/padded)" in text
+    assert "| learner packing | 3.2 M, 192 tok max, micro-batches of ≤ 1536 tokens |" in text
+    assert "**1.80** (packed/padded)" in text
     assert "| learner_packing |" not in text  # no empty generic row beside it
     assert "| peer, variable length |" in text and "**3.00** (Tether/TRL)" in text
     assert "mean 150 tokens (TRL), 148 (Tether)" in text
