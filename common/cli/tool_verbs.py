@@ -103,7 +103,7 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "--size",
         choices=["quick", "medium", "full"],
         default=None,
-        help="workload preset for pipeline/peer (default: full, or quick with --quick)",
+        help="workload preset for pipeline/peer; for staleness the grid (quick: 3 configurations, medium: 9, full: 14) (default: full, or quick with --quick)",
     )
     bench.add_argument(
         "--threads", type=int, default=None, help="OpenMP threads per benchmarked process"

@@ -21,11 +21,21 @@ def test_full_grid_is_the_documented_slice():
     # synchronous baselines for every S, every correction at every depth at S = 4
     assert {a.steps_per_cycle for a in arms if a.depth == "sync"} == {1, 2, 4, 8}
     at4 = {(a.depth, a.correction) for a in arms if a.steps_per_cycle == 4}
-    assert at4 == {(d, c) for d in st.DEPTHS for c in st.CORRECTIONS}
+    assert at4 == {(d, c) for d in st.DEPTHS for c in ("decoupled", "tis", "none")}
     assert {a.max_staleness for a in arms if a.steps_per_cycle == 4} == {3, 7, 15}
     assert {"S8-ms31-none", "S8-ms31-decoupled"} < set(names)
     assert set(st.quick_grid()) == {st.BASELINE, *(a for a in arms if a.name in
                                     ("S4-ms15-decoupled", "S4-ms15-none"))}  # fmt: skip
+
+
+def test_the_medium_grid_holds_what_the_verdict_needs():
+    arms = st.focused_grid()
+    names = [a.name for a in arms]
+    assert len(names) == len(set(names)) == 9 and arms[0] == st.BASELINE
+    assert names[1:3] == ["S4-ms7-decoupled", "S4-ms7-none"]  # staleness ≥ 4 at the default
+    assert {"S4-ms15-decoupled-cap1", "S4-ms15-decoupled-mask", "S4-ms3-decoupled"} < set(names)
+    for arm in arms:  # every arm's settings are real config keys
+        assert all("=" in o for o in st.overrides(arm, st.Study(arms=(arm,)), seed=0))
 
 
 def test_a_new_correction_is_one_entry(monkeypatch):
