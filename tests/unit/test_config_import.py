@@ -130,6 +130,7 @@ def test_verl_yaml_tree():
     assert t["generator"]["replicas"] == 8  # 2 nodes x 8 GPUs / TP 2
     assert t["learner"]["checkpoint_every_steps"] == 80 and t["learner"]["eval_every_steps"] == 40
     assert t["data"]["overlong_prompt_policy"] == "error"
+    assert t["learner"]["pack_sequences"] is True  # use_remove_padding: true
     assert load("verl", "verl_ppo_trainer.yaml", RUN_NAME="r7").tether["run"]["name"] == "r7"
 
 
@@ -220,7 +221,8 @@ def test_openrlhf_ray_job_submit():
         "temperature": 1.0,
     }
     assert (t["data"]["prompt_key"], t["data"]["answer_key"]) == ("context_messages", "answer")
-    assert {"--colocate_all_models", "--packing_samples", "--num_episodes"} <= unmapped_keys(r)
+    assert {"--colocate_all_models", "--num_episodes"} <= unmapped_keys(r)
+    assert t["learner"]["pack_sequences"] is True  # --packing_samples
     assert "--runtime-env-json" not in str(r.unmapped)  # ray's own flags are not OpenRLHF's
     assert r.unknown_variables == ["WANDB_API_KEY"]
 

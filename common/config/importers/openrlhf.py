@@ -169,11 +169,14 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
             m.get("train_max_tokens_per_gpu"),
             ("use_dynamic_batch", "train_max_tokens_per_gpu"),
         )
-    m.drop(
-        "packing_samples",
-        "Tether packs sequences itself; size micro-batches by tokens with "
-        "learner.max_tokens_per_micro_batch",
-    )
+    if m.given("packing_samples"):
+        m.put(
+            "learner.pack_sequences",
+            bool(m.get("packing_samples")),
+            "packing_samples",
+            "samples packed end to end with position_ids restarting per sample (the same loss "
+            "as padding); pair it with learner.max_tokens_per_micro_batch",
+        )
     m.drop(
         "num_episodes",
         "num_cycles = num_episodes × ⌊dataset prompts / --rollout_batch_size⌋ depends on "

@@ -290,6 +290,13 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
                 "learner.gradient_checkpointing",
                 bool,
             ),
+            (
+                "actor_rollout_ref.model.use_remove_padding",
+                "learner.pack_sequences",
+                bool,
+                "verl's remove-padding (varlen) forward is Tether's sequence packing: the same "
+                "loss, fewer tokens through the model",
+            ),
             (_R + "temperature", "generator.temperature"),
             (_R + "top_p", "generator.top_p"),
             (_R + "top_k", "generator.top_k", None, "-1 disables top-k"),
