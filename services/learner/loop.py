@@ -293,7 +293,8 @@ class LearnerService:
                 )
             self.version += 1
             self.live.beat()
-            self.counters["trained_samples"] += sum(1 for i in idx if samples[i].weight > 0)
+            trained = sum(1 for i in idx if samples[i].weight > 0)  # not dropped, filtered, masked
+            self.counters["trained_samples"] += trained
             rewards = [samples[i].reward for i in idx]
             lags = [self.version - 1 - samples[i].policy_version for i in idx]
             self.last_step = {
@@ -304,6 +305,7 @@ class LearnerService:
                 "lr": st.lr,
                 "reward_mean": sum(rewards) / len(rewards),
                 "dropped_stale": dropped,
+                "trained_samples": trained,
                 "seconds": time.monotonic() - t0,
                 "response_tokens": sum(len(samples[i].response_ids) for i in idx),
                 "batch_digest": _digest(samples[i].sample_id for i in idx),

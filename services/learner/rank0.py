@@ -359,7 +359,8 @@ class Rank0:
         m.steps.inc()
         m.version.set(rec["step"])
         m.tokens.inc(rec["response_tokens"])
-        m.trained.inc(self.cfg.run.train_batch_size - rec["dropped_stale"])  # type: ignore[operator]
+        # responses that carried weight: not dropped for staleness, filtered or masked over-long
+        m.trained.inc(rec["trained_samples"])
         m.dropped.inc(rec["dropped_stale"])
         m.step_seconds.labels("forward_backward").inc(st.forward_backward_seconds)
         m.step_seconds.labels("optimizer").inc(st.optimizer_seconds)

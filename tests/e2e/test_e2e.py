@@ -40,6 +40,9 @@ def test_accounting_balances(short_run):
         == generated_train
     )
     assert c.get("dropped_stale", 0) == 0  # the staleness gate makes drops rare by construction
+    # each step's record counts the responses that carried weight (not every one of its batch:
+    # filtered groups train at weight 0), and they add up to the learner's counter
+    assert sum(s["trained_samples"] for s in short_run.steps) == c["trained_samples"]
 
 
 def test_staleness_stays_within_the_bound(short_run):

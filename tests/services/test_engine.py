@@ -11,7 +11,11 @@ import math
 import pytest
 
 from common.data.prompts import encode_prompt
+from common.protocol import wire
+from common.protocol.wire import PromptMsg, ScoredGroup
 from services.generator.engine import EngineSettings, GenerationEngine, SamplingSettings
+from services.generator.trajectories import to_group
+from services.learner.cycle import samples_from_groups
 
 pytestmark = pytest.mark.slow
 
@@ -190,6 +194,17 @@ def test_max_tokens_and_stop_strings(engine, tokenizer):
     (cut,) = engine.run(engine.generate_group(prompt_ids, at_once, "stop-first"))
     assert cut.finish_reason == "stop" and cut.token_ids[:1] == first.token_ids[:1]
     assert cut.text == ""
+
+    # vLLM's finish reasons reach the learner as its over-long flag: the responses cut at
+    # max_tokens are "truncated" (learner.overlong_filter masks them), the stopped one is not.
+    cut_off = engine.run(engine.generate_group(prompt_ids, fixed, "len2"))
+    msg = PromptMsg(prompt_id="p-len", cycle=0, index=0, text=PROMPTS[1])
+    group = to_group(msg, prompt_ids, [*cut_off, stopped], started=0.0, generator_id="g",
+                     version=0)  # fmt: skip
+    scored = ScoredGroup(group=group, rewards=[1.0, 0.0, 1.0], components=[{}] * 3,
+                         reasons=[""] * 3, scorer_id="s", score_seconds=0.0)  # fmt: skip
+    received = wire.decode(wire.encode(scored))
+    assert [s.truncated for s in samples_from_groups([received])] == [True, True, False]
 
 
 def test_pause_resume_and_weight_version_labels(engine, tokenizer):
