@@ -91,7 +91,7 @@ def full_grid(corrections: tuple[str, ...] = ("decoupled", "tis", "none")) -> li
     - the largest S at the deep bound, decoupled and uncorrected: S = 8, staleness up to 31
       (with 24 steps, every cycle of the run may come from the first weights).
 
-    14 configurations; × 3 seeds ≈ 42 runs of ~1 min on a quiet 2-core machine. Ordered by what
+    14 configurations; × 3 seeds = 42 runs of ~80 s on a quiet 2-core machine (≈ 56 min). Ordered by what
     they tell (the baseline, then the deepest S = 4 runs), so a study cut short keeps the main
     comparison.
     """

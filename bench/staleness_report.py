@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-COLOURS = {"decoupled": "#2e7d32", "tis": "#1565c0", "none": "#c62828"}
+COLOURS = {"decoupled": "#2e7d32", "tis": "#1565c0", "none": "#c62828",
+           "decoupled-cap1": "#8d6e63", "decoupled-mask": "#f9a825"}  # fmt: skip
 STYLES = {"sync": ":", "default": "--", "deep": "-"}
 
 
@@ -189,11 +190,14 @@ bound (column "staleness max"; "at the bound" is the share of responses exactly 
 `max_staleness`, at most 1/S of a run: only the last step of a cycle can reach it).
 
 **The grid.** The full product S ∈ {1, 2, 4, 8} × 3 depths × 3 corrections × 3 seeds is 108
-runs of ~1 min each on a quiet machine (start-up included); the budget is 60 min. The slice:
+runs of ~80 s each on a quiet machine (start-up included, measured); the budget is 60 min. The slice:
 synchronous baselines for every S (decoupled; at S = 1 every correction is the same on-policy
 step), every correction at every depth at S = 4 (staleness up to 3, 7, 15), and decoupled vs
-none at S = 8 deep (up to 31) — 14 configurations × 3 seeds = 42 runs. `--quick`: the S = 1
-baseline and S = 4 deep with decoupled and none, one seed.
+none at S = 8 deep (up to 31) — 14 configurations × 3 seeds = 42 runs. `--size medium`: what
+the verdict needs, 9 configurations × 3 seeds (the baseline; S = 4 at every depth with
+decoupled; none and tis at the default depth; none, decoupled with `is_cap` = 1 and decoupled +
+token masking [0.5, 2] at the deep one). `--quick`: the S = 1 baseline and S = 4 deep with
+decoupled and none, one seed.
 
 **A study that can fail: lr 2e-4, four times the demo's** (chosen from single-seed probes, all
 at S = 4 deep unless said). At the demo's 5e-5 the policy moves so little per step that a
@@ -203,26 +207,28 @@ decoupled and uncorrected PPO both collapsed (0.60 → 0.01 and 0.035; 2.6 % and
 clipped, gradient-norm spikes of 18–21), and at 3e-4 synchronous training itself (S = 1) peaked
 at 0.82 at step 8 and fell to 0.46: too high for any comparison. 2e-4 lies below that.
 
-**What it found (the `--quick` slice, 3 seeds, below).** At S = 4 with staleness up to 15
-steps, decoupled PPO reached 0.40 ± 0.06 held-out accuracy against 0.81 ± 0.07 for synchronous
-training (0.49×): far from the 5 % target. Uncorrected PPO did better, 0.61 ± 0.05 (0.75×), in
-every seed. The study can fail, and decoupled PPO fails it here; the corrections are not yet
-evidence that off-policy training is safe. A reading, not yet tested: with `none` the clip is
-anchored to the stale behaviour log-probs, so tokens the policy already moved are clipped (1.8 %
-of tokens) and the stale batches mostly stop pushing; decoupled PPO re-anchors the clip to the
-proximal policy, which lets a 15-step-old batch push again with a weight up to `is_cap` = 2
-(0.4 % of tokens capped), a larger effective step at an lr that is already near the edge (3e-4
-destabilises synchronous training). It is the overlap, not S = 4 itself: a probe of the full
-grid's S = 4 sync rows (staleness ≤ 3, one seed, `results/probes/`) gave decoupled 0.82 (as
-synchronous) and none 0.77. Next runs: the default depth (≤ 7) and three seeds of the full grid,
-and `is_cap` = 1 / `is_over_cap = "mask"` as extra corrections.
+**What it found (`--size medium`: 9 configurations × 3 seeds, quiet machine, below).** The
+ordering AReaL reports holds on average: at S = 4 with staleness up to 7 (measured mean 4.8),
+decoupled PPO 0.70 ± 0.17 held-out accuracy, TIS 0.62 ± 0.07, uncorrected PPO 0.51 ± 0.20,
+against 0.83 ± 0.12 for synchronous training (0.85×, 0.75×, 0.62×); with staleness up to 15
+(mean 9.5) decoupled 0.50, decoupled + token masking 0.46, none 0.38, decoupled with `is_cap` = 1
+0.38 (0.61×, 0.55×, 0.46×, 0.46×). With S = 4 but no overlap (staleness ≤ 3) decoupled matched
+synchronous training (0.82 ± 0.04, 0.99×). **The 5 % target is missed**: decoupled PPO at
+staleness ≥ 4 kept 85 % of synchronous accuracy at the default depth and 61 % at the deep one.
+Capping the behaviour weight at 1 (never up-weighting a stale token) hurt; masking instead of
+truncating changed little (few tokens leave [0.5, 2]).
 
-**Budget.** Measured here on a shared machine: `--quick` (3 runs, the warm-up reused) 897 s at a
-load of 14–25; the three-seed slice 39 min at 10–25. On a quiet machine a run of 24 steps takes
-~60–70 s (the demo run of `tether bench quality`, 24 steps with 7 evaluations: 66 s at load 2.1),
-so `--quick` ≈ 3–4 min plus the warm-up (~2–4 min when not cached) and the full study ≈ 42 × 65
-s ≈ 45 min plus the warm-up: within 60 min by that estimate, not by a measurement. The full
-study has not been run yet (load 10–35 while this was written).
+**How far to trust it.** The seeds spread widely (sd 0.04–0.20), and so does the same seed run
+twice: the `--quick` slice (three seeds, same code and warm-up, at a load of 10–25) gave
+decoupled 0.40 and none 0.61 at staleness ≤ 15, the opposite order to the medium grid's 0.50
+and 0.38. The system is asynchronous, so timing decides which weights answered which prompt;
+three seeds resolve differences of ~0.15, not 5 %. What holds in both: overlap beyond one cycle
+costs accuracy at this lr, whatever the correction, and S = 4 without overlap costs nothing.
+
+**Budget.** Measured: `--size medium` (27 runs) 36 min on a quiet machine (load 0.7 → 2.9),
+~80 s a run; the `--quick` slice with three seeds 39 min at a load of 10–25. The full grid (14
+configurations × 3 seeds, 42 runs) is then ≈ 56 min plus the warm-up (~2 min) on a quiet
+machine; it has not been run.
 """
 
 
