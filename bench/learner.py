@@ -108,7 +108,7 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
                 s.old_logp = lp
         for idx in steps_of_cycle(
             len(samples),
-            batch=cfg.run.train_batch_size,
+            steps=cfg.run.train_steps_per_cycle,
             passes=cfg.run.passes_per_cycle,
             seed=cfg.run.seed,
             cycle=c,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from common.bus.dead_letters import position_fields
 from common.bus.settings import decode_str, is_nogroup
 from common.protocol import streams, wire
 
@@ -120,12 +121,17 @@ class Consumer:
         raw = (fields or {}).get(streams.PAYLOAD_FIELD)
         try:
             if deliveries > self.bus.settings.max_deliveries:
-                raise _Dead("max_deliveries", f"delivered {deliveries} times")
+                raise _Dead(
+                    "max_deliveries",
+                    f"delivered {deliveries} times",
+                    _decoded(raw, self.bus.settings.max_message_bytes),
+                )
             if raw is None:
                 raise wire.WireError("undecodable", "entry has no payload field (or was deleted)")
             msg = wire.decode(raw, max_bytes=self.bus.settings.max_message_bytes)
         except (wire.WireError, _Dead) as e:
-            self._dead_letter(entry_id, e.reason, e.detail, raw or b"", deliveries)
+            known = e.msg if isinstance(e, _Dead) else None
+            self._dead_letter(entry_id, e.reason, e.detail, raw or b"", deliveries, msg=known)
             return None
         self.bus.metrics.consumed.labels(self.stream, self.group).inc()
         self.bus.metrics.consumed_bytes.labels(self.stream, self.group).inc(len(raw))
@@ -134,13 +140,13 @@ class Consumer:
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
         """Move a decoded entry the service cannot process (e.g. unscorable) to the dead-letter
         stream with ``reason`` and ack it, atomically. ``ref`` names the message's id."""
-        msg = delivery.msg
-        ref = getattr(msg, "group_id", None) or getattr(msg, "prompt_id", None) or ""
-        raw = wire.encode(msg)
-        self._dead_letter(delivery.entry_id, reason, detail, raw, delivery.deliveries, ref=ref)
+        raw = wire.encode(delivery.msg)
+        self._dead_letter(
+            delivery.entry_id, reason, detail, raw, delivery.deliveries, msg=delivery.msg
+        )
 
     def _dead_letter(self, entry_id: str, reason: str, detail: str, raw: bytes, n: int,
-                     *, ref: str = "") -> None:  # fmt: skip
+                     *, msg: wire.Message | None = None) -> None:  # fmt: skip
         log.warning(
             "bus: dead-lettering %s %s (%s: %s)",
             self.bus.key(self.stream),
@@ -152,7 +158,7 @@ class Consumer:
             "reason": reason, "detail": detail[:500], "stream": self.stream, "entry_id": entry_id,
             "group": self.group, "consumer": self.name, "deliveries": n,
             "service": self.bus.service, "at": time.time(), "raw": raw[:DEAD_RAW_BYTES],
-            "ref": ref,
+            **position_fields(msg),
         }  # fmt: skip
 
         def tx() -> None:
@@ -209,7 +215,14 @@ class Consumer:
         return len(ours)
 
 
+def _decoded(raw: bytes | None, max_bytes: int) -> wire.Message | None:
+    try:
+        return wire.decode(raw, max_bytes=max_bytes) if raw is not None else None
+    except wire.WireError:
+        return None
+
+
 class _Dead(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, msg: wire.Message | None = None) -> None:
         super().__init__(detail)
-        self.reason, self.detail = reason, detail
+        self.reason, self.detail, self.msg = reason, detail, msg

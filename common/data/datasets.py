@@ -224,6 +224,8 @@ def _parse_row(row: Any, spec: _Spec) -> tuple[str | None, list[dict] | None, st
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise ValueError(f"answer {answer_key!r} is a {type(value).__name__}, expected text")
         truth = str(value)
+        if not truth.strip():  # the scorer would dead-letter its every group as unscorable
+            raise ValueError(f"empty answer in column {answer_key!r}")
     metadata = {}
     for key in spec.metadata_keys:
         try:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.bus.dead_letters import holds_responses
 from common.protocol import streams as names
 from common.protocol.run_dir import RunDir
 
@@ -60,7 +61,11 @@ def collect_status(bus) -> dict[str, Any]:
     for stream, group in STREAMS:
         lag, pending = bus.backlog(stream, group) if bus.groups_info(stream) else (0, 0)
         streams[stream] = {"group": group, "lag": lag, "pending": pending}
-    dead = int(bus.call(lambda: bus.redis.xlen(bus.key(names.DEAD)), what="XLEN"))
+    dead_entries = bus.call(lambda: bus.redis.xrange(bus.key(names.DEAD)), what="XRANGE dead")
+    dead = len(dead_entries)
+    # the dead-lettered entries that are generated groups: their responses are in the books
+    # (a dead-lettered prompt was never generated; an undecodable entry is not a generator's)
+    dead_groups = sum(1 for _, fields in dead_entries if holds_responses(fields))
     learner = next((s for s in services if s["service"] == "learner"), {})
     counters = learner.get("counters", {})
     # every generator id's run-long count (Redis), not the live processes' own counters, which
@@ -86,6 +91,7 @@ def collect_status(bus) -> dict[str, Any]:
             "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
             "surplus_samples": counters.get("surplus_samples", 0),
             "dead_letters": dead,
+            "dead_letter_groups": dead_groups,
         },
         "bottleneck": bottleneck(services),
     }
@@ -108,7 +114,9 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}"
         )
-    lines.append(f"  dead letters: {st['dead_letters']}")
+    groups = st.get("accounting", {}).get("dead_letter_groups")
+    held = f" ({groups} generated group(s); the rest prompts or undecodable)" if groups else ""
+    lines.append(f"  dead letters: {st['dead_letters']}{held}")
     acc = st.get("accounting") or {}
     if acc:
         lines.append(

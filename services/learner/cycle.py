@@ -121,13 +121,23 @@ def step_order(n: int, *, seed: int, cycle: int, pass_index: int) -> list[int]:
     return order
 
 
-def steps_of_cycle(n: int, *, batch: int, passes: int, seed: int, cycle: int) -> list[list[int]]:
-    """Sample indices of each optimizer step of the cycle (``passes × n / batch`` steps)."""
-    steps = []
+def steps_of_cycle(n: int, *, steps: int, passes: int, seed: int, cycle: int) -> list[list[int]]:
+    """Sample indices of each optimizer step of the cycle: ``steps`` per pass, each pass over
+    all ``n`` samples once. Steps are ``n / steps`` samples (``train_batch_size``) when the cycle
+    is full; a cycle that lost groups to the dead-letter stream still makes ``steps`` steps (the
+    policy version stays ``cycle · steps`` at its start), of sizes differing by at most one."""
+    if n < steps:
+        raise ValueError(f"{n} samples cannot make {steps} optimizer steps")
+    out = []
     for p in range(passes):
         order = step_order(n, seed=seed, cycle=cycle, pass_index=p)
-        steps += [order[i : i + batch] for i in range(0, n, batch)]
-    return steps
+        size, extra = divmod(n, steps)
+        start = 0
+        for k in range(steps):
+            end = start + size + (1 if k < extra else 0)
+            out.append(order[start:end])
+            start = end
+    return out
 
 
 def as_batch_fields(s: Sample) -> dict[str, Any]:

@@ -9,7 +9,11 @@ Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py`
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
           ``waiting_input``; with dynamic sampling, for every group dispatched for that cycle
           and for top-up rounds until ``prompts_per_cycle`` informative groups are in, see
-          ``sampling.py``); every rank waits for rank 0's broadcast of that cycle.
+          ``sampling.py``); every rank waits for rank 0's broadcast of that cycle. A position
+          whose prompt or group was dead-lettered (``<run>:dead`` names it) is not waited for:
+          the cycle trains without it (dynamic sampling tops up instead), in the same
+          ``train_steps_per_cycle`` steps; a cycle left with fewer responses than steps stops
+          the run with the reasons (``LostCycle``, exit 2).
 Unblocked by scorers publishing. Its own weight publishes unblock the generators' staleness gate.
 
 Stopping and idling across ranks (``dist.control``): at the top of each cycle rank 0 says GO
@@ -53,7 +57,7 @@ from services.learner.cycle import (
     steps_of_cycle,
 )
 from services.learner.dist import GO, STOP, WAITING, control
-from services.learner.rank0 import Rank0
+from services.learner.rank0 import LostCycle, Rank0
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -81,6 +85,7 @@ class LearnerService:
         self.ready = False
         self.live = Liveness(cfg.learner.liveness_s)
         self._stop = False
+        self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
 
@@ -261,12 +266,12 @@ class LearnerService:
         from services.learner.train_step import train_step
 
         run, ln = self.cfg.run, self.cfg.learner
-        assert run.train_batch_size is not None
+        assert run.train_steps_per_cycle is not None
         with self.timer.phase("working"):
             self._prepare(samples)
         for idx in steps_of_cycle(
             len(samples),
-            batch=run.train_batch_size,
+            steps=run.train_steps_per_cycle,
             passes=run.passes_per_cycle,
             seed=run.seed,
             cycle=cycle,
@@ -345,7 +350,10 @@ class LearnerService:
         groups = None
         if self.rank0 is not None:
             if not self._stop:
-                groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+                try:
+                    groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+                except LostCycle as exc:  # every rank stops here, then rank 0 says why
+                    self.fatal, self._stop = exc, True
                 if groups is not None:  # dynamic sampling's groups left out (filtered, surplus)
                     for key, n in self.rank0.selection_counts.items():
                         self.counters[key] += n
@@ -397,6 +405,8 @@ class LearnerService:
                 self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
             self.rank0.housekeep(every_s=0.0)
             self.rank0.close()
+        if self.fatal is not None:
+            raise self.fatal
 
     def stop(self) -> None:
         self._stop = True

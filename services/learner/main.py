@@ -26,6 +26,7 @@ def main(cfg: TetherConfig, args) -> int:
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
     from services.learner.loop import LearnerService
+    from services.learner.rank0 import LostCycle
 
     run_dir = RunDir.of(cfg).root
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,9 @@ def main(cfg: TetherConfig, args) -> int:
                 metrics_port=health.port,
             ).start()
         svc.run()
+    except LostCycle as exc:
+        log.error("%s", exc)
+        return 2
     finally:
         if status is not None:
             status.stop()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.bus.dead_letters import DeadLetters
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.ports import free_port
@@ -46,6 +47,12 @@ class _Metrics:
         )
         self.dropped = metric(
             "Counter", "tether_learner_dropped_stale_total", "responses dropped for staleness"
+        )
+        self.lost = metric(
+            "Counter",
+            "tether_learner_lost_groups_total",
+            "a cycle's groups that never came (their prompt or group was dead-lettered); the cycle "
+            "trained without them",
         )
         self.duplicates = metric(
             "Counter",
@@ -123,6 +130,7 @@ class Rank0:
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
         self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
+        self.dead = DeadLetters(self.bus)  # positions whose prompt or group was dead-lettered
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
         self.evals: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results"}
@@ -241,7 +249,8 @@ class Rank0:
     def collect(
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
     ) -> list[wire.ScoredGroup] | None:
-        """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping).
+        """Block until the cycle's ``prompts_per_cycle`` groups are here (None when stopping);
+        a position whose prompt or group was dead-lettered is not waited for (``_check_lost``).
         ``idle`` runs before every blocking read (the heartbeat and the other ranks' keepalive).
         With dynamic sampling: until every dispatched group is here and ``prompts_per_cycle``
         of them are informative, topping up as ``sampling.py`` says; ``selection_counts`` then
@@ -249,19 +258,61 @@ class Rank0:
         if self.dispatcher.dynamic:
             return self._collect_dynamic(cycle, stop=stop, idle=idle)
         need = self.cfg.run.prompts_per_cycle
+        positions = set(range(cycle * need, cycle * need + need))
         with self.timer.phase("waiting_input"):
-            while len(self.buffer[cycle]) < need:
+            while self._awaited(cycle, positions):
                 idle()
                 if stop():
                     return None
                 self._read(cycle)
         deliveries = list(self.buffer.pop(cycle).values())
+        self._check_lost(cycle, positions, len(deliveries))
         self.trained_deliveries += deliveries
         return [d.msg for d in deliveries]
 
     def _read(self, cycle: int) -> None:
         for d in self.consumer.read(64, self.cfg.bus.block_ms):
             self._take(d, cycle)
+        if self.dead.poll():
+            for round_id in list(self.evals):
+                self._maybe_finish_eval(round_id)
+
+    def _awaited(self, cycle: int, positions: set[int]) -> set[int]:
+        """The positions of ``cycle`` still to come: neither here nor dead-lettered."""
+        here = {d.msg.group.index for d in self.buffer[cycle].values()}
+        return positions - here - set(self.dead.of("train", cycle))
+
+    def _check_lost(self, cycle: int, positions: set[int], groups: int) -> None:
+        """Say which of the cycle's positions never came (dead-lettered: their prompt could not
+        be encoded, their group could not be scored, or an entry was delivered more than
+        ``bus.max_deliveries`` times); the cycle trains without them. A cycle left with fewer
+        responses than optimizer steps cannot train: stop with the reasons."""
+        here = {d.msg.group.index for d in self.buffer.get(cycle, {}).values()}
+        lost = {g: r for g, r in self.dead.of("train", cycle).items() if g in positions}
+        lost = {g: r for g, r in lost.items() if g not in here}
+        self.dead.forget("train", cycle)
+        if not lost:
+            return
+        self.metrics.lost.inc(len(lost))
+        reasons = ", ".join(sorted({r for r in lost.values()}))
+        log.warning(
+            "cycle %d: %d group(s) at position(s) %s were dead-lettered (%s) and never came; "
+            "the cycle trains without them (`tether bus inspect` shows the entries)",
+            cycle,
+            len(lost),
+            sorted(lost)[:8],
+            reasons,
+        )
+        steps = self.cfg.run.train_steps_per_cycle or 1
+        if groups * self.cfg.run.responses_per_prompt < steps:
+            raise LostCycle(
+                f"cycle {cycle}: {len(lost)} of its prompts or groups were dead-lettered "
+                f"({reasons}), which leaves {groups} group(s), too few for its {steps} "
+                "optimizer step(s). Look at the dead letters with `tether bus inspect`: "
+                "unencodable_prompt means prompts longer than the generator's context "
+                "(run.max_prompt_tokens / generator.max_model_len), unscorable means the "
+                "scorer rejected the ground truth."
+            )
 
     def _collect_dynamic(
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None]
@@ -273,6 +324,9 @@ class Rank0:
             while True:
                 expected = self.dispatcher.positions(cycle)
                 here = {d.msg.group.index: d.msg for d in self.buffer[cycle].values()}
+                expected = {
+                    g for g in expected if g in here or g not in self.dead.of("train", cycle)
+                }
                 if not expected <= set(here):
                     idle()
                     if stop():
@@ -307,6 +361,7 @@ class Rank0:
                 need,
                 self.dispatcher.extra_used(cycle),
             )
+        self._check_lost(cycle, self.dispatcher.positions(cycle), len(sel.chosen))
         self.dispatcher.forget(cycle)
         self.trained_deliveries += list(self.buffer.pop(cycle).values())
         return sel.chosen
@@ -323,35 +378,58 @@ class Rank0:
         if ev is None:
             return  # from before a restart: its round is gone
         ev["results"].append(sg)
-        if len(ev["results"]) == ev["expected"]:
-            correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
-            versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
-            acc = sum(correct) / max(len(correct), 1)
-            rec = {
-                "eval_round": round_id,
-                "accuracy": acc,
-                "n": len(correct),
-                "policy_versions": versions,
-                "seconds": time.time() - ev["started"],
-                "time": time.time(),
-            }
-            self.eval_history.append(rec)
-            self.metrics.eval_accuracy.set(acc)
-            _append_jsonl(self.metrics_path, {"kind": "eval", **rec})
-            self.trackers.log({"eval/accuracy": acc}, round_id)
-            log.info("held-out accuracy at v%d: %.3f (%d prompts)", round_id, acc, len(correct))
+        self._maybe_finish_eval(round_id)
+
+    def _maybe_finish_eval(self, round_id: int) -> None:
+        """Record the round once every held-out prompt has come back or been dead-lettered
+        (``lost``: the accuracy is over the ``n`` that came back)."""
+        ev = self.evals.get(round_id)
+        lost = len(self.dead.of("eval", round_id))
+        if ev is None or ev.get("done") or len(ev["results"]) + lost < ev["expected"]:
+            return
+        ev["done"] = True
+        self.dead.forget("eval", round_id)
+        if not ev["results"]:
+            log.warning("held-out round v%d: all %d prompts were dead-lettered", round_id, lost)
+            return
+        correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
+        versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
+        acc = sum(correct) / max(len(correct), 1)
+        rec = {
+            "eval_round": round_id,
+            "accuracy": acc,
+            "n": len(correct),
+            "lost": lost,
+            "policy_versions": versions,
+            "seconds": time.time() - ev["started"],
+            "time": time.time(),
+        }
+        self.eval_history.append(rec)
+        self.metrics.eval_accuracy.set(acc)
+        _append_jsonl(self.metrics_path, {"kind": "eval", **rec})
+        self.trackers.log({"eval/accuracy": acc}, round_id)
+        log.info(
+            "held-out accuracy at v%d: %.3f (%d prompts%s)",
+            round_id,
+            acc,
+            len(correct),
+            f", {lost} dead-lettered" if lost else "",
+        )
 
     def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
         ``stop()`` (SIGTERM: the final checkpoint is already written)."""
         deadline = time.monotonic() + timeout_s
         while (
-            any(len(e["results"]) < e["expected"] for e in self.evals.values())
+            any(not e.get("done") for e in self.evals.values())
             and time.monotonic() < deadline
             and not stop()
         ):
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)
+            if self.dead.poll():
+                for round_id in list(self.evals):
+                    self._maybe_finish_eval(round_id)
 
     # ------------------------------------------------------------------ metrics
     def record_step(self, rec: dict[str, Any], st: Any) -> None:
@@ -398,3 +476,7 @@ class Rank0:
 def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+class LostCycle(RuntimeError):
+    """A cycle cannot train: too many of its prompts or groups were dead-lettered."""

@@ -71,12 +71,22 @@ def test_dispatch_gate_never_produces_data_the_learner_drops():
 
 
 def test_steps_of_cycle_cover_each_sample_once_per_pass():
-    steps = steps_of_cycle(24, batch=8, passes=2, seed=3, cycle=5)
+    steps = steps_of_cycle(24, steps=3, passes=2, seed=3, cycle=5)
     assert len(steps) == 6 and all(len(s) == 8 for s in steps)
     first, second = sorted(sum(steps[:3], [])), sorted(sum(steps[3:], []))
     assert first == second == list(range(24))
-    assert steps == steps_of_cycle(24, batch=8, passes=2, seed=3, cycle=5)  # deterministic
-    assert steps != steps_of_cycle(24, batch=8, passes=2, seed=3, cycle=6)
+    assert steps == steps_of_cycle(24, steps=3, passes=2, seed=3, cycle=5)  # deterministic
+    assert steps != steps_of_cycle(24, steps=3, passes=2, seed=3, cycle=6)
+
+
+def test_a_cycle_short_of_groups_still_makes_its_steps():
+    # groups lost to the dead-letter stream shrink the cycle, not its number of steps: the
+    # policy version must stay cycle * steps at every cycle's start
+    steps = steps_of_cycle(20, steps=3, passes=1, seed=3, cycle=5)
+    assert [len(s) for s in steps] == [7, 7, 6]
+    assert sorted(sum(steps, [])) == list(range(20))
+    with pytest.raises(ValueError, match="2 samples cannot make 3 optimizer steps"):
+        steps_of_cycle(2, steps=3, passes=1, seed=3, cycle=5)
 
 
 def test_cycle_samples_roundtrip_through_bytes():

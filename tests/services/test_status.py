@@ -78,7 +78,13 @@ def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> N
     for stream, group in STREAMS:
         bus.ensure_group(stream, group)
     bus.redis.xadd(bus.key(GROUPS), {"m": b"a queued group"})
-    bus.redis.xadd(bus.key(DEAD), {"reason": b"test", "raw": b""})
+    # a group the scorer could not score (4 responses in the books), a prompt no generator could
+    # encode (none) and an entry nobody could decode (none)
+    dead = {"reason": b"unscorable", "stream": b"groups", "split": b"train", "cycle": 3,
+            "index": 30, "raw": b""}  # fmt: skip
+    bus.redis.xadd(bus.key(DEAD), dead)
+    bus.redis.xadd(bus.key(DEAD), {**dead, "reason": b"unencodable_prompt", "stream": b"prompts"})
+    bus.redis.xadd(bus.key(DEAD), {"reason": b"undecodable", "stream": b"groups", "split": b""})
     bus.count_generated("generator-0", 28 + EVAL_GROUPS)
     bus.close()
 
@@ -114,7 +120,7 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
             and isinstance(q["pending"], int)
         )
     assert st["streams"]["groups"]["lag"] == 1
-    assert st["dead_letters"] == 1
+    assert st["dead_letters"] == 3 and st["accounting"]["dead_letter_groups"] == 1
     assert st["bottleneck"]["service"] == "learner"
     assert st["accounting_trajectories"] == {
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
@@ -150,7 +156,12 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert "run st_human: learner v7 cycle 4" in out
     assert "snapshot" not in out
-    for line in ("stream groups", "group scorers", "dead letters: 1", "bottleneck: learner"):
+    for line in (
+        "stream groups",
+        "group scorers",
+        "dead letters: 3 (1 generated group(s)",
+        "bottleneck: learner",
+    ):
         assert line in out
     assert "rate generator generator-0" in out and "50.00 tokens/s" in out
     assert "accounting (trajectories): generated 112 = trained 100" in out and "(balanced)" in out

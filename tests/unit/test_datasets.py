@@ -106,6 +106,7 @@ BAD_ROWS = [
     ({"prompt": "", "answer": "1"}, "empty prompt"),
     ({"prompt": 5, "answer": "1"}, "is a int"),
     ({"prompt": "ok"}, "missing answer column 'answer'"),
+    ({"prompt": "ok", "answer": " "}, "empty answer in column 'answer'"),
     ({"prompt": [{"role": "user"}], "answer": "1"}, "chat prompt must be"),
 ]
 
@@ -128,7 +129,7 @@ def test_bad_rows_dropped_counted_and_logged_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="common.data.datasets"):
         ps = load_prompts(path, overlong_policy="drop")
     assert [r.text for r in ps] == ["good"]
-    assert ps.dropped == {"bad_row": 6}
+    assert ps.dropped == {"bad_row": 7}
     warnings = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warnings) == 1
     assert warnings[0].getMessage().count(": row ") == 3  # up to 3 examples

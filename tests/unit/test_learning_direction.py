@@ -89,7 +89,7 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
         ):
             s.old_logp = lp
         for idx in steps_of_cycle(
-            len(samples), batch=cfg.run.train_batch_size, passes=1, seed=0, cycle=cycle
+            len(samples), steps=cfg.run.train_steps_per_cycle, passes=1, seed=0, cycle=cycle
         ):
             mbs = objective.rank_micro_batches(
                 cfg, samples, idx, pad_id=0, device=torch.device("cpu")
@@ -243,7 +243,9 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
             ):
                 s.behaviour_logp = lp  # sampled by the current weights
             svc._prepare(samples)
-            for idx in steps_of_cycle(len(samples), batch=4, passes=1, seed=0, cycle=cycle):
+            for idx in steps_of_cycle(
+                len(samples), steps=len(samples) // 4, passes=1, seed=0, cycle=cycle
+            ):
                 mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
                 loss_fn = objective.make_loss_fn(
                     cfg,

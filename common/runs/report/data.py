@@ -88,7 +88,8 @@ def accounting_rows(
     filtered = acc.get("filtered_samples", 0)
     overlong = acc.get("overlong_masked_samples", 0)
     surplus = acc.get("surplus_samples", 0)
-    dead = acc.get("dead_letters", 0) * n
+    # snapshots written before dead letters were told apart count every entry as a group
+    dead = acc.get("dead_letter_groups", acc.get("dead_letters", 0)) * n
     queued = sum(
         streams.get(s, {}).get(k, 0)
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
@@ -122,7 +123,7 @@ def accounting_rows(
             surplus,
             "informative groups beyond prompts_per_cycle",
         ),
-        ("dead_lettered", "dead-lettered", dead, "dead-letter entries × responses per group"),
+        ("dead_lettered", "dead-lettered", dead, "dead-lettered groups × responses per group (prompts and undecodable entries hold none)"),
         (
             "in_flight",
             "in flight (queued)",

@@ -1,0 +1,158 @@
+"""A cycle whose prompt or group is dead-lettered goes on without it, against a real Redis
+server: the dead-letter entry names the position (split, cycle, index), rank 0 stops waiting for
+it, says so, trains the rest, tops up instead with dynamic sampling, makes the same decision
+after a restart, and stops with the reasons when too little is left to train. The books count
+the dead-lettered group's responses and not the prompt's (it was never generated)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from common.bus.dead_letters import holds_responses
+from common.protocol import wire
+from common.protocol.streams import DEAD, GENERATORS, GROUPS, PROMPTS, SCORED, SCORERS
+from common.telemetry.metrics import PhaseTimer
+from services.learner.rank0 import LostCycle, Rank0
+from tests.services.test_learner_service import _prompts, _scored, cfg
+
+WAIT_S = 20.0  # a collect that would hang gives up here, and the test fails
+
+
+def _rank0(tmp_path, name: str, url: str, *sets: str, **run) -> Rank0:
+    c = cfg(
+        f"run.redis_url={json.dumps(url)}",
+        f'run.name="{name}"',
+        "learner.trackers=[]",
+        *sets,
+        **{"prompts_per_cycle": 4, "responses_per_prompt": 2, "train_steps_per_cycle": 2} | run,
+    )
+    data = (_prompts(tmp_path), _prompts(tmp_path, 3))
+    return Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+
+
+def _collect(io: Rank0, cycle: int):
+    deadline = time.monotonic() + WAIT_S
+    groups = io.collect(cycle, stop=lambda: time.monotonic() > deadline)
+    assert groups is not None, f"cycle {cycle} still waits for a dead-lettered position"
+    return groups
+
+
+def _dead_letter_prompt(io: Rank0, index: int) -> None:
+    """As a generator does with a prompt it cannot encode."""
+    gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
+    for d in gen.read(64, 100):
+        if d.msg.index == index:
+            gen.dead_letter(d, "unencodable_prompt", "3000 tokens > max_model_len 2048")
+        else:
+            gen.ack([d])
+
+
+def _dead_letter_group(io: Rank0, cycle: int, index: int) -> None:
+    """As a scorer does with a group it cannot score."""
+    io.bus.publish(GROUPS, _scored(cycle, index).group)
+    scorer = io.bus.consumer(GROUPS, SCORERS, "scorer-0")
+    (d,) = scorer.read(64, 100)
+    scorer.dead_letter(d, "unscorable", "ground truth does not parse")
+
+
+def _metric(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_a_cycle_goes_on_without_its_dead_lettered_prompt_and_group(redis_server, tmp_path):
+    io = _rank0(tmp_path, "lost", redis_server.url, num_cycles=2)
+    lost_before = _metric("tether_learner_lost_groups_total")
+    try:
+        io.dispatch(0, first_cycle=0)
+        _dead_letter_prompt(io, 1)  # position 1 of cycle 0: never generated
+        _dead_letter_group(io, 0, 2)  # position 2: generated, not scorable
+        for index in (0, 3):
+            io.bus.publish(SCORED, _scored(0, index))
+        groups = _collect(io, 0)
+        assert [g.group.index for g in groups] == [0, 3]
+        assert _metric("tether_learner_lost_groups_total") - lost_before == 2
+        entries = io.bus.redis.xrange(io.bus.key(DEAD))
+        assert [holds_responses(f) for _, f in entries] == [False, True]  # prompt, group
+        saved = io.checkpoint_state()
+    finally:
+        io.close()
+
+    # A restarted learner reads the dead-letter stream from its start: the same decision.
+    again = _rank0(tmp_path, "lost", redis_server.url, num_cycles=2)
+    try:
+        again.restore(saved)
+        assert [g.group.index for g in _collect(again, 0)] == [0, 3]
+    finally:
+        again.close()
+
+
+def test_a_scored_group_delivered_too_often_is_not_waited_for(redis_server, tmp_path):
+    # The learner's own pending entry, redelivered after more restarts than bus.max_deliveries
+    # allows, is dead-lettered undecoded; its position still comes from the payload.
+    sets = ("bus.max_deliveries=1",)
+    io = _rank0(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
+    try:
+        io.dispatch(0, first_cycle=0)
+        for index in range(4):
+            io.bus.publish(SCORED, _scored(0, index))
+        io.consumer.read(1, 100)  # delivered once, then the learner "dies" holding it
+    finally:
+        io.close()
+    again = _rank0(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
+    try:
+        assert [g.group.index for g in _collect(again, 0)] == [1, 2, 3]
+        (_, fields), *_ = again.bus.redis.xrange(again.bus.key(DEAD))
+        assert fields[b"reason"] == b"max_deliveries" and fields[b"index"] == b"0"
+    finally:
+        again.close()
+
+
+def test_dynamic_sampling_tops_up_for_a_lost_position(redis_server, tmp_path):
+    sets = ("learner.dynamic_sampling=true", "learner.filter_equal_reward_groups=true")
+    io = _rank0(tmp_path, "lost_dyn", redis_server.url, *sets, num_cycles=1)
+    try:
+        io.dispatch(0, first_cycle=0)
+        _dead_letter_prompt(io, 1)
+        for index in (0, 2, 3, 4):  # 4 is the top-up's first position
+            io.bus.publish(SCORED, _scored(0, index))
+        groups = _collect(io, 0)
+        assert [g.group.index for g in groups] == [0, 2, 3, 4]  # still a full batch
+        assert io.dispatcher.cursor == 5
+    finally:
+        io.close()
+
+
+def test_a_cycle_left_with_too_little_to_train_stops_with_the_reasons(redis_server, tmp_path):
+    io = _rank0(tmp_path, "lost_all", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1)
+    try:
+        io.dispatch(0, first_cycle=0)
+        _dead_letter_prompt(io, 0)
+        _dead_letter_group(io, 0, 1)
+        with pytest.raises(LostCycle, match="unencodable_prompt, unscorable.*0 group"):
+            _collect(io, 0)
+    finally:
+        io.close()
+
+
+def test_an_evaluation_round_finishes_without_its_dead_lettered_prompt(redis_server, tmp_path):
+    io = _rank0(tmp_path, "lost_eval", redis_server.url, num_cycles=1)
+    try:
+        io.start_eval(0)
+        gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
+        prompts = [d for d in gen.read(64, 100) if d.msg.split == "eval"]
+        gen.dead_letter(prompts[0], "unencodable_prompt", "too long")
+        for d in prompts[1:]:
+            sg = _scored(0, d.msg.index)
+            group = wire.TrajectoryGroup(**{**sg.group.__dict__, "split": "eval"})
+            comps = [{"correct": 1.0}, {"correct": 0.0}]
+            io.bus.publish(SCORED, wire.ScoredGroup(group, [1.0, 0.0], comps, ["", ""], "s", 0.1))
+        io.finish_evals(timeout_s=WAIT_S)
+        (rec,) = io.eval_history
+        assert rec["lost"] == 1 and rec["n"] == 4 and rec["accuracy"] == 0.5
+    finally:
+        io.close()
