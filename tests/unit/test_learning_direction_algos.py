@@ -1,5 +1,5 @@
 """Learning direction of the policy-loss options (GSPO, CISPO), of rollout-train mismatch
-masking and of over-long filtering, through the real learner path (``train_three_cycles``:
+masking, of over-long filtering and of dynamic sampling's selection, through the real learner path (``train_three_cycles``:
 advantages → proximal log-probs → micro-batches → loss → train_step)."""
 
 from __future__ import annotations
@@ -86,3 +86,40 @@ def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):
     assert min(up) > 0 and max(down) < 0, (up, down)
     assert masked[1] < free[1] - 0.05, (masked[1], free[1])
     assert stats["tokens"] == 3 * 6 * 5  # the two masked responses carry no loss tokens
+
+
+def test_dynamic_sampling_fills_the_step_with_groups_that_teach(tmp_path):
+    """Four candidate groups in sampler order, rewards as the helper's (0, 1, 0, 1) except that
+    groups 0 and 2 answered all alike. The plain filter trains the first two: group 0 at weight
+    0, so half of every step teaches nothing. Dynamic sampling's selection takes groups 1 and 3:
+    every response of every step carries signal, and the rewarded ones of both groups rise."""
+    from types import SimpleNamespace
+
+    from services.learner import sampling
+
+    def group(i: int) -> SimpleNamespace:
+        rewards = [1.0] * 4 if i % 2 == 0 else [0.0, 1.0, 0.0, 1.0]
+        return SimpleNamespace(group=SimpleNamespace(index=i), rewards=rewards)
+
+    sel = sampling.select([group(i) for i in range(4)], 2, fill=True)
+    assert [g.group.index for g in sel.chosen] == [1, 3]
+    assert [g.group.index for g in sel.filtered] == [0, 2]
+
+    def first_group_all_alike(samples):  # the plain filter's batch: positions 0 and 1
+        for s in samples[:4]:
+            s.reward = 1.0
+
+    filter_on = "learner.filter_equal_reward_groups=true"
+    plain_samples, plain, plain_stats = train_three_cycles(
+        tmp_path / "a", filter_on, edit=first_group_all_alike
+    )
+    samples, dynamic, stats = train_three_cycles(
+        tmp_path / "b", filter_on, "learner.dynamic_sampling=true"
+    )
+    assert [s.weight for s in plain_samples] == [0.0] * 4 + [1.0] * 4
+    assert plain_stats["tokens"] == 3 * 4 * 5  # half of every step carries no loss
+    assert stats["tokens"] == 3 * 8 * 5
+    up, down = _up_and_down(samples, dynamic)
+    assert min(up) > 0 and max(down) < 0, (up, down)
+    up, down = _up_and_down(plain_samples, plain, skip=(0, 1, 2, 3))
+    assert min(up) > 0 and max(down) < 0, (up, down)
