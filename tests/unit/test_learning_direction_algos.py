@@ -1,6 +1,7 @@
 """Learning direction of the policy-loss options (GSPO, CISPO), of rollout-train mismatch
-masking, of over-long filtering and of dynamic sampling's selection, through the real learner path (``train_three_cycles``:
-advantages → proximal log-probs → micro-batches → loss → train_step)."""
+masking, of over-long filtering and of dynamic sampling's selection, through the real learner
+path (``train_three_cycles``: advantages → proximal log-probs → micro-batches → loss →
+train_step)."""
 
 from __future__ import annotations
 
