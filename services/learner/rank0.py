@@ -1,11 +1,11 @@
 """What only rank 0 of the learner does: the bus (scored groups in, prompts out through the
-dispatcher), the weight publisher, held-out evaluation, per-step metrics (Prometheus,
-``metrics.jsonl``, TensorBoard, W&B) and the acknowledgement of trained entries after each
+dispatcher), the weight publisher, held-out evaluation (``evaluation.py``), per-step metrics
+(Prometheus series in ``rank0_metrics.py``, ``metrics.jsonl``, TensorBoard, W&B), the positions
+lost to the dead-letter stream, and the acknowledgement of trained entries after each
 checkpoint, housekeeping of the streams included. Other ranks have none of it (``None``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
@@ -19,92 +19,15 @@ from common.config.schema import TetherConfig
 from common.ports import free_port
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
-from common.telemetry.metrics import PhaseTimer, metric
+from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
+from services.learner.evaluation import HeldOut, append_jsonl
+from services.learner.rank0_metrics import Rank0Metrics
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
 
 log = logging.getLogger(__name__)
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.version = metric(
-            "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"
-        )
-        self.steps = metric("Counter", "tether_learner_steps_total", "optimizer steps")
-        self.generators_configured = metric(
-            "Gauge",
-            "tether_learner_generators_configured",
-            "generator.replicas: the generators this run expects (the TetherGeneratorsMissing alert)",
-        )
-        self.step = metric(
-            "Gauge", "tether_learner_step_value", "per-step training figures", ["name"]
-        )
-        self.trained = metric(
-            "Counter", "tether_learner_trained_samples_total", "responses trained on"
-        )
-        self.dropped = metric(
-            "Counter", "tether_learner_dropped_stale_total", "responses dropped for staleness"
-        )
-        self.lost = metric(
-            "Counter",
-            "tether_learner_lost_groups_total",
-            "a cycle's groups that never came (their prompt or group was dead-lettered); the cycle "
-            "trained without them",
-        )
-        self.duplicates = metric(
-            "Counter",
-            "tether_learner_duplicate_groups_total",
-            "scored groups received again after training (acked, not trained)",
-        )
-        self.filtered = metric(
-            "Counter",
-            "tether_learner_filtered_samples_total",
-            "responses of equal-reward groups left out of training (no signal)",
-        )
-        self.overlong = metric(
-            "Counter",
-            "tether_learner_overlong_masked_samples_total",
-            "responses cut off at max_response_tokens and masked from the loss",
-        )
-        self.filter_rate = metric(
-            "Gauge",
-            "tether_learner_dynamic_sampling_filter_rate",
-            "smoothed share of equal-reward groups that steers dynamic sampling's extra prompts",
-        )
-        self.staleness = metric(
-            "Histogram",
-            "tether_learner_staleness_steps",
-            "optimizer steps between a trajectory's policy and the learner's",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
-        )
-        self.trimmed = metric(
-            "Counter",
-            "tether_learner_stream_trimmed_entries_total",
-            "stream entries trimmed after every consumer group acknowledged them",
-            ["stream"],
-            initial=(streams.PROMPTS, streams.GROUPS, streams.SCORED),
-        )
-        self.eval_accuracy = metric(
-            "Gauge",
-            "tether_learner_eval_accuracy",
-            "held-out accuracy of the last finished evaluation",
-        )
-        self.step_seconds = metric(
-            "Counter",
-            "tether_learner_step_seconds_total",
-            "seconds per part of the optimizer step",
-            ["part"],
-            initial=("forward_backward", "optimizer"),
-        )
-        self.tokens = metric("Counter", "tether_learner_tokens_total", "response tokens trained on")
-        self.last_step_time = metric(
-            "Gauge",
-            "tether_learner_last_step_timestamp_seconds",
-            "unix time of the last optimizer step",
-        )
 
 
 class Rank0:
@@ -122,7 +45,7 @@ class Rank0:
         from services.learner.dispatch import Dispatcher
 
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
-        self.metrics = _Metrics()
+        self.metrics = Rank0Metrics()
         self.metrics.generators_configured.set(cfg.generator.replicas)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
@@ -133,11 +56,16 @@ class Rank0:
         self.dead = DeadLetters(self.bus)  # positions whose prompt or group was dead-lettered
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
-        self.evals: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results"}
-        self.eval_history: list[dict[str, Any]] = []
         self.publisher = self._start_publisher()
         self.metrics_path = RunDir(run_dir).metrics
         self.trackers = Trackers(cfg, run_dir)
+        self.held_out = HeldOut(
+            self.dispatcher,
+            self.dead,
+            accuracy_gauge=self.metrics.eval_accuracy,
+            metrics_path=self.metrics_path,
+            trackers=self.trackers,
+        )
         self._last_housekeeping = 0.0
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
@@ -172,7 +100,7 @@ class Rank0:
     def restore(self, extra: dict[str, Any]) -> None:
         self.dispatcher.dispatched_through = int(extra.get("dispatched_through", -1))
         self.dispatcher.restore(extra.get("dispatch"))
-        self.eval_history = list(extra.get("eval_history", []))
+        self.held_out.history = list(extra.get("eval_history", []))
 
     def ack_trained(self, next_cycle: int) -> None:
         """Acknowledge the scored entries of every cycle below ``next_cycle``: the checkpoint
@@ -238,7 +166,7 @@ class Rank0:
         sg: wire.ScoredGroup = d.msg
         g = sg.group
         if g.split == "eval":
-            self._eval_result(g.cycle, sg)
+            self.held_out.result(g.cycle, sg)
             self.consumer.ack([d])
         elif g.cycle < next_cycle or g.group_id in self.buffer[g.cycle]:
             self.metrics.duplicates.inc()
@@ -274,8 +202,7 @@ class Rank0:
         for d in self.consumer.read(64, self.cfg.bus.block_ms):
             self._take(d, cycle)
         if self.dead.poll():
-            for round_id in list(self.evals):
-                self._maybe_finish_eval(round_id)
+            self.held_out.check_all()
 
     def _awaited(self, cycle: int, positions: set[int]) -> set[int]:
         """The positions of ``cycle`` still to come: neither here nor dead-lettered."""
@@ -367,69 +294,22 @@ class Rank0:
         return sel.chosen
 
     # ------------------------------------------------------------------ evaluation
+    @property
+    def eval_history(self) -> list[dict[str, Any]]:
+        return self.held_out.history
+
     def start_eval(self, version: int) -> None:
-        if version in self.evals or self.dispatcher.eval_set is None:
-            return
-        n = self.dispatcher.dispatch_eval(version, version)
-        self.evals[version] = {"expected": n, "results": [], "started": time.time()}
-
-    def _eval_result(self, round_id: int, sg: wire.ScoredGroup) -> None:
-        ev = self.evals.get(round_id)
-        if ev is None:
-            return  # from before a restart: its round is gone
-        ev["results"].append(sg)
-        self._maybe_finish_eval(round_id)
-
-    def _maybe_finish_eval(self, round_id: int) -> None:
-        """Record the round once every held-out prompt has come back or been dead-lettered
-        (``lost``: the accuracy is over the ``n`` that came back)."""
-        ev = self.evals.get(round_id)
-        lost = len(self.dead.of("eval", round_id))
-        if ev is None or ev.get("done") or len(ev["results"]) + lost < ev["expected"]:
-            return
-        ev["done"] = True
-        self.dead.forget("eval", round_id)
-        if not ev["results"]:
-            log.warning("held-out round v%d: all %d prompts were dead-lettered", round_id, lost)
-            return
-        correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
-        versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
-        acc = sum(correct) / max(len(correct), 1)
-        rec = {
-            "eval_round": round_id,
-            "accuracy": acc,
-            "n": len(correct),
-            "lost": lost,
-            "policy_versions": versions,
-            "seconds": time.time() - ev["started"],
-            "time": time.time(),
-        }
-        self.eval_history.append(rec)
-        self.metrics.eval_accuracy.set(acc)
-        _append_jsonl(self.metrics_path, {"kind": "eval", **rec})
-        self.trackers.log({"eval/accuracy": acc}, round_id)
-        log.info(
-            "held-out accuracy at v%d: %.3f (%d prompts%s)",
-            round_id,
-            acc,
-            len(correct),
-            f", {lost} dead-lettered" if lost else "",
-        )
+        self.held_out.start(version)
 
     def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
         """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
         ``stop()`` (SIGTERM: the final checkpoint is already written)."""
         deadline = time.monotonic() + timeout_s
-        while (
-            any(not e.get("done") for e in self.evals.values())
-            and time.monotonic() < deadline
-            and not stop()
-        ):
+        while self.held_out.outstanding() and time.monotonic() < deadline and not stop():
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)
             if self.dead.poll():
-                for round_id in list(self.evals):
-                    self._maybe_finish_eval(round_id)
+                self.held_out.check_all()
 
     # ------------------------------------------------------------------ metrics
     def record_step(self, rec: dict[str, Any], st: Any) -> None:
@@ -451,7 +331,7 @@ class Rank0:
         for k, v in scalars.items():
             m.step.labels(k).set(v)
         self.trackers.log({f"train/{k}": v for k, v in scalars.items()}, rec["step"])
-        _append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
+        append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
         log.info(
             "step %d (cycle %d): loss %.4f reward %.3f grad %.3f lr %.2e staleness ≤ %d, %.1f s",
             rec["step"],
@@ -471,11 +351,6 @@ class Rank0:
     def close(self) -> None:
         self.publisher.close()
         self.trackers.close()
-
-
-def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 class LostCycle(RuntimeError):

@@ -1,0 +1,107 @@
+"""Held-out evaluation, owned by the learner's rank 0: a round per evaluated policy version.
+
+A round sends the held-out set (greedy by default) for weights ``>= version`` through the same
+generators and scorers as training (``Dispatcher.dispatch_eval``); the scored groups come back on
+``<run>:scored`` with ``split = "eval"`` and ``cycle = round``. The round is recorded (accuracy,
+prompts, the policy versions that answered) once every prompt has come back or been
+dead-lettered (``lost``), in ``metrics.jsonl``, Prometheus and the trackers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from common.protocol import wire
+
+if TYPE_CHECKING:
+    from common.bus.dead_letters import DeadLetters
+    from common.telemetry.trackers import Trackers
+    from services.learner.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+
+
+class HeldOut:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        dead: DeadLetters,
+        *,
+        accuracy_gauge: Any,
+        metrics_path: Path,
+        trackers: Trackers,
+    ) -> None:
+        self.dispatcher, self.dead = dispatcher, dead
+        self.accuracy_gauge, self.metrics_path, self.trackers = (
+            accuracy_gauge,
+            metrics_path,
+            trackers,
+        )
+        self.rounds: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results", ...}
+        self.history: list[dict[str, Any]] = []
+
+    def start(self, version: int) -> None:
+        if version in self.rounds or self.dispatcher.eval_set is None:
+            return
+        n = self.dispatcher.dispatch_eval(version, version)
+        self.rounds[version] = {"expected": n, "results": [], "started": time.time()}
+
+    def outstanding(self) -> bool:
+        return any(not r.get("done") for r in self.rounds.values())
+
+    def result(self, round_id: int, sg: wire.ScoredGroup) -> None:
+        ev = self.rounds.get(round_id)
+        if ev is None:
+            return  # from before a restart: its round is gone
+        ev["results"].append(sg)
+        self.maybe_finish(round_id)
+
+    def check_all(self) -> None:
+        """After new dead letters: finish the rounds they complete."""
+        for round_id in list(self.rounds):
+            self.maybe_finish(round_id)
+
+    def maybe_finish(self, round_id: int) -> None:
+        """Record the round once every held-out prompt has come back or been dead-lettered
+        (``lost``: the accuracy is over the ``n`` that came back)."""
+        ev = self.rounds.get(round_id)
+        lost = len(self.dead.of("eval", round_id))
+        if ev is None or ev.get("done") or len(ev["results"]) + lost < ev["expected"]:
+            return
+        ev["done"] = True
+        self.dead.forget("eval", round_id)
+        if not ev["results"]:
+            log.warning("held-out round v%d: all %d prompts were dead-lettered", round_id, lost)
+            return
+        correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
+        versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
+        acc = sum(correct) / max(len(correct), 1)
+        rec = {
+            "eval_round": round_id,
+            "accuracy": acc,
+            "n": len(correct),
+            "lost": lost,
+            "policy_versions": versions,
+            "seconds": time.time() - ev["started"],
+            "time": time.time(),
+        }
+        self.history.append(rec)
+        self.accuracy_gauge.set(acc)
+        append_jsonl(self.metrics_path, {"kind": "eval", **rec})
+        self.trackers.log({"eval/accuracy": acc}, round_id)
+        log.info(
+            "held-out accuracy at v%d: %.3f (%d prompts%s)",
+            round_id,
+            acc,
+            len(correct),
+            f", {lost} dead-lettered" if lost else "",
+        )
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
