@@ -40,11 +40,12 @@ def _collect(io: Rank0, cycle: int):
     return groups
 
 
-def _dead_letter_prompt(io: Rank0, index: int) -> None:
-    """As a generator does with a prompt it cannot encode."""
+def _dead_letter_prompt(io: Rank0, *indices: int) -> None:
+    """As a generator does with a prompt it cannot encode (the other prompts it reads are
+    acknowledged, as if generated: their groups are published by the test)."""
     gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
     for d in gen.read(64, 100):
-        if d.msg.index == index:
+        if d.msg.index in indices:
             gen.dead_letter(d, "unencodable_prompt", "3000 tokens > max_model_len 2048")
         else:
             gen.ack([d])
@@ -154,5 +155,26 @@ def test_an_evaluation_round_finishes_without_its_dead_lettered_prompt(redis_ser
         io.finish_evals(timeout_s=WAIT_S)
         (rec,) = io.eval_history
         assert rec["lost"] == 1 and rec["n"] == 4 and rec["accuracy"] == 0.5
+    finally:
+        io.close()
+
+
+def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_path):
+    # rank 0 turns LostCycle into a STOP word (the other ranks leave the loop with it) and keeps
+    # the error to raise after the final checkpoint: main() prints it and exits 2
+    import torch
+
+    from services.learner.loop import LearnerService
+
+    io = _rank0(
+        tmp_path, "lost_loop", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1
+    )
+    svc = LearnerService(io.cfg, run_dir=tmp_path)
+    svc.rank0, svc.device = io, torch.device("cpu")  # no model: this is the control path
+    try:
+        io.dispatch(0, first_cycle=0)
+        _dead_letter_prompt(io, 0, 1)
+        assert svc._next_cycle_groups(0) == (False, None)
+        assert isinstance(svc.fatal, LostCycle) and svc._stop
     finally:
         io.close()
