@@ -66,6 +66,7 @@ def run_one(
     threads: int | None = None,
     size: str | None = None,
     generators: tuple[int, ...] = (),
+    lr: float | None = None,
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -79,6 +80,7 @@ def run_one(
     e2e = what in ("pipeline", "peer", "quality", "staleness")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
     suffix += f"_t{threads}" if threads and e2e else ""
+    suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
     kwargs = _quick_kwargs(what, quick)
     if e2e:
@@ -91,6 +93,8 @@ def run_one(
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:
         kwargs["generators"] = generators
+    if what == "staleness" and lr is not None:
+        kwargs["lr"] = lr
     return fn(out_path=out, **kwargs)
 
 
@@ -107,7 +111,8 @@ def _generators(text: str) -> tuple[int, ...]:
 def run_bench(args: Any) -> int:
     """CLI entry: ``args.what`` in bus|weights|scorer|generator|pipeline|peer|all, ``args.out``,
     ``args.quick``; optional ``args.size`` (quick|medium|full, pipeline and peer), ``args.threads`` (OMP threads per benchmarked process, pipeline and
-    peer only) and ``args.work_dir``. Returns the exit code."""
+    peer only), ``args.lr`` (the staleness study's learning rate) and ``args.work_dir``. Returns
+    the exit code."""
     from bench.results_md import write_readme
 
     what = args.what
@@ -120,10 +125,11 @@ def run_bench(args: Any) -> int:
     threads = getattr(args, "threads", None)
     size = getattr(args, "size", None)
     generators = _generators(getattr(args, "generators", None) or ("1,2" if quick else "1,2,4"))
+    lr = getattr(args, "lr", None)
     if what != "all":
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-            generators=generators,
+            generators=generators, lr=lr,
         )  # fmt: skip
         if result is None:
             print(f"bench {what}: its module is not available in this checkout")

@@ -342,6 +342,7 @@ class _Progress:
 def run_staleness_bench(
     *, out_path: str | Path | None = None, quick: bool = False, work_dir: str | Path = "bench/work",
     threads: int | None = None, size: str | None = None, study: Study | None = None,
+    lr: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Warm up once, run every arm × seed, aggregate, compare, write JSON + PNG + HTML."""
     from bench.staleness_report import format_staleness, write_report
@@ -354,7 +355,8 @@ def run_staleness_bench(
         raise ValueError(f"size {size!r}: choose quick, medium or full")
     if study is None:
         grids = {"quick": quick_grid, "medium": focused_grid, "full": full_grid}
-        study = Study(arms=tuple(grids[size]()), seeds=(0,) if size == "quick" else (0, 1, 2))
+        seeds = (0,) if size == "quick" else (0, 1, 2)
+        study = Study(arms=tuple(grids[size]()), seeds=seeds, lr=lr or Study.lr)
     root = Path(work_dir).resolve() / "staleness"
     if out_path is not None:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -373,7 +375,8 @@ def run_staleness_bench(
         "warmup_seconds": warmup_s,  # ~0 when an earlier run's warm-up was reused
         "warmup": assets.warmup_report,
         "command": "tether bench staleness"
-        + (" --quick" if quick else f" --size {size}" if size != "full" else ""),
+        + (" --quick" if quick else f" --size {size}" if size != "full" else "")
+        + (f" --lr {study.lr:g}" if study.lr != Study.lr else ""),
     }
     # seed by seed: a study cut short has every configuration once before any twice
     for seed in study.seeds:

@@ -118,6 +118,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         help="weights: numbers of receiving generators to publish to, chain against pairwise "
         "(default 1,2,4; 1,2 with --quick)",
     )
+    bench.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="staleness: the study's learning rate (default 2e-4, 4x the demo's; results "
+        "go to staleness[_SIZE]_lrLR.json)",
+    )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     bench.set_defaults(func=_bench)

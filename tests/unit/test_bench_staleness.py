@@ -186,3 +186,29 @@ def test_the_bench_runs_seed_by_seed_and_writes_its_outputs(tmp_path, monkeypatc
     )
     assert out.with_suffix(".png").exists() and out.with_suffix(".html").exists()
     assert [c["seeds"] for c in r["configurations"]] == [[0, 1]] * 3
+
+
+def test_the_learning_rate_is_a_setting_of_the_study(tmp_path, monkeypatch):
+    """`tether bench staleness --lr` runs the grid at that lr, says so in the command it records,
+    and writes its own file beside the default study's."""
+    import common.demo.run as demo_run
+    from bench import runner
+
+    seen = []
+
+    def fake_run(arm, study, *, seed, root, assets, threads):
+        seen.append(study.lr)
+        assert f"learner.lr={study.lr!r}" in st.overrides(arm, study, seed=seed)
+        return _run(seed, 0.9, ((arm.max_staleness,),))
+
+    class Assets:
+        warmup_report = {"reused": True}
+
+    monkeypatch.setattr(st, "run_one", fake_run)
+    monkeypatch.setattr(demo_run, "prepare_assets", lambda root, seed: Assets())
+    r = runner.run_one(
+        "staleness", out_dir=tmp_path, quick=True, work_dir=tmp_path, size="quick", lr=1e-4
+    )
+    assert seen == [1e-4] * 3
+    assert r is not None and r["command"] == "tether bench staleness --quick --lr 0.0001"
+    assert (tmp_path / "staleness_quick_lr0.0001.json").exists()
