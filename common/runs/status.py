@@ -83,6 +83,12 @@ def collect_status(bus) -> dict[str, Any]:
         "services": services,
         "streams": streams,
         "dead_letters": dead,
+        # the weight chain: the version being (or last) published and the membership epoch the
+        # last publish ran under (it grows when a generator joins or is dropped)
+        "weights": {
+            "publishing": _int_or_none(bus.get(names.WEIGHTS_PUBLISHING)),
+            "chain_epoch": _int_or_none(bus.get(names.WEIGHTS_EPOCH)),
+        },
         "accounting": {
             "groups_generated": generated,
             "trained_samples": counters.get("trained_samples", 0),
@@ -95,6 +101,10 @@ def collect_status(bus) -> dict[str, Any]:
         },
         "bottleneck": bottleneck(services),
     }
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -113,6 +123,11 @@ def format_status(st: dict[str, Any]) -> str:
     for name, q in st["streams"].items():
         lines.append(
             f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}"
+        )
+    w = st.get("weights") or {}
+    if w.get("publishing") is not None:
+        lines.append(
+            f"  weights: v{w['publishing']} published last, chain epoch {w.get('chain_epoch')}"
         )
     groups = st.get("accounting", {}).get("dead_letter_groups")
     held = f" ({groups} generated group(s); the rest prompts or undecodable)" if groups else ""

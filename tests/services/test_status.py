@@ -20,7 +20,7 @@ from common.bus.client import Bus
 from common.bus.settings import BusSettings
 from common.cli.observe_verbs import add_observe_verbs
 from common.ports import free_port
-from common.protocol.streams import DEAD, GROUPS
+from common.protocol.streams import DEAD, GROUPS, WEIGHTS_EPOCH, WEIGHTS_PUBLISHING
 from common.runs.launcher import finish_run
 from common.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
 from common.telemetry.heartbeat import StatusReporter
@@ -86,6 +86,8 @@ def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> N
     bus.redis.xadd(bus.key(DEAD), {**dead, "reason": b"unencodable_prompt", "stream": b"prompts"})
     bus.redis.xadd(bus.key(DEAD), {"reason": b"undecodable", "stream": b"groups", "split": b""})
     bus.count_generated("generator-0", 28 + EVAL_GROUPS)
+    bus.set(WEIGHTS_PUBLISHING, 7)
+    bus.set(WEIGHTS_EPOCH, 3)
     bus.close()
 
 
@@ -121,6 +123,7 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
         )
     assert st["streams"]["groups"]["lag"] == 1
     assert st["dead_letters"] == 3 and st["accounting"]["dead_letter_groups"] == 1
+    assert st["weights"] == {"publishing": 7, "chain_epoch": 3}
     assert st["bottleneck"]["service"] == "learner"
     assert st["accounting_trajectories"] == {
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
@@ -161,6 +164,7 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
         "group scorers",
         "dead letters: 3 (1 generated group(s)",
         "bottleneck: learner",
+        "weights: v7 published last, chain epoch 3",
     ):
         assert line in out
     assert "rate generator generator-0" in out and "50.00 tokens/s" in out
@@ -199,6 +203,7 @@ def test_status_falls_back_to_the_snapshot(redis_server, tmp_path, capsys, monke
         "learner_version",
         "streams",
         "dead_letters",
+        "weights",
         "accounting_trajectories",
         "bottleneck",
     ):
