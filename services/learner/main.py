@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 
 from common.config.schema import TetherConfig
 from common.protocol import streams
@@ -55,8 +56,8 @@ def main(cfg: TetherConfig, args) -> int:
                 metrics_port=health.port,
             ).start()
         svc.run()
-    except LostCycle as exc:
-        log.error("%s", exc)
+    except LostCycle as exc:  # one paragraph, as a refused start (the launcher quotes it)
+        print(f"tether learner: cannot go on: {exc}", file=sys.stderr)
         return 2
     finally:
         if status is not None:
