@@ -357,6 +357,8 @@ def run_staleness_bench(
         grids = {"quick": quick_grid, "medium": focused_grid, "full": full_grid}
         seeds = (0,) if size == "quick" else (0, 1, 2)
         study = Study(arms=tuple(grids[size]()), seeds=seeds, lr=lr or Study.lr)
+    if BASELINE not in study.arms:  # compare() needs it; say so before an hour of runs
+        raise ValueError(f"a staleness study needs the synchronous baseline {BASELINE.name}")
     root = Path(work_dir).resolve() / "staleness"
     if out_path is not None:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -207,28 +207,43 @@ decoupled and uncorrected PPO both collapsed (0.60 → 0.01 and 0.035; 2.6 % and
 clipped, gradient-norm spikes of 18–21), and at 3e-4 synchronous training itself (S = 1) peaked
 at 0.82 at step 8 and fell to 0.46: too high for any comparison. 2e-4 lies below that.
 
-**What it found (`--size medium`: 9 configurations × 3 seeds, quiet machine, below).** The
-ordering AReaL reports holds on average: at S = 4 with staleness up to 7 (measured mean 4.8),
-decoupled PPO 0.70 ± 0.17 held-out accuracy, TIS 0.62 ± 0.07, uncorrected PPO 0.51 ± 0.20,
-against 0.83 ± 0.12 for synchronous training (0.85×, 0.75×, 0.62×); with staleness up to 15
-(mean 9.5) decoupled 0.50, decoupled + token masking 0.46, none 0.38, decoupled with `is_cap` = 1
-0.38 (0.61×, 0.55×, 0.46×, 0.46×). With S = 4 but no overlap (staleness ≤ 3) decoupled matched
-synchronous training (0.82 ± 0.04, 0.99×). **The 5 % target is missed**: decoupled PPO at
-staleness ≥ 4 kept 85 % of synchronous accuracy at the default depth and 61 % at the deep one.
+**What it found (the full grid, 14 configurations × 3 seeds, plus the medium grid's two
+decoupled variants; `staleness_full.json` below).** Synchronous training (S = 1) ends at
+0.83 ± 0.12. More steps per cycle without overlap cost little: S = 2, 4 and 8 at
+`max_staleness = S − 1` keep 0.94×, 0.99× and 0.94× (S = 4: tis 0.96×, none 0.98×). Overlap is
+where the corrections part: at S = 4 with one cycle of overlap (staleness ≤ 7, mean 4.8)
+decoupled PPO 0.70 ± 0.17 (0.85×), TIS 0.62 (0.75×), none 0.51 ± 0.20 (0.62×); three cycles
+deep (≤ 15, mean 9.5) decoupled 0.50 (0.61×), decoupled + token masking 0.46 (0.55×), none and
+decoupled with `is_cap` = 1 0.38 (0.46×), TIS 0.31 (0.38×); at S = 8 deep (≤ 23, mean 11.5)
+decoupled 0.43 (0.52×), none 0.34 (0.41×). The ordering AReaL reports (decoupled above
+uncorrected) holds at every depth with overlap. **The 5 % target is missed**: decoupled PPO at
+staleness ≥ 4 keeps 85 % of synchronous accuracy at the default depth, 61 % and 52 % deep.
 Capping the behaviour weight at 1 (never up-weighting a stale token) hurt; masking instead of
-truncating changed little (few tokens leave [0.5, 2]).
+truncating changed little (few tokens leave [0.5, 2]). TIS, which keeps the PPO ratio anchored
+to the proximal policy but is meant for the engine mismatch of the same weights, did worst deep.
 
-**How far to trust it.** The seeds spread widely (sd 0.04–0.20), and so does the same seed run
-twice: the `--quick` slice (three seeds, same code and warm-up, at a load of 10–25) gave
-decoupled 0.40 and none 0.61 at staleness ≤ 15, the opposite order to the medium grid's 0.50
-and 0.38. The system is asynchronous, so timing decides which weights answered which prompt;
-three seeds resolve differences of ~0.15, not 5 %. What holds in both: overlap beyond one cycle
-costs accuracy at this lr, whatever the correction, and S = 4 without overlap costs nothing.
+**At half the learning rate (`--lr 1e-4`; `staleness_lr0.0001.json`, 5 configurations × 3
+seeds)** training is calm: synchronous 0.93 ± 0.03; at S = 4, staleness ≤ 7, decoupled 0.88
+(0.95×) and none 0.92 (0.98×); at ≤ 15 decoupled 0.82 (0.88×) and none 0.88 (0.94×). Here
+nothing needs correcting, and decoupled PPO's importance weights (π_prox / μ, up to `is_cap`)
+cost a little variance: uncorrected PPO, whose ratio to the stale behaviour policy clips more
+tokens (1.3 % against 0.8 %), is as good or better. The learning curves (PNG) show why the
+overlapping runs end lower at either lr: their first steps train on the warm-up policy's
+answers, so they climb later, and 24 steps do not let them catch up.
 
-**Budget.** Measured: `--size medium` (27 runs) 36 min on a quiet machine (load 0.7 → 2.9),
-~80 s a run; the `--quick` slice with three seeds 39 min at a load of 10–25. The full grid (14
-configurations × 3 seeds, 42 runs) is then ≈ 56 min plus the warm-up (~2 min) on a quiet
-machine; it has not been run.
+**How far to trust it.** The seeds spread widely at 2e-4 (sd 0.03–0.20), and so does the same
+seed run twice: the `--quick` slice (three seeds, same code and warm-up, at a load of 10–25)
+gave decoupled 0.40 and none 0.61 at staleness ≤ 15, the opposite order to the grid's 0.50 and
+0.38. The system is asynchronous, so timing decides which weights answered which prompt; three
+seeds resolve differences of ~0.15 at 2e-4 and ~0.05 at 1e-4, not 5 %. What holds in every
+run: more steps per cycle without overlap cost little, and overlap beyond one cycle costs
+accuracy at 2e-4 whatever the correction.
+
+**Budget.** Measured on a quiet machine, ~80 s a run: `--size medium` (27 runs) 36 min, the
+full grid's other 7 configurations (21 runs) 29 min, `--lr 1e-4` with 5 configurations (15
+runs) 21 min; the `--quick` slice with three seeds 39 min at a load of 10–25. One invocation of
+the full grid is ≈ 56 min plus the warm-up (~2 min); the full grid's JSON here joins the medium
+study with a second run of the missing configurations from the same warm-up.
 """
 
 

@@ -212,3 +212,9 @@ def test_the_learning_rate_is_a_setting_of_the_study(tmp_path, monkeypatch):
     assert seen == [1e-4] * 3
     assert r is not None and r["command"] == "tether bench staleness --quick --lr 0.0001"
     assert (tmp_path / "staleness_quick_lr0.0001.json").exists()
+
+
+def test_a_study_without_the_synchronous_baseline_is_refused_before_any_run(tmp_path):
+    deep = st.Arm(steps_per_cycle=4, depth="deep", correction="none")
+    with pytest.raises(ValueError, match="needs the synchronous baseline S1-ms0-decoupled"):
+        st.run_staleness_bench(out_path=tmp_path / "x.json", study=st.Study(arms=(deep,)))
