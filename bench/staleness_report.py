@@ -30,7 +30,9 @@ def _curves(configs: list[dict[str, Any]], *, what: str) -> str | None:
     panels = _panels(configs)
     if not configs:
         return None
-    fig, axes = figure(len(panels), height=3.8)
+    most = max(len(group) for _, group in panels)
+    below = most > 5  # a long legend goes under its panel instead of over the curves
+    fig, axes = figure(len(panels), height=3.8 + (0.17 * -(-most // 2) if below else 0.0))
     for ax, (title, group) in zip(axes, panels, strict=True):
         for c in group:
             if what == "accuracy":
@@ -43,10 +45,16 @@ def _curves(configs: list[dict[str, Any]], *, what: str) -> str | None:
                     color="#212121" if base else COLOURS.get(c["correction"], "#8d6e63"),
                     marker="o" if what == "accuracy" else None, ms=3,
                     label=f"{c['name']} ({c['final_accuracy_mean']:.2f})")  # fmt: skip
-        ax.set(title=title, xlabel="optimizer step",
-               ylabel="held-out accuracy (mean of seeds)" if what == "accuracy"
-               else "training reward (mean of seeds)")  # fmt: skip
-        ax.legend(loc="best", fontsize="x-small")
+        ax.set(title=title, xlabel="optimizer step")
+        if ax is axes[0]:  # one y label for the row: the panels share its meaning
+            ax.set_ylabel("held-out accuracy (mean of seeds)" if what == "accuracy"
+                          else "training reward (mean of seeds)")  # fmt: skip
+        if below:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize="x-small")
+        else:
+            ax.legend(loc="best", fontsize="x-small")
+    if below:
+        fig.tight_layout()
     return png_b64(fig)
 
 
@@ -227,9 +235,12 @@ seeds)** training is calm: synchronous 0.93 ± 0.03; at S = 4, staleness ≤ 7, 
 (0.95×) and none 0.92 (0.98×); at ≤ 15 decoupled 0.82 (0.88×) and none 0.88 (0.94×). Here
 nothing needs correcting, and decoupled PPO's importance weights (π_prox / μ, up to `is_cap`)
 cost a little variance: uncorrected PPO, whose ratio to the stale behaviour policy clips more
-tokens (1.3 % against 0.8 %), is as good or better. The learning curves (PNG) show why the
-overlapping runs end lower at either lr: their first steps train on the warm-up policy's
-answers, so they climb later, and 24 steps do not let them catch up.
+tokens (1.3 % against 0.8 %), is as good or better. The curves (PNG) show two different
+things. At 1e-4 the overlapping runs climb later (their first steps train on the warm-up
+policy's answers) and 24 steps do not let them catch up. At 2e-4 even synchronous training
+peaks at step 8 (0.92) and slips to 0.83, and the deep runs fall from the start (S = 4) or
+after step 8 (S = 8): there staleness adds to an instability the lr already has, which is what
+makes 2e-4 discriminating and also why no correction holds the 5 %.
 
 **How far to trust it.** The seeds spread widely at 2e-4 (sd 0.03–0.20), and so does the same
 seed run twice: the `--quick` slice (three seeds, same code and warm-up, at a load of 10–25)
