@@ -193,8 +193,8 @@ class Rank0:
                 if stop():
                     return None
                 self._read(cycle)
+        self._check_lost(cycle, positions, len(self.buffer[cycle]))
         deliveries = list(self.buffer.pop(cycle).values())
-        self._check_lost(cycle, positions, len(deliveries))
         self.trained_deliveries += deliveries
         return [d.msg for d in deliveries]
 
@@ -214,9 +214,8 @@ class Rank0:
         be encoded, their group could not be scored, or an entry was delivered more than
         ``bus.max_deliveries`` times); the cycle trains without them. A cycle left with fewer
         responses than optimizer steps cannot train: stop with the reasons."""
-        here = {d.msg.group.index for d in self.buffer.get(cycle, {}).values()}
-        lost = {g: r for g, r in self.dead.of("train", cycle).items() if g in positions}
-        lost = {g: r for g, r in lost.items() if g not in here}
+        here = {d.msg.group.index for d in self.buffer[cycle].values()}
+        lost = {g: r for g, r in self.dead.of("train", cycle).items() if g in positions - here}
         self.dead.forget("train", cycle)
         if not lost:
             return

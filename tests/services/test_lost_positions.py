@@ -178,3 +178,19 @@ def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_p
         assert isinstance(svc.fatal, LostCycle) and svc._stop
     finally:
         io.close()
+
+
+def test_a_group_that_comes_after_all_is_trained_and_not_counted_lost(redis_server, tmp_path):
+    # a generator frozen past the claim time commits after its prompt was dead-lettered for
+    # max_deliveries: the group is here, so the position is not lost
+    io = _rank0(tmp_path, "lost_late", redis_server.url, num_cycles=1)
+    lost_before = _metric("tether_learner_lost_groups_total")
+    try:
+        io.dispatch(0, first_cycle=0)
+        _dead_letter_prompt(io, 1)
+        for index in range(4):
+            io.bus.publish(SCORED, _scored(0, index))
+        assert [g.group.index for g in _collect(io, 0)] == [0, 1, 2, 3]
+        assert _metric("tether_learner_lost_groups_total") == lost_before
+    finally:
+        io.close()
