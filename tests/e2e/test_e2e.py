@@ -31,6 +31,17 @@ def test_weights_were_published_and_received(short_run):
     assert "tether_generator_weight_update_seconds_bucket" in short_run.metric_names
 
 
+def test_rank0_records_the_published_version_and_chain_epoch_in_redis(short_run, redis_server):
+    """What `tether status` reads: the learner's last published version and the weight chain's
+    membership epoch (the generator joined, then took its updates down the chain)."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    assert int(r.get(f"e2e:{streams.LEARNER_VERSION}")) == CYCLES * STEPS_PER_CYCLE
+    assert int(r.get(f"e2e:{streams.WEIGHTS_PUBLISHING}")) == CYCLES * STEPS_PER_CYCLE
+    assert int(r.get(f"e2e:{streams.WEIGHTS_EPOCH}")) >= 1
+
+
 def test_accounting_balances(short_run):
     learner = next(d for d in short_run.status.values() if d["service"] == "learner")
     c = learner["counters"]
