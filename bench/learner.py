@@ -115,7 +115,7 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
         ):
             mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
             loss_fn = objective.make_loss_fn(
-                cfg, denominator=objective.step_denominator(cfg, samples, idx, device), stats_out=[]
+                cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=cfg.learner.grad_clip or None)
     del torch

@@ -63,7 +63,7 @@ def _steps(cfg: Any, model_dir: str, samples: list[Any], steps: int) -> tuple[fl
         key = "packed_input_ids" if ln.pack_sequences else "input_ids"
         slots = sum(int(mb[key].numel()) for mb in mbs)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=objective.step_denominator(cfg, samples, idx, device), stats_out=[]
+            cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
         )
         train_step(model, opt, sched, mbs, loss_fn, grad_clip=ln.grad_clip or None)
     seconds = time.perf_counter() - t0

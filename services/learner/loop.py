@@ -58,6 +58,7 @@ from services.learner.cycle import (
 )
 from services.learner.dist import GO, STOP, WAITING, control
 from services.learner.rank0 import LostCycle, Rank0
+from services.learner.step_record import step_record
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -120,7 +121,7 @@ class LearnerService:
         if not hasattr(self, "rank"):
             self.setup_io_first()
         model_dir, tok_dir = policy_paths(self.cfg)
-        ln, run = self.cfg.learner, self.cfg.run
+        ln = self.cfg.learner
         dtype = None if ln.dtype == "auto" else getattr(torch, ln.dtype)
         compute = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         wd = self.cfg.weights.dtype
@@ -151,20 +152,7 @@ class LearnerService:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        assert run.train_steps_per_cycle is not None
-        total = run.num_cycles * run.train_steps_per_cycle
-        schedule = optim.build_schedule(
-            warmup_steps=ln.warmup_steps or None,
-            warmup_ratio=ln.warmup_ratio if not ln.warmup_steps and ln.warmup_ratio else None,
-            total_steps=total,
-            decay=ln.lr_schedule,
-            min_lr_ratio=ln.min_lr_ratio,
-        )
-        betas = (float(ln.adam_betas[0]), float(ln.adam_betas[1]))
-        self.optimizer = optim.build_optimizer(
-            self.model, lr=ln.lr, betas=betas, weight_decay=ln.weight_decay
-        )
-        self.scheduler = optim.build_scheduler(self.optimizer, schedule)
+        self.optimizer, self.scheduler = optim.for_run(self.cfg, self.model)
 
     def resume(self) -> None:
         from services.learner.checkpoint import load_checkpoint
@@ -262,7 +250,6 @@ class LearnerService:
         return dropped
 
     def train_cycle(self, cycle: int, samples: list[Sample]) -> None:
-        from services.learner import losses
         from services.learner.train_step import train_step
 
         run, ln = self.cfg.run, self.cfg.learner
@@ -285,7 +272,7 @@ class LearnerService:
                 stats_out: list[dict[str, float]] = []
                 loss_fn = objective.make_loss_fn(
                     self.cfg,
-                    denominator=objective.step_denominator(self.cfg, samples, idx, self.device),
+                    denominator=objective.step_denominator(self.cfg, samples, idx),
                     stats_out=stats_out,
                 )
                 st = train_step(
@@ -300,26 +287,17 @@ class LearnerService:
             self.live.beat()
             trained = sum(1 for i in idx if samples[i].weight > 0)  # not dropped, filtered, masked
             self.counters["trained_samples"] += trained
-            rewards = [samples[i].reward for i in idx]
-            lags = [self.version - 1 - samples[i].policy_version for i in idx]
-            self.last_step = {
-                "step": self.version,
-                "cycle": cycle,
-                "loss": st.loss,
-                "grad_norm": st.grad_norm,
-                "lr": st.lr,
-                "reward_mean": sum(rewards) / len(rewards),
-                "dropped_stale": dropped,
-                "trained_samples": trained,
-                "seconds": time.monotonic() - t0,
-                "response_tokens": sum(len(samples[i].response_ids) for i in idx),
-                "batch_digest": _digest(samples[i].sample_id for i in idx),
-                "staleness_max": max(lags),
-                # responses per staleness (index = optimizer steps behind): the measured
-                # distribution, as `tether bench staleness` reports it
-                "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
-                **{k: v for k, v in losses.merge_stats(stats_out).items() if k != "tokens"},
-            }
+            self.last_step = step_record(
+                version=self.version,
+                cycle=cycle,
+                samples=samples,
+                idx=idx,
+                step=st,
+                stats=stats_out,
+                dropped=dropped,
+                trained=trained,
+                seconds=time.monotonic() - t0,
+            )
             if self.rank0 is not None:
                 self.rank0.record_step(self.last_step, st)
             if self.version % self.cfg.publish_every_steps == 0:
@@ -419,10 +397,3 @@ class LearnerService:
             "counters": dict(self.counters),
             "last_step": self.last_step,
         }
-
-
-def _digest(ids) -> str:
-    """A short fingerprint of a step's batch (its sample ids), to show resume picks the same one."""
-    import hashlib
-
-    return hashlib.blake2b("\n".join(sorted(ids)).encode(), digest_size=8).hexdigest()

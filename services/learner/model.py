@@ -83,11 +83,12 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _shard(model: torch.nn.Module, *, device: torch.device, param_dtype: Any) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head)."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    from services.learner.dist import rank_world
+
+    mesh = init_device_mesh(device.type, (rank_world()[1],))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if param_dtype is not None and param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -352,10 +353,11 @@ def full_state_dict_cpu(
     expects it absent).
     """
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    from services.learner.dist import rank_world
+
+    rank0 = rank_world()[0] == 0
     tied = drop_tied and getattr(model.config, "tie_word_embeddings", False)
     items = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
 

@@ -58,12 +58,10 @@ def rank_micro_batches(
     ]
 
 
-def step_denominator(
-    cfg: TetherConfig, samples: list[Sample], step_indices: list[int], device: torch.device
-) -> float:
+def step_denominator(cfg: TetherConfig, samples: list[Sample], step_indices: list[int]) -> float:
     """The whole step's loss denominator (all ranks): tokens or sequences with weight > 0."""
     # Every rank holds the whole step's samples, so this is already the global value: no
-    # collective. (``device`` is unused; the callers' signature is kept.)
+    # collective.
     lengths = [len(samples[i].response_ids) for i in step_indices if samples[i].weight > 0]
     return float(max(losses.step_denominator(lengths, mode=cfg.learner.loss_agg), 1))
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from common.config.schema import TetherConfig
+
 DECAY_KINDS = ("constant", "cosine")
 
 
@@ -120,6 +122,24 @@ def build_scheduler(
     import torch
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
+
+
+def for_run(cfg: TetherConfig, model: Any) -> tuple[Any, Any]:
+    """The run's (AdamW, LR scheduler) from ``[learner]``: the schedule spans every optimizer
+    step of the run (``num_cycles × train_steps_per_cycle``); ``warmup_steps`` wins over
+    ``warmup_ratio``."""
+    ln, run = cfg.learner, cfg.run
+    assert run.train_steps_per_cycle is not None
+    schedule = build_schedule(
+        warmup_steps=ln.warmup_steps or None,
+        warmup_ratio=ln.warmup_ratio if not ln.warmup_steps and ln.warmup_ratio else None,
+        total_steps=run.num_cycles * run.train_steps_per_cycle,
+        decay=ln.lr_schedule,
+        min_lr_ratio=ln.min_lr_ratio,
+    )
+    betas = (float(ln.adam_betas[0]), float(ln.adam_betas[1]))
+    optimizer = build_optimizer(model, lr=ln.lr, betas=betas, weight_decay=ln.weight_decay)
+    return optimizer, build_scheduler(optimizer, schedule)
 
 
 def clip_grad_norm(parameters: Any, max_norm: float | None) -> float:

@@ -46,7 +46,7 @@ def main() -> None:
         idx = list(range(len(samples)))
         mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=objective.step_denominator(cfg, samples, idx, device), stats_out=[]
+            cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
         )
         opt = optim.build_optimizer(model, lr=1e-3)
         sched = optim.build_scheduler(opt, optim.build_schedule())

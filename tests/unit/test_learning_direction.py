@@ -96,7 +96,7 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
             )
             loss_fn = objective.make_loss_fn(
                 cfg,
-                denominator=objective.step_denominator(cfg, samples, idx, torch.device("cpu")),
+                denominator=objective.step_denominator(cfg, samples, idx),
                 stats_out=stats,
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=1.0)
@@ -150,7 +150,7 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
         s.old_logp = lp
     idx = list(range(len(samples)))
     mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
-    denominator = objective.step_denominator(cfg, samples, idx, cpu)
+    denominator = objective.step_denominator(cfg, samples, idx)
 
     # the skipped pass's field holds garbage: a loss that still read it would change
     garbage = [{**mb, "old_logp": torch.full_like(mb["old_logp"], -5.0)} for mb in mbs]
@@ -249,7 +249,7 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
                 mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
                 loss_fn = objective.make_loss_fn(
                     cfg,
-                    denominator=objective.step_denominator(cfg, samples, idx, cpu),
+                    denominator=objective.step_denominator(cfg, samples, idx),
                     stats_out=stats,
                 )
                 train_step(svc.model, opt, sched, mbs, loss_fn, grad_clip=1.0)

@@ -133,7 +133,7 @@ def test_packed_loss_and_gradients_match_padded(family, attn, agg):
             assert slots < 0.9 * sum(mb["input_ids"].numel() for mb in mbs)
         loss_fn = objective.make_loss_fn(
             cfg,
-            denominator=objective.step_denominator(cfg, samples, idx, cpu),
+            denominator=objective.step_denominator(cfg, samples, idx),
             stats_out=[],
             proximal_from_forward=False,
         )
