@@ -1,5 +1,6 @@
-"""Helpers for tests/services/test_deploy.py: find the offline tools, collect PromQL from the rules and
-dashboards, match metric names against what the services export, run real subprocesses."""
+"""Helpers for tests/services/test_deploy.py and test_deploy_prometheus.py: find the offline
+tools, collect PromQL from the rules and dashboards, match metric names against what the services
+export, run real subprocesses."""
 
 from __future__ import annotations
 
