@@ -54,3 +54,20 @@ def test_protocol_contract_names_every_other_package():
         and p.name != "__init__.py"
     }
     assert others | {"services"} == set(protocol["forbidden_modules"])
+
+
+MAX_MODULE_LINES = 400  # the layout's rule: a module longer than this is split by concern
+
+
+def test_no_module_is_over_the_size_limit():
+    """Every Python file Tether ships or tests with stays readable in one sitting; the layout
+    issue's "no module over ~400 lines", kept from drifting back."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    too_long = {
+        path: n
+        for path in tracked
+        if (n := len((REPO / path).read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not too_long, f"over {MAX_MODULE_LINES} lines, split by concern: {too_long}"
