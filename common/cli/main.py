@@ -15,9 +15,10 @@ from common.cli.plan_verb import add_plan_verb
 from common.cli.run_verbs import add_run_verbs
 from common.cli.tool_verbs import add_tool_verbs
 from common.config.errors import ConfigError
+from common.service import exit_codes
 from common.service.preflight import PreflightError
 
-EXIT_USAGE = 2
+EXIT_USAGE = exit_codes.EXIT_REFUSED
 
 EPILOG = """\
 verbs by what they do:
@@ -49,6 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one verb; its exit code is also reported to ``graceful_torchrun`` when this process
+    is one of its ranks (``common.service.exit_codes``), since torchrun's own code is 1."""
+    code = 1  # an exception on its way out
+    try:
+        code = _main(argv)
+        return code
+    except SystemExit as exc:  # argparse
+        code = exc.code if isinstance(exc.code, int) else 1
+        raise
+    finally:
+        exit_codes.report(code)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

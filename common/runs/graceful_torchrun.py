@@ -1,5 +1,5 @@
 """`python -m common.runs.graceful_torchrun [TORCHRUN ARGS...]`: torchrun whose SIGTERM is a clean
-stop that exits 0.
+stop, and whose exit code is the ranks' own.
 
 Plain torchrun, sent SIGTERM (a pod deleted, `docker compose stop`), forwards it to its ranks,
 SIGKILLs them after ``--shutdown-timeout`` (30 s by default in torch 2.x) and exits 1 whatever
@@ -8,11 +8,17 @@ failure (a Job counts it against ``backoffLimit``; compose's ``on-failure`` rest
 
 This wrapper runs torchrun as a child in its own session and, on SIGTERM or SIGINT, sends
 SIGTERM to the ranks only (torchrun's children), not to torchrun. The ranks stop the way they
-do on their own (the learner finishes its cycle and checkpoints) and exit 0, so torchrun sees
-every rank succeed and exits 0, and so does this wrapper. If the ranks have not exited after
-``--shutdown-timeout`` seconds (pass it as you would to torchrun; it is passed on), they are
-SIGKILLed and the exit code is torchrun's (non-zero). Set the timeout a little under the
-platform's grace period (``terminationGracePeriodSeconds``, ``stop_grace_period``).
+do on their own (the learner finishes its cycle, checkpoints and exits ``EXIT_STOPPED``, 75, or
+0 if the run was finished anyway). If the ranks have not exited after ``--shutdown-timeout``
+seconds (pass it as you would to torchrun; it is passed on), they are SIGKILLed and the exit
+code is torchrun's (non-zero). Set the timeout a little under the platform's grace period
+(``terminationGracePeriodSeconds``, ``stop_grace_period``).
+
+torchrun exits 1 when any rank exits non-zero, so a refused configuration (2) or a clean stop
+(75) would read as a crash. The wrapper gives the ranks a folder (``TETHER_RANK_EXIT_DIR``)
+where each ``tether`` rank writes its exit code, and exits with the ranks' code instead
+(``common.service.exit_codes.combined``): 2 if any rank refused, 75 if every rank that reported
+stopped cleanly, else torchrun's. A Kubernetes ``podFailurePolicy`` can then tell them apart.
 
 Should this wrapper itself die, the kernel sends torchrun SIGTERM (``PR_SET_PDEATHSIG``), and
 torchrun's own shutdown takes over.
@@ -24,7 +30,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+
+from common.service import exit_codes
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's own default
 
@@ -75,10 +84,20 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     timeout_s = shutdown_timeout(args)
+    with tempfile.TemporaryDirectory(prefix="tether-rank-exit-") as folder:
+        code, killed = _run(args, timeout_s, folder)
+        if killed:
+            return code
+        return exit_codes.combined(code, exit_codes.reported(folder))
+
+
+def _run(args: list[str], timeout_s: float, folder: str) -> tuple[int, bool]:
+    """torchrun's exit code, and whether the ranks had to be SIGKILLed."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *args],
         start_new_session=True,  # a signal to our process group does not reach torchrun
         preexec_fn=_die_with_parent,
+        env={**os.environ, exit_codes.RANK_EXIT_DIR_ENV: folder},
     )
     asked: list[float] = []
     told: set[int] = set()
@@ -112,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("graceful_torchrun: ranks still running; SIGKILL", file=sys.stderr, flush=True)
                 _signal_all(children(proc.pid), signal.SIGKILL)
                 asked[0] = float("inf")  # once
-    return code if code >= 0 else 128 - code
+    return (code if code >= 0 else 128 - code), asked == [float("inf")]
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class Supervisor:
                 "common.runs.supervised",  # torchrun and its ranks stop if the launcher dies
                 sys.executable,
                 "-m",
-                "common.runs.graceful_torchrun",  # SIGTERM: the ranks checkpoint and exit 0
+                "common.runs.graceful_torchrun",  # SIGTERM: the ranks checkpoint; the ranks' exit code
                 f"--shutdown-timeout={int(LEARNER_DRAIN_S) - 10}",
                 "--nproc_per_node",
                 str(ln.nproc_per_node),

@@ -7,7 +7,7 @@
 # (no apt lists or package caches, docs and man pages left out of later installs), with the
 # bookworm, bookworm-updates and bookworm-security suites, then `docker import`. Use it as the
 # Dockerfile's CPU_IMAGE (`--build-arg CPU_IMAGE=tether-base:bookworm`) and as the BASE_IMAGE of
-# deploy/docker/redis.Dockerfile, prometheus.Dockerfile and redis-exporter.Dockerfile.
+# deploy/docker/infra.Dockerfile (its Redis, redis_exporter and Prometheus targets).
 # Reuses an existing image of that tag; set REBUILD=1 to build it again.
 set -euo pipefail
 TAG="${1:-tether-base:bookworm}"

@@ -3,7 +3,11 @@
 Health: rank 0 serves ``/metrics``, ``/healthz`` and ``/readyz`` on ``learner.metrics_port``;
 the first rank of every other node (``LOCAL_RANK`` 0: one per pod) serves the same endpoints on
 the same port, its ``/healthz`` its own loop's heartbeat (the other ranks hear rank 0 every
-``learner.keepalive_s``), so every learner pod's probe checks a rank that is really there."""
+``learner.keepalive_s``), so every learner pod's probe checks a rank that is really there.
+
+Exit codes (``common.service.exit_codes``): 0 when the run is finished; 75 when it was asked to
+stop (SIGTERM/SIGINT) before its end and checkpointed, so a restart resumes; 2 when it cannot go
+on (``LostCycle``) or the preflight refused its configuration or data."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 from common.config.schema import TetherConfig
 from common.protocol import streams
 from common.protocol.run_dir import RunDir
+from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
 
@@ -58,11 +63,18 @@ def main(cfg: TetherConfig, args) -> int:
         svc.run()
     except LostCycle as exc:  # one paragraph, as a refused start (the launcher quotes it)
         print(f"tether learner: cannot go on: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     finally:
         if status is not None:
             status.stop()
         if health is not None:
             health.stop()
-    log.info("learner rank %d stopped at policy version %d", rank, svc.version)
+    if svc.next_cycle < cfg.run.num_cycles:  # asked to stop: checkpointed, a restart resumes
+        log.info(
+            "learner rank %d stopped at policy version %d before the run's end (cycle %d of %d); "
+            "exit code %d: a restart resumes from the checkpoint",
+            rank, svc.version, svc.next_cycle, cfg.run.num_cycles, EXIT_STOPPED,
+        )  # fmt: skip
+        return EXIT_STOPPED
+    log.info("learner rank %d finished the run at policy version %d", rank, svc.version)
     return 0

@@ -200,8 +200,13 @@ def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_pe
     assert spec["completions"] == spec["parallelism"]  # one pod per node, all at once
     assert pod["restartPolicy"] == "Never"  # a finished rank is not restarted in place
     rules = spec["podFailurePolicy"]["rules"]
+    from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
+
     assert {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
-            "values": [2]}} in rules  # fmt: skip
+            "values": [EXIT_REFUSED]}} in rules  # fmt: skip
+    # a drained pod's learner stops cleanly (75): replaced, never counted as complete
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "learner", "operator": "In",
+            "values": [EXIT_STOPPED]}} in rules  # fmt: skip
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
     (c,) = pod["containers"]
     assert c["command"] == ["python3", "-m", "common.runs.graceful_torchrun"]

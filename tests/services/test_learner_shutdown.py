@@ -6,7 +6,8 @@ the Kubernetes Indexed Job) under ``common.runs.graceful_torchrun``, against a r
 - rank 1's ``/healthz`` (its node's first rank) is a real heartbeat: 200 while it hears rank 0;
 - SIGTERM to both agents while a checkpoint takes longer than torchrun's default 30 s shutdown
   timeout (``TETHER_TEST_ONLY_CHECKPOINT_DELAY_S``, a test hook): the final checkpoint lands and
-  both exit 0.
+  both exit 75 (stopped before the run's end, resumable: what the Job's podFailurePolicy
+  ignores), not 0 (which would complete the Job mid-run) and not torchrun's 1.
 
 On the old code rank 1 died in its broadcast after the timeout, and plain torchrun SIGKILLed the
 ranks 30 s into the checkpoint and exited 1."""
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from common.ports import free_port
+from common.service.exit_codes import EXIT_STOPPED
 from services.learner.checkpoint import TEST_ONLY_DELAY_ENV
 from tests.procs.httpget import http_get
 
@@ -143,7 +145,7 @@ def test_idle_past_the_collective_timeout_then_sigterm_lands_a_slow_checkpoint(
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(30)
     out = "\n".join(f"--- node {i}\n{log.read_text()[-3000:]}" for i, log in enumerate(logs))
-    assert codes == [0, 0], out
+    assert codes == [EXIT_STOPPED, EXIT_STOPPED], out
     assert took >= CHECKPOINT_DELAY_S, f"stopped in {took:.0f} s: the checkpoint hook did not run"
     ckpts = tmp_path / "runs" / "shutdown" / "checkpoints"
     assert (ckpts / "latest").exists(), out
