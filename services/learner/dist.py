@@ -4,6 +4,7 @@ local value) without a process group or with one rank, so the same code runs as 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -94,3 +95,14 @@ def broadcast_bytes(data: bytes | None, *, rank: int, device: torch.device) -> b
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buf, 0)
     return data if rank == 0 and data is not None else buf.cpu().numpy().tobytes()
+
+
+def set_cpu_threads(device: torch.device, threads: int) -> None:
+    """``learner.cpu_threads``: this rank's intra-op threads on CPU (0: leave them as they are)."""
+    import torch
+
+    if device.type == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
+        logging.getLogger(__name__).info(
+            "learner: %d intra-op threads on CPU (learner.cpu_threads)", threads
+        )

@@ -56,7 +56,7 @@ from services.learner.cycle import (
     samples_from_groups,
     steps_of_cycle,
 )
-from services.learner.dist import GO, STOP, WAITING, control
+from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
 from services.learner.rank0 import LostCycle, Rank0
 from services.learner.step_record import step_record
 
@@ -99,6 +99,7 @@ class LearnerService:
         self.rank, self.world, self.device = model_mod.setup_distributed(
             timeout_s=self.cfg.learner.collective_timeout_s
         )
+        set_cpu_threads(self.device, self.cfg.learner.cpu_threads)
         self.rank0 = (
             Rank0(
                 self.cfg,

@@ -130,6 +130,39 @@ def test_variable_length_workload_lets_responses_end_at_eos(tmp_path):
     assert "ignore_eos = false" in generator_section(replace(QUICK, fixed_length=False))
 
 
+def test_the_peer_contests_token_budget_is_a_padded_micro_batchs_memory(tmp_path):
+    from bench.pipeline import write_bench_config
+    from common.config.load import load_config
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    path = write_bench_config(
+        tmp_path / "c.toml", name="n", w=QUICK, model=tmp_path, train=tmp_path / "t.jsonl",
+        run_dir=tmp_path, max_staleness=1, token_budget=True, learner_cpu_threads=2,
+    )  # fmt: skip
+    ln = load_config(config_file=path, env={}).config.learner
+    assert ln.micro_batch_size is None and ln.cpu_threads == 2
+    assert ln.max_tokens_per_micro_batch == QUICK.micro_batch_size * (
+        QUICK.max_prompt_tokens + QUICK.response_tokens
+    )
+
+
+def test_learner_cpu_threads_sets_the_ranks_intra_op_threads():
+    import torch
+
+    from services.learner.dist import set_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_cpu_threads(torch.device("cpu"), 1)
+        assert torch.get_num_threads() == 1
+        set_cpu_threads(torch.device("cpu"), 0)  # 0: as given
+        assert torch.get_num_threads() == 1
+        set_cpu_threads(torch.device("cuda", 0), 3)  # not a CPU rank: untouched
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
     packing = {
         "max_tokens": 192, "lengths": {"mean": 105.0}, "packed_train_tokens_per_s": 3000.0,
@@ -165,3 +198,16 @@ def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
     assert "| learner_packing |" not in text  # no empty generic row beside it
     assert "| peer, variable length |" in text and "**3.00** (Tether/TRL)" in text
     assert "mean 150 tokens (TRL), 148 (Tether)" in text
+
+
+def test_the_steady_ratio_leaves_out_the_uncontended_last_cycle():
+    from bench.peer import steady_ratio
+
+    v = {
+        "trl": {"step_seconds_each": [140.0, 150.0, 144.0]},
+        "tether": {
+            "cycle_seconds_each": [80.0, 79.0, 44.0]
+        },  # the last: nothing generated beside it
+    }
+    assert steady_ratio(v) == 144.0 / 79.0
+    assert steady_ratio({"trl": {}, "tether": {}}) is None
