@@ -166,7 +166,7 @@ def publish_update(
     publisher's report and the published tensor names. ``leave_out``: a tensor name not to
     send (a learner whose names miss one of the engine's parameters)."""
     from common.weights.publisher import WeightPublisher
-    from services.learner.model import HostStaging, full_state_dict_cpu
+    from services.learner.gather import HostStaging, full_state_dict_cpu
 
     state = full_state_dict_cpu(model, staging=HostStaging())
     state.pop(leave_out, None)

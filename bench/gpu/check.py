@@ -141,12 +141,8 @@ def step_publish3b(tiny: bool) -> dict:
     from common.demo.tiny_model import build_tiny_model
     from common.weights.checksum import tensors_checksum
     from common.weights.publisher import WeightPublisher
-    from services.learner.model import (
-        HostStaging,
-        full_state_dict_cpu,
-        load_policy,
-        setup_distributed,
-    )
+    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner.model import load_policy, setup_distributed
 
     _, _, device = setup_distributed()
     shape: dict[str, Any] = (
