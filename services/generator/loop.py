@@ -16,7 +16,7 @@ silent for ``generator.liveness_s``, and ``/readyz`` with it.
 
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
-sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
+sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
 trajectory's ``policy_version`` is the version of its first token, the oldest — the one
 staleness is judged by.
 """
@@ -34,7 +34,7 @@ from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import to_group
+from services.generator.trajectories import single_turn_trajectories, to_group
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -215,9 +215,8 @@ class GeneratorService:
         samples = await self.engine.generate_group(
             ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
         )
-        group = to_group(
-            msg, ids, samples, started=started, generator_id=self.sid, version=self.version
-        )
+        trajectories = single_turn_trajectories(msg, samples, started=started, version=self.version)
+        group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
