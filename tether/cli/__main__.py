@@ -1,7 +1,7 @@
-"""``python -m common.cli``: the ``tether`` command."""
+"""``python -m tether.cli``: the ``tether`` command."""
 
 import sys
 
-from common.cli.main import main
+from tether.cli.main import main
 
 sys.exit(main())
