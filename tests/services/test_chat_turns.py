@@ -22,8 +22,8 @@ from common.chat.turns import (
     render_ids,
     rerender_mismatch,
 )
-from common.demo.model_families import build_family
 from common.tools.registry import resolve_tools
+from fixtures.model_families import build_family
 
 TOOL_FAMILIES = ("llama3", "qwen2.5", "qwen3", "qwen3-moe")
 ALL_FAMILIES = (*TOOL_FAMILIES, "gemma2", "phi3")

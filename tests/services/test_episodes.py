@@ -18,12 +18,12 @@ import pytest
 
 from common.chat.tool_calls import FORMATS
 from common.chat.turns import TurnEncoder, render_ids
-from common.demo.tiny_model import build_tokenizer
+from common.engine import SamplingSettings
 from common.protocol import wire
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
-from services.generator.engine import SamplingSettings
 from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from tether.demo.tiny_model import build_tokenizer
 
 SPECS = resolve_tools(["calculator", "python"])
 TOOLS = [s.schema() for s in SPECS]

@@ -63,7 +63,7 @@ def _episodes(garbage: bool) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=1,
                             num_heads=2)  # fmt: skip

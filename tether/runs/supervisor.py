@@ -82,9 +82,9 @@ def cpu_thread_env(cfg: TetherConfig, env: dict[str, str]) -> dict[str, str]:
 
 
 def tether_command(*args: str) -> list[str]:
-    """The argv of ``tether ARGS`` run by this interpreter (``python -m common.cli``): what the
+    """The argv of ``tether ARGS`` run by this interpreter (``python -m tether.cli``): what the
     launcher starts its services with, and what benchmarks and tests start runs with."""
-    return [sys.executable, "-m", "common.cli", *args]
+    return [sys.executable, "-m", "tether.cli", *args]
 
 
 class RunFailed(RuntimeError):
@@ -126,15 +126,15 @@ class Supervisor:
             learner_argv = [
                 sys.executable,
                 "-m",
-                "common.runs.supervised",  # torchrun and its ranks stop if the launcher dies
+                "tether.runs.supervised",  # torchrun and its ranks stop if the launcher dies
                 sys.executable,
                 "-m",
-                "common.runs.graceful_torchrun",  # SIGTERM: the ranks checkpoint; the ranks' exit code
+                "tether.runs.graceful_torchrun",  # SIGTERM: the ranks checkpoint; the ranks' exit code
                 f"--shutdown-timeout={int(LEARNER_DRAIN_S) - 10}",
                 "--nproc_per_node",
                 str(ln.nproc_per_node),
                 "-m",
-                "common.cli",
+                "tether.cli",
                 "learner",
                 *conf,
             ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from common.cli.args import add_config_args, load_from_args
+from tether.cli.args import add_config_args, load_from_args
 
 
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
@@ -18,11 +18,11 @@ def _run(name: str) -> Callable[[argparse.Namespace], int]:
             print(resolved_toml(cfg))
             return 0
         if name == "train":
-            from common.runs.launcher import train
+            from tether.runs.launcher import train
 
             return train(cfg, args)
-        from common.runs.launcher import run_service
         from common.service.supervision import stop_with_supervisor
+        from tether.runs.launcher import run_service
 
         stop_with_supervisor()
         return run_service(name, cfg, args)

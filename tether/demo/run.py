@@ -63,9 +63,9 @@ class Assets:
 
 def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets:
     """Tiny model + task files + warm-up under ``root`` (each step reused when up to date)."""
-    from common.demo.tasks import ArithmeticTask, write_task
-    from common.demo.tiny_model import build_tiny_model
-    from common.demo.warmup import warmup_sft
+    from tether.demo.tasks import ArithmeticTask, write_task
+    from tether.demo.tiny_model import build_tiny_model
+    from tether.demo.warmup import warmup_sft
 
     p = PRESETS[preset]
     root.mkdir(parents=True, exist_ok=True)
@@ -101,7 +101,7 @@ def run_demo(
     ``flags`` as the CLI gave them; ``assets`` where the model and data go (default: the run
     directory's ``assets/``). Returns the exit code of the run."""
     from common.config.load import load_config
-    from common.runs.launcher import launch, prepare_run_dir
+    from tether.runs.launcher import launch, prepare_run_dir
 
     config_file = config_file or str(DEMO_CONFIG)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config

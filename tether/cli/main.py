@@ -9,14 +9,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from common.cli.config_verbs import add_config_verbs
-from common.cli.observe_verbs import add_observe_verbs
-from common.cli.plan_verb import add_plan_verb
-from common.cli.run_verbs import add_run_verbs
-from common.cli.tool_verbs import add_tool_verbs
 from common.config.errors import ConfigError
 from common.service import exit_codes
 from common.service.preflight import PreflightError
+from tether.cli.config_verbs import add_config_verbs
+from tether.cli.observe_verbs import add_observe_verbs
+from tether.cli.plan_verb import add_plan_verb
+from tether.cli.run_verbs import add_run_verbs
+from tether.cli.tool_verbs import add_tool_verbs
 
 EXIT_USAGE = exit_codes.EXIT_REFUSED
 

@@ -1,4 +1,4 @@
-"""`python -m common.runs.supervised PROGRAM [ARGS...]`: become PROGRAM under the launcher's watch.
+"""`python -m tether.runs.supervised PROGRAM [ARGS...]`: become PROGRAM under the launcher's watch.
 
 `tether train` starts its services with ``TETHER_SUPERVISOR_PID`` set, and each service asks the
 kernel for SIGTERM should the launcher die (``stop_with_supervisor``). A program that is
@@ -18,7 +18,7 @@ from common.service.supervision import stop_with_supervisor
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m common.runs.supervised PROGRAM [ARGS...]", file=sys.stderr)
+        print("usage: python -m tether.runs.supervised PROGRAM [ARGS...]", file=sys.stderr)
         return 2
     stop_with_supervisor()
     os.execvp(args[0], args)

@@ -3,7 +3,7 @@
 Used by the demo, the tests and the benchmarks: nothing can be fetched from a model hub here, so
 Tether builds what it needs. The directory is a normal Hugging Face model directory that both
 transformers and vLLM load. A randomly initialised model emits noise; the demo warms it up with a
-short supervised pass (see ``common.demo.warmup``) before RL.
+short supervised pass (see ``tether.demo.warmup``) before RL.
 """
 
 from __future__ import annotations

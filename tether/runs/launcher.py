@@ -22,7 +22,7 @@ from typing import Any
 
 from common.config.schema import TetherConfig
 from common.protocol.run_dir import RunDir
-from common.runs.supervisor import RunFailed, Supervisor
+from tether.runs.supervisor import RunFailed, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
 
 def train(cfg: TetherConfig, args: argparse.Namespace) -> int:
     """`tether train [--resume RUN_DIR]`."""
-    from common.runs.progress import Progress
+    from tether.runs.progress import Progress
 
     cfg, run_dir = prepare_run_dir(cfg, getattr(args, "resume", None))
     return launch(cfg, run_dir, progress_factory=Progress)
@@ -125,8 +125,8 @@ def finish_run(run_dir: str | Path, bus: Any) -> Path | None:
     """After the services stopped and before Redis stops: save the status snapshot and write
     ``report.html``. Best effort: a failure is logged, never raised, so a finished run is not
     turned into a failed one by its report. Returns the report's path."""
-    from common.runs.report.page import write_report
-    from common.runs.status import collect_status, save_status_snapshot
+    from tether.runs.report.page import write_report
+    from tether.runs.status import collect_status, save_status_snapshot
 
     try:
         save_status_snapshot(run_dir, collect_status(bus))

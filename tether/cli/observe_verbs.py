@@ -1,6 +1,6 @@
 """`tether status [--run NAME|DIR] [--json]`, `tether report RUN_DIR [--out FILE]` and
-`tether bus inspect`: what a running or finished run is doing (``common.runs.status_view``,
-``common.runs.report``, ``common.bus.inspect``). Heavy imports stay inside the handlers."""
+`tether bus inspect`: what a running or finished run is doing (``tether.runs.status_view``,
+``tether.runs.report``, ``common.bus.inspect``). Heavy imports stay inside the handlers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.cli.args import add_config_args, load_from_args
 from common.protocol.run_dir import RunDir
+from tether.cli.args import add_config_args, load_from_args
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Any, Path]:
@@ -30,7 +30,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from common.runs.status_view import format_full, status_of
+    from tether.runs.status_view import format_full, status_of
 
     try:
         st = status_of(*_resolve(args))
@@ -42,7 +42,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from common.runs.report.page import write_report
+    from tether.runs.report.page import write_report
 
     try:
         path = write_report(args.run_dir, out=args.out)

@@ -8,20 +8,20 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from common.cli.args import add_config_args, config_flags
+from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
-    "installed with the package. Clone it, then run `make bench`, or `python -m common.cli bench "
+    "installed with the package. Clone it, then run `make bench`, or `python -m tether.cli bench "
     "...` from the clone's top directory."
 )
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from common.demo.run import run_demo
+    from tether.demo.run import run_demo
 
     return run_demo(
         config_file=args.config, overrides=args.set, flags=config_flags(args), assets=args.assets
@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from common.runs.launcher import export_checkpoint
+    from tether.runs.launcher import export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, tokenizer_dir=args.tokenizer)
@@ -43,7 +43,7 @@ def _export(args: argparse.Namespace) -> int:
 def bench_runner() -> ModuleType | None:
     """``bench.runner`` of the clone this command runs from, or None outside a clone. The
     benchmarks are not part of the installed package: an editable install finds them beside
-    ``common/``, and ``python -m common.cli`` from the clone's top directory finds them too."""
+    ``common/``, and ``python -m tether.cli`` from the clone's top directory finds them too."""
     try:
         return importlib.import_module("bench.runner")
     except ModuleNotFoundError as exc:

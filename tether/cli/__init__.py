@@ -1,4 +1,4 @@
-"""The ``tether`` command (``python -m common.cli``; entry ``common.cli.main:main``).
+"""The ``tether`` command (``python -m tether.cli``; entry ``tether.cli.main:main``).
 
 ``main`` builds the parser from the verb modules, each of which imports its heavy modules only
 inside the verb that needs them, so ``tether --help`` and config errors are instant: ``args``

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli.args import add_config_args, load_from_args
 from common.config.errors import ConfigError
+from tether.cli.args import add_config_args, load_from_args
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.protocol.run_dir import RunDir
-from common.runs.status import format_status, load_status_snapshot
+from tether.runs.status import format_status, load_status_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
 
     from common.bus.client import Bus
     from common.bus.settings import BusUnavailable, bus_settings_for
-    from common.runs.status import collect_status
+    from tether.runs.status import collect_status
 
     probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     try:
@@ -62,7 +62,7 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
 
 def enrich(st: dict[str, Any], *, cfg: Any, run_dir: Path | None) -> dict[str, Any]:
     """Add per-replica rates and the accounting in trajectories (``accounting_trajectories``)."""
-    from common.runs.report.data import accounting_rows, read_metrics, service_rates
+    from tether.runs.report.data import accounting_rows, read_metrics, service_rates
 
     n, passes = cfg.run.responses_per_prompt, cfg.run.passes_per_cycle
     for s in st.get("services", []):

@@ -7,7 +7,7 @@ import base64
 import io
 from typing import Any
 
-from common.runs.report.data import service_rates
+from tether.runs.report.data import service_rates
 
 UNTIMED = "not timed (start-up)"
 # One colour per phase, shared by every bar so the legend reads the same across services.

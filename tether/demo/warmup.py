@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.data.prompts import encode_prompt
-from common.demo.tasks import is_correct, read_jsonl
+from tether.demo.tasks import is_correct, read_jsonl
 
 logger = logging.getLogger(__name__)
 MARKER = "tether_warmup.json"
@@ -179,7 +179,7 @@ def _train(
 
 async def measure_accuracy(engine: Any, tokenizer: Any, rows: list[dict], sampling: Any) -> dict:
     """Fraction of ``rows`` answered correctly by ``engine.generate_group`` (all responses of
-    every prompt count). ``engine`` is a ``services.generator.engine.GenerationEngine``."""
+    every prompt count). ``engine`` is a ``common.engine.GenerationEngine``."""
     started = time.perf_counter()
     groups = await asyncio.gather(
         *(

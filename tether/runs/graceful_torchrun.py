@@ -1,4 +1,4 @@
-"""`python -m common.runs.graceful_torchrun [TORCHRUN ARGS...]`: torchrun whose SIGTERM is a clean
+"""`python -m tether.runs.graceful_torchrun [TORCHRUN ARGS...]`: torchrun whose SIGTERM is a clean
 stop, and whose exit code is the ranks' own.
 
 Plain torchrun, sent SIGTERM (a pod deleted, `docker compose stop`), forwards it to its ranks,

@@ -1,4 +1,4 @@
-"""`tether plan`: predict cycle time and the bounding stage for a cluster shape (``common.runs.plan``)
+"""`tether plan`: predict cycle time and the bounding stage for a cluster shape (``tether.runs.plan``)
 from measured or assumed per-stage rates, and the generator:learner split that balances them."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def add_plan_verb(sub: argparse._SubParsersAction) -> None:
 
 
 def _rates(args: argparse.Namespace) -> tuple[Any, str]:
-    from common.runs.plan import StageRates, gpu_rates, rates_from_pipeline
+    from tether.runs.plan import StageRates, gpu_rates, rates_from_pipeline
 
     if args.from_pipeline:
         result = json.loads(Path(args.from_pipeline).read_text())
@@ -78,7 +78,7 @@ def _rates(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from common.runs.plan import ClusterShape, best_split, plan
+    from tether.runs.plan import ClusterShape, best_split, plan
 
     try:
         rates, source = _rates(args)

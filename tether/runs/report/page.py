@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.protocol.run_dir import RunDir
-from common.runs.report import plots as rp
-from common.runs.report.data import (
+from tether.runs.report import plots as rp
+from tether.runs.report.data import (
     SECTIONS,
     accounting_rows,
     read_config,

@@ -33,7 +33,7 @@ class Progress:
         return acc
 
     def line(self) -> str:
-        from common.runs.status import collect_status
+        from tether.runs.status import collect_status
 
         st = collect_status(self.bus)
         trained = st["accounting"]["trained_samples"]
@@ -62,7 +62,7 @@ class Progress:
 
     def final(self) -> None:
         try:
-            from common.runs.status import collect_status, format_status
+            from tether.runs.status import collect_status, format_status
 
             print(format_status(collect_status(self.bus)), flush=True)
         except Exception as exc:
