@@ -105,6 +105,8 @@ class GeneratorService:
         self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
+        self.episodes: Any = None  # an EpisodeRunner when generator.max_turns > 1
+        self.tool_schemas: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
@@ -136,6 +138,13 @@ class GeneratorService:
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
+        if g.max_turns > 1:
+            from services.generator.episodes import start_runner
+
+            self.episodes = await start_runner(
+                self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
+            )
+            self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
         self.weights = WeightFollower(
             self.engine,
             settings=self.cfg.weights,
@@ -158,7 +167,10 @@ class GeneratorService:
         from common.data.prompts import encode_prompt, prompt_of
 
         return encode_prompt(
-            self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
+            self.tokenizer,
+            prompt_of(msg),
+            apply_chat_template=self.cfg.data.apply_chat_template,
+            tools=self.tool_schemas,
         )
 
     def _sampling(self, split: str):
@@ -212,10 +224,16 @@ class GeneratorService:
             return
         await self._gate(msg.min_policy_version)
         started = time.time()
-        samples = await self.engine.generate_group(
-            ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        )
-        trajectories = single_turn_trajectories(msg, samples, started=started, version=self.version)
+        request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
+        if self.episodes is not None:
+            trajectories = await self._episodes(msg, ids, request_id, started)
+        else:
+            samples = await self.engine.generate_group(
+                ids, self._sampling(msg.split), request_id=request_id
+            )
+            trajectories = single_turn_trajectories(
+                msg, samples, started=started, version=self.version
+            )
         group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
@@ -230,11 +248,36 @@ class GeneratorService:
             dedupe_ids=[group.group_id],
             count_as=self.sid,
         )
-        n_tokens = sum(len(s.token_ids) for s in samples)
+        n_tokens = sum(t.num_sampled for t in trajectories)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
         self.metrics.groups.labels(msg.split).inc()
+
+    async def _episodes(
+        self, msg: wire.PromptMsg, ids: list[int], request_id: str, started: float
+    ) -> list[wire.Trajectory]:
+        """The prompt's episodes (``responses_per_prompt``; one for eval), run concurrently: their
+        turns batch together in vLLM with every other prompt's."""
+        import dataclasses
+
+        from common.data.prompts import prompt_of
+
+        sampling = self._sampling(msg.split)
+        prompt = prompt_of(msg)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        version = int(self.version or 0)
+        records = await asyncio.gather(*(
+            self.episodes.run(prompt_ids=ids, prompt_messages=messages,
+                              sampling=dataclasses.replace(sampling, n=1),
+                              request_id=f"{request_id}/s{i}", version=version)
+            for i in range(sampling.n)
+        ))  # fmt: skip
+        queued = {"queued_s": started - msg.created_at}
+        return [
+            rec.to_trajectory(sample_id=f"{msg.prompt_id}/{i}", sample_index=i, timings=queued)
+            for i, rec in enumerate(records)
+        ]
 
     # ------------------------------------------------------------------ the loop
     def _classify(self, in_flight: int) -> str:
@@ -346,6 +389,8 @@ class GeneratorService:
                 h.cancel()
             for t in tasks:
                 t.cancel()
+            if self.episodes is not None:
+                await self.episodes.sandbox.close()
 
     def stop(self) -> None:
         self._stop.set()

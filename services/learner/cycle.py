@@ -50,6 +50,9 @@ class Sample:
     truncated: bool = False  # cut short: at run.max_response_tokens or generator.max_turns
     loss_mask: list[int] = field(default_factory=list)  # one per response id; empty = all 1
     refused: bool = False  # the generator's strict re-render check refused it: never trained
+    # what the episode did (rank 0's step records; not sent to the other ranks): see
+    # ``episode_stats``
+    episode: dict[str, float] = field(default_factory=dict)
     # filled in per cycle / per step
     advantages: list[float] = field(default_factory=list)  # one per response token
     old_logp: list[float] = field(default_factory=list)
@@ -75,9 +78,26 @@ def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
                     truncated=traj.finish_reason in CUT_SHORT,
                     loss_mask=traj.loss_mask.astype(np.int64).tolist(),
                     refused=traj.finish_reason == REFUSED,
+                    episode=episode_stats(traj),
                 )
             )
     return out
+
+
+def episode_stats(traj: wire.Trajectory) -> dict[str, float]:
+    """What an episode did, for the step records: assistant turns, tool calls, failed ones,
+    seconds in tools, a re-render mismatch (0/1), cut at max_turns (0/1), and the span of its
+    sampled ids' versions (newest − oldest: how far the policy moved during the episode)."""
+    sampled = traj.token_versions[traj.loss_mask == 1]
+    return {
+        "turns": float(sum(1 for role, _, _ in traj.turns if role == "assistant")),
+        "tool_calls": float(len(traj.tool_calls)),
+        "tool_errors": float(sum(1 for c in traj.tool_calls if not c.ok)),
+        "tool_seconds": float(sum(c.seconds for c in traj.tool_calls)),
+        "template_mismatch": float(traj.template_mismatch >= 0),
+        "cut_max_turns": float(traj.finish_reason == "max_turns"),
+        "version_span": float(sampled.max() - sampled.min()) if len(sampled) else 0.0,
+    }
 
 
 def response_mask(s: Sample) -> list[int]:
