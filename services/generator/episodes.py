@@ -172,6 +172,29 @@ class EpisodeRunner:
         self.metrics.turns.observe(rec.assistant_turns)
         return rec
 
+    async def run_prompt(
+        self, msg: Any, ids: list[int], sampling: Any, *, request_id: str, version: int,
+        started: float,
+    ) -> list[Any]:  # fmt: skip
+        """A prompt's ``sampling.n`` episodes (``responses_per_prompt``; one for eval), run
+        concurrently (their turns batch together in vLLM with every other prompt's), as the
+        trajectories of its group."""
+        from common.data.prompts import prompt_of
+
+        prompt = prompt_of(msg)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        one = dataclasses.replace(sampling, n=1)
+        records = await asyncio.gather(*(
+            self.run(prompt_ids=ids, prompt_messages=messages, sampling=one,
+                     request_id=f"{request_id}/s{i}", version=version)
+            for i in range(sampling.n)
+        ))  # fmt: skip
+        queued = {"queued_s": started - msg.created_at}
+        return [
+            rec.to_trajectory(sample_id=f"{msg.prompt_id}/{i}", sample_index=i, timings=queued)
+            for i, rec in enumerate(records)
+        ]
+
     def _check_template(self, rec: EpisodeRecorder) -> None:
         """The re-render check (``generator.template_check``) over everything before the last
         assistant turn; ``strict`` refuses a mismatching episode (the learner trains it with no

@@ -2,12 +2,15 @@
 
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
-          per-token behaviour log-probs and the policy version spans that produced it),
-          published together with the ack of the prompt (exactly once per prompt id).
+          per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
+          episodes: ``episodes.py``), published together with the ack of the prompt (exactly
+          once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
-          backlog (back-pressure); for the learner's weight store before its first sample.
-Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
+          backlog (back-pressure); for the learner's weight store before its first sample; an
+          episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
+Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
+          the tools answering.
 
 Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
 ``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a
@@ -17,8 +20,8 @@ silent for ``generator.liveness_s``, and ``/readyz`` with it.
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
 sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
-trajectory's ``policy_version`` is the version of its first token, the oldest — the one
-staleness is judged by.
+trajectory's ``policy_version`` is the version of its oldest sampled token — the one staleness
+is judged by (for an episode, over all its assistant turns).
 """
 
 from __future__ import annotations
@@ -226,7 +229,10 @@ class GeneratorService:
         started = time.time()
         request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
         if self.episodes is not None:
-            trajectories = await self._episodes(msg, ids, request_id, started)
+            trajectories = await self.episodes.run_prompt(
+                msg, ids, self._sampling(msg.split), request_id=request_id,
+                version=int(self.version or 0), started=started,
+            )  # fmt: skip
         else:
             samples = await self.engine.generate_group(
                 ids, self._sampling(msg.split), request_id=request_id
@@ -253,31 +259,6 @@ class GeneratorService:
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
         self.metrics.groups.labels(msg.split).inc()
-
-    async def _episodes(
-        self, msg: wire.PromptMsg, ids: list[int], request_id: str, started: float
-    ) -> list[wire.Trajectory]:
-        """The prompt's episodes (``responses_per_prompt``; one for eval), run concurrently: their
-        turns batch together in vLLM with every other prompt's."""
-        import dataclasses
-
-        from common.data.prompts import prompt_of
-
-        sampling = self._sampling(msg.split)
-        prompt = prompt_of(msg)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        version = int(self.version or 0)
-        records = await asyncio.gather(*(
-            self.episodes.run(prompt_ids=ids, prompt_messages=messages,
-                              sampling=dataclasses.replace(sampling, n=1),
-                              request_id=f"{request_id}/s{i}", version=version)
-            for i in range(sampling.n)
-        ))  # fmt: skip
-        queued = {"queued_s": started - msg.created_at}
-        return [
-            rec.to_trajectory(sample_id=f"{msg.prompt_id}/{i}", sample_index=i, timings=queued)
-            for i, rec in enumerate(records)
-        ]
 
     # ------------------------------------------------------------------ the loop
     def _classify(self, in_flight: int) -> str:
