@@ -48,8 +48,8 @@ def step_env(tiny: bool) -> dict:
 def step_mixed(tiny: bool) -> dict:
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     hidden, layers, prompt, resp, batch = (64, 2, 8, 16, 2) if tiny else (512, 6, 64, 256, 8)
@@ -138,11 +138,11 @@ def step_publish3b(tiny: bool) -> dict:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from common.demo.tiny_model import build_tiny_model
     from common.weights.checksum import tensors_checksum
     from common.weights.publisher import WeightPublisher
     from services.learner.gather import HostStaging, full_state_dict_cpu
     from services.learner.model import load_policy, setup_distributed
+    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     shape: dict[str, Any] = (

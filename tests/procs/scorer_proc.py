@@ -29,12 +29,11 @@ def make_group(
     for j, text in enumerate(responses):
         n = max(1, len(text.encode()))
         samples.append(
-            wire.Trajectory(
+            wire.Trajectory.single_turn(
                 sample_id=f"{group_id}/{j}",
                 sample_index=j,
-                response_token_ids=rng.integers(0, 259, n).astype(np.uint32),
-                behaviour_logprobs=-rng.exponential(0.7, n).astype(np.float32),
-                policy_version=3,
+                token_ids=rng.integers(0, 259, n).astype(np.uint32),
+                logprobs=-rng.exponential(0.7, n).astype(np.float32),
                 version_spans=[(0, 3)],
                 finish_reason="stop",
                 response_text=text,
@@ -91,11 +90,11 @@ def pending(bus: Bus) -> int:
 
 
 class ScorerProc:
-    """`python -m common.cli scorer` in its own session; logs go to a file for failure messages."""
+    """`python -m tether.cli scorer` in its own session; logs go to a file for failure messages."""
 
     def __init__(self, url: str, run: str, sid: str, log_dir: Path, *sets: str,
                  env: dict[str, str] | None = None, metrics_port: int = 0) -> None:  # fmt: skip
-        args = [sys.executable, "-m", "common.cli", "scorer", "--id", sid,
+        args = [sys.executable, "-m", "tether.cli", "scorer", "--id", sid,
                 "--set", f"run.redis_url={url}", "--set", f"run.name={run}",
                 "--set", "bus.block_ms=200", "--set", "scorer.grader_workers=2",
                 "--set", f"scorer.metrics_port={metrics_port}"]  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.demo.model_families import FAMILIES, build_family, default_root
+from fixtures.model_families import FAMILIES, build_family, default_root
 from tests.paths import REPO
 
 WORKER = REPO / "tests" / "procs" / "sharded_load_worker.py"

@@ -1,0 +1,182 @@
+"""A run's status: what a running or finished run is doing, read from Redis.
+
+Every service writes a heartbeat (``status`` hash: phase seconds, counters, version); this module
+combines it with the streams' lag/pending and the dead-letter count into one document, and says
+which stage is the bottleneck — the service that is busiest while the others wait — which answers
+"why only ~4 steps in 3 hours?" for any run. A finished local run's embedded server is gone, so
+the launcher saves the last status as ``<run dir>/status.json`` (``save_status_snapshot``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from common.bus.dead_letters import holds_responses
+from common.protocol import streams as names
+from common.protocol.run_dir import RunDir
+
+STREAMS = list(names.PIPELINE)
+BUSY_PHASES = ("working", "syncing_weights", "checkpointing")
+
+
+def _services(bus) -> list[dict[str, Any]]:
+    out = []
+    for _, v in sorted(bus.read_statuses().items()):
+        try:
+            out.append(json.loads(v))
+        except ValueError:
+            continue
+    return out
+
+
+def breakdown(phases: dict[str, float]) -> dict[str, float]:
+    total = sum(phases.values()) or 1.0
+    return {k: v / total for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+
+
+def bottleneck(services: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The service kind with the largest busy fraction (mean over its replicas)."""
+    by_kind: dict[str, list[float]] = {}
+    for s in services:
+        frac = breakdown(s.get("phases", {}))
+        by_kind.setdefault(s["service"], []).append(sum(frac.get(p, 0.0) for p in BUSY_PHASES))
+    if not by_kind:
+        return None
+    kind, fracs = max(by_kind.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+    return {"service": kind, "busy_fraction": sum(fracs) / len(fracs)}
+
+
+def collect_status(bus) -> dict[str, Any]:
+    now = time.time()
+    services = _services(bus)
+    for s in services:
+        s["age_s"] = now - s.get("heartbeat", 0)
+        s["alive"] = s["age_s"] < 15
+        s["time_breakdown"] = breakdown(s.get("phases", {}))
+    streams = {}
+    for stream, group in STREAMS:
+        lag, pending = bus.backlog(stream, group) if bus.groups_info(stream) else (0, 0)
+        streams[stream] = {"group": group, "lag": lag, "pending": pending}
+    dead_entries = bus.call(lambda: bus.redis.xrange(bus.key(names.DEAD)), what="XRANGE dead")
+    dead = len(dead_entries)
+    # the dead-lettered entries that are generated groups: their responses are in the books
+    # (a dead-lettered prompt was never generated; an undecodable entry is not a generator's)
+    dead_groups = sum(1 for _, fields in dead_entries if holds_responses(fields))
+    learner = next((s for s in services if s["service"] == "learner"), {})
+    counters = learner.get("counters", {})
+    # every generator id's run-long count (Redis), not the live processes' own counters, which
+    # start again at 0 when a generator restarts
+    generated = sum(bus.generated_groups().values())
+    return {
+        "run": bus.settings.run,
+        "time": now,
+        "learner_version": learner.get("version"),
+        "cycle": learner.get("cycle"),
+        "last_step": learner.get("last_step", {}),
+        "generator_versions": {
+            s["id"]: s.get("version") for s in services if s["service"] == "generator"
+        },
+        "services": services,
+        "streams": streams,
+        "dead_letters": dead,
+        # the weight chain: the version being (or last) published and the membership epoch the
+        # last publish ran under (it grows when a generator joins or is dropped)
+        "weights": {
+            "publishing": _int_or_none(bus.get(names.WEIGHTS_PUBLISHING)),
+            "chain_epoch": _int_or_none(bus.get(names.WEIGHTS_EPOCH)),
+        },
+        "accounting": {
+            "groups_generated": generated,
+            "trained_samples": counters.get("trained_samples", 0),
+            "dropped_stale_samples": counters.get("dropped_stale", 0),
+            "filtered_samples": counters.get("filtered_samples", 0),
+            "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
+            "surplus_samples": counters.get("surplus_samples", 0),
+            "dead_letters": dead,
+            "dead_letter_groups": dead_groups,
+        },
+        "bottleneck": bottleneck(services),
+    }
+
+
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value is not None and value.lstrip("-").isdigit() else None
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = [f"run {st['run']}: learner v{st['learner_version']} cycle {st['cycle']}"]
+    ls = st.get("last_step") or {}
+    if ls:
+        lines.append(
+            f"  last step {ls.get('step')}: loss {ls.get('loss', 0):.4f} reward {ls.get('reward_mean', 0):.3f} staleness ≤ {ls.get('staleness_max')}"
+        )
+    if ls.get("tool_calls_per_episode", 0) > 0 or ls.get("episode_turns_mean", 1) > 1:
+        lines.append(
+            f"  episodes: {ls['episode_turns_mean']:.2f} turns, {ls['tool_calls_per_episode']:.2f} "
+            f"tool calls ({ls['tool_call_rate']:.0%} called one, {ls['tool_error_rate']:.0%} "
+            f"failed, {ls['tool_seconds_per_episode']:.3f} s in tools) per episode; "
+            f"{ls['episodes_cut_max_turns']:.0f} cut at max_turns, "
+            f"{ls['template_mismatches']:.0f} re-render mismatches; versions within an "
+            f"episode span ≤ {ls['episode_version_span_max']:.0f} (staleness counts from the "
+            "oldest)"
+        )
+    for s in st["services"]:
+        tb = ", ".join(f"{k} {v:.0%}" for k, v in list(s["time_breakdown"].items())[:4])
+        state = "alive" if s["alive"] else f"silent {s['age_s']:.0f}s"
+        lines.append(
+            f"  {s['service']:9s} {s['id']:14s} v{s.get('version')} {state:10s} time: {tb}"
+        )
+    for name, q in st["streams"].items():
+        lines.append(
+            f"  stream {name:8s} group {q['group']:10s} lag {q['lag']:5d} pending {q['pending']:5d}"
+        )
+    w = st.get("weights") or {}
+    if w.get("publishing") is not None:
+        lines.append(
+            f"  weights: v{w['publishing']} published last, chain epoch {w.get('chain_epoch')}"
+        )
+    groups = st.get("accounting", {}).get("dead_letter_groups")
+    held = f" ({groups} generated group(s); the rest prompts or undecodable)" if groups else ""
+    lines.append(f"  dead letters: {st['dead_letters']}{held}")
+    acc = st.get("accounting") or {}
+    if acc:
+        lines.append(
+            f"  learner responses: trained {acc.get('trained_samples', 0)} (per pass), dropped "
+            f"stale {acc.get('dropped_stale_samples', 0)}, filtered {acc.get('filtered_samples', 0)} "
+            f"(equal rewards), masked over-long {acc.get('overlong_masked_samples', 0)}, surplus "
+            f"{acc.get('surplus_samples', 0)} (dynamic sampling)"
+        )
+    b = st.get("bottleneck")
+    if b:
+        lines.append(f"  bottleneck: {b['service']} (busy {b['busy_fraction']:.0%} of its time)")
+    return "\n".join(lines)
+
+
+def save_status_snapshot(run_dir: str | Path, status: dict[str, Any]) -> Path:
+    """Write ``status`` (from ``collect_status``) to ``<run_dir>/status.json`` atomically
+    (temporary file, fsync, rename), so a reader never sees half a file."""
+    path = RunDir(Path(run_dir)).status_snapshot
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    doc = {**status, "snapshot_time": time.time()}
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path
+
+
+def load_status_snapshot(run_dir: str | Path) -> dict[str, Any] | None:
+    path = RunDir(Path(run_dir)).status_snapshot
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); delete it, or run `tether status` while the run is live"
+        ) from exc
