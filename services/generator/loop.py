@@ -108,30 +108,10 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from common.engine import EngineSettings, GenerationEngine
+        from common.engine import GenerationEngine, policy_engine_settings
 
-        g, run = self.cfg.generator, self.cfg.run
-        from common.data.model_paths import policy_paths
-
-        model_dir, tok_dir = policy_paths(self.cfg)
-        dtype = (
-            g.dtype if g.dtype != "auto" else "float32" if g.gpus_per_replica == 0 else "bfloat16"
-        )
-        self.engine = GenerationEngine(
-            EngineSettings(
-                model=model_dir,
-                tokenizer=tok_dir,
-                dtype=dtype,
-                max_model_len=run.max_prompt_tokens + run.max_response_tokens,
-                gpu_memory_utilization=g.gpu_memory_utilization,
-                kv_cache_gib=g.kv_cache_gib,
-                enforce_eager=g.enforce_eager,
-                max_num_seqs=g.max_num_seqs,
-                seed=run.seed,
-                tensor_parallel_size=g.tensor_parallel_size,
-                worker_extension_cls=WORKER_EXT,
-            )
-        )
+        settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
+        self.engine = GenerationEngine(settings)
         await self.engine.start()
         from common.data.model_paths import policy_tokenizer
 

@@ -237,9 +237,7 @@ class LearnerService:
             self.rank0.count_masked(filtered=filtered, overlong=overlong)
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
-        limit = self.cfg.run.max_staleness
-        assert limit is not None
-        oldest = oldest_usable(self.version, max_staleness=limit)
+        oldest = oldest_usable(self.version, max_staleness=self.cfg.run.max_staleness)
         dropped = 0
         for i in idx:
             if self.rank0 is not None:
@@ -254,7 +252,6 @@ class LearnerService:
         from services.learner.train_step import train_step
 
         run, ln = self.cfg.run, self.cfg.learner
-        assert run.train_steps_per_cycle is not None
         with self.timer.phase("working"):
             self._prepare(samples)
         for idx in steps_of_cycle(
@@ -301,7 +298,7 @@ class LearnerService:
             )
             if self.rank0 is not None:
                 self.rank0.record_step(self.last_step, st)
-            if self.version % self.cfg.publish_every_steps == 0:
+            if self.version % ln.publish_every_steps == 0:
                 self.publish()
             if self.rank0 is not None:
                 self.rank0.dispatch(self.version, first_cycle=self.next_cycle)

@@ -73,13 +73,10 @@ class Rank0:
         from common.weights.publisher import WeightPublisher
 
         w = self.cfg.weights
-        # auto = gloo: host memory over TCP works for every placement (a generator on the
-        # learner's own GPU too); nccl is opt-in (see WeightsConfig.backend)
-        backend = w.backend if w.backend != "auto" else "gloo"
         pub = WeightPublisher(
             w.host,
             w.port or free_port(),
-            backend=backend,
+            backend=w.backend,  # "auto" is settled at load (gloo)
             timeout_s=w.timeout_s,
             bucket_bytes=int(w.bucket_mb * 2**20),
             fanout=w.fanout,
@@ -229,7 +226,7 @@ class Rank0:
             sorted(lost)[:8],
             reasons,
         )
-        steps = self.cfg.run.train_steps_per_cycle or 1
+        steps = self.cfg.run.train_steps_per_cycle
         if groups * self.cfg.run.responses_per_prompt < steps:
             raise LostCycle(
                 f"cycle {cycle}: {len(lost)} of its prompts or groups were dead-lettered "

@@ -145,28 +145,24 @@ class ScorerService:
         self.rewards = RewardScorer(spec, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.data.model_paths import solver_path
+        from common.engine import solver_engine_settings
         from services.scorer.solver import Solver, SolverSettings
 
-        s, run = self.cfg.scorer, self.cfg.run
-        model = solver_path(self.cfg)
-        assert s.solver_max_model_len is not None  # derived at load
+        s = self.cfg.scorer
+        engine = solver_engine_settings(self.cfg)
         self.solver = Solver(
             SolverSettings(
-                model=model,
+                model=engine.model,
                 template=s.solver_template,
                 samples=s.solver_samples,
                 aggregation=s.solver_aggregation,
                 temperature=s.solver_temperature,
                 max_tokens=s.solver_max_tokens,
-                seed=run.seed,
-                kv_cache_gib=s.solver_kv_cache_gib,
-                gpu_memory_utilization=s.solver_gpu_memory_utilization,
-                max_model_len=s.solver_max_model_len,
-                dtype=s.solver_dtype,
+                max_model_len=engine.max_model_len,
             ),
             pool=self.pool,
             engine=self.solver_engine,
+            engine_settings=engine,
         )
         await self.solver.start()
 
