@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any
 
+from common.bus.consumer import Consumer
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -289,7 +290,7 @@ class GeneratorService:
         await self.weights.join_until_done()
         self.ready = True
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)  # back-pressure reads its backlog
-        consumer = self.bus.consumer(streams.PROMPTS, streams.GENERATORS, self.sid)
+        consumer = Consumer(self.bus, streams.PROMPTS, streams.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
         helpers = [
             asyncio.create_task(c)

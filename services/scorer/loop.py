@@ -23,6 +23,7 @@ import os
 import time
 from typing import Any
 
+from common.bus.consumer import Consumer
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -273,7 +274,7 @@ class ScorerService:
         await asyncio.to_thread(self.pool.wait_ready)
         if self.cfg.scorer.mode == "solver":
             await self._start_solver()
-        consumer = self.bus.consumer(streams.GROUPS, streams.SCORERS, self.sid)
+        consumer = Consumer(self.bus, streams.GROUPS, streams.SCORERS, self.sid)
         # The learner's group, at id 0: scored groups published before the learner starts wait
         # for it, and back-pressure has a group to measure.
         await asyncio.to_thread(self.bus.ensure_group, streams.SCORED, streams.LEARNER)
