@@ -204,8 +204,9 @@ def _resolve_auto(cfg: TetherConfig, derived: set[str]) -> None:
     """The ``"auto"`` settings that the config alone decides, settled here so that no service
     decides them again: the generator's dtype (float32 on CPU, where log-probs are compared
     exactly; bfloat16 on GPU) and the weight broadcast's backend (gloo: host memory over TCP
-    works for every placement; nccl is opt-in). ``learner.dtype = "auto"`` stays: it follows
-    the device each rank finds at start-up."""
+    works for every placement; nccl is opt-in). Three stay "auto" on purpose: ``learner.dtype``
+    and ``weights.dtype`` follow the device each learner rank finds at start-up, and
+    ``scorer.solver_dtype`` is vLLM's own "auto" (the solver model's dtype)."""
     g = cfg.generator
     if g.dtype == "auto":
         g.dtype = "float32" if g.gpus_per_replica == 0 else "bfloat16"
