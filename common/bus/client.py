@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
+from common.bus.memory import OOM_FIRST_DELAY_S, Memory, OomEpisodes, check_policy, read_memory
 from common.bus.metrics import BusMetrics
 from common.bus.settings import (
     BusSettings,
@@ -46,23 +47,31 @@ class Bus:
             connect_timeout_s=settings.connect_timeout_s,
         )
         self._commit_script = self.redis.register_script(_COMMIT_LUA)
+        self._oom = OomEpisodes(self.metrics, lambda: read_memory(self.redis).describe())
 
     # ------------------------------------------------------------------ plumbing
     def key(self, name: str) -> str:
         return f"{self.settings.run}:{name}"
 
     def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Run ``fn`` with bounded exponential back-off and reconnect on connection loss."""
+        """Run ``fn`` with bounded exponential back-off: reconnect on connection loss (for up to
+        ``reconnect_max_s``), and wait for room while Redis is out of memory (``memory.py``)."""
         deadline = time.monotonic() + self.settings.reconnect_max_s
-        delay = 0.05
+        delay, oom_delay = 0.05, OOM_FIRST_DELAY_S
         while True:
             try:
-                return fn()
+                result = fn()
+                self._oom.succeeded()
+                return result
             except redis.AuthenticationError as e:  # a ConnectionError subclass: do not retry
                 raise ValueError(
                     f"Redis at {self._safe_url()} refused our credentials ({e}); check the "
                     "user:password in the bus url"
                 ) from e
+            except redis.OutOfMemoryError:  # maxmemory reached: wait for room (memory.py)
+                oom_delay = self._oom.wait(what, oom_delay)
+                deadline = time.monotonic() + self.settings.reconnect_max_s
+                continue
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise BusUnavailable(
@@ -80,6 +89,20 @@ class Bus:
 
     def ping(self) -> bool:
         return bool(self.call(self.redis.ping, what="PING"))
+
+    def memory(self) -> Memory:
+        """The server's used memory against ``maxmemory`` (also set as this process's gauges)."""
+        mem = self.call(lambda: read_memory(self.redis), what="INFO memory")
+        self.metrics.redis_used.set(mem.used_bytes)
+        self.metrics.redis_max.set(mem.max_bytes)
+        return mem
+
+    def check_server(self) -> Memory:
+        """At a service's start: refuse a ``maxmemory-policy`` that can evict Tether's keys
+        (``ConfigError``, exit 2) unless ``allow_evicting_policy``. Waits for Redis like any call."""
+        mem = self.memory()
+        check_policy(mem, url=self._safe_url(), allow_evicting=self.settings.allow_evicting_policy)
+        return mem
 
     def close(self) -> None:
         self.redis.close()
@@ -204,11 +227,15 @@ class Bus:
                              what="XTRIM"))  # fmt: skip
 
     # ------------------------------------------------------------------ consuming
-    def consumer(self, stream: str, group: str, name: str) -> Consumer:
+    def consumer(
+        self, stream: str, group: str, name: str, *, claims: bool = True, track_strikes: bool = True
+    ) -> Consumer:
+        """A member of ``group`` (created if missing); ``claims`` and ``track_strikes`` as in
+        ``Consumer``: off for a consumer that holds entries pending on purpose."""
         from common.bus.consumer import Consumer
 
         self.ensure_group(stream, group)
-        return Consumer(self, stream, group, name)
+        return Consumer(self, stream, group, name, claims=claims, track_strikes=track_strikes)
 
     def commit(self, group: str, stream: str, entry_ids: Sequence[str], *,
                publish: Sequence[tuple[str, wire.Message]] = (),
@@ -226,9 +253,12 @@ class Bus:
         payloads = [(s, wire.encode(m)) for s, m in publish]
         ids = list(dedupe_ids) if dedupe_ids is not None else []
         gated = 1 if dedupe_ids is not None else 0
-        keys = [self.key(streams.done_set(group)), self.key(stream)] + [
-            self.key(s) for s, _ in payloads
-        ]
+        keys = [
+            self.key(streams.done_set(group)),
+            self.key(stream),
+            self.key(streams.in_hand(stream, group)),
+            self.key(streams.strikes(stream, group)),
+        ] + [self.key(s) for s, _ in payloads]
         if count_as:
             keys.append(self.key(streams.GENERATED_GROUPS))
         args: list[Any] = [group, gated, count_as or "", len(ids), *ids]
@@ -298,11 +328,13 @@ def _parse_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# KEYS: done-set, upstream stream, downstream streams..., [count hash when count_as is set]
+# KEYS: done-set, upstream stream, its in-hand and strikes hashes (``strikes.py``), downstream
+# streams..., [count hash when count_as is set]
 # ARGV: group, gated, count_as, n_ids, ids..., n_acks, acks..., now, payloads...
-# (payload i -> KEYS[2+i]; the count hash is the key after the last downstream stream)
+# (payload i -> KEYS[4+i]; the count hash is the key after the last downstream stream)
 # Publish first, ack last: a script error part-way leaves entries pending (redelivered, deduped),
 # never acked-but-unpublished. The count grows with what was published, in the same script.
+# Under Redis's maxmemory the first write (ZADD) is refused and nothing is written at all.
 _COMMIT_LUA = """
 local group, gated, count_as, n_ids = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local fresh = {}
@@ -322,14 +354,18 @@ for i = 1, n_payloads do
   local payload = ARGV[p + n_acks + 1 + i]
   published[i] = 0
   if gated == 0 or fresh[ARGV[4 + i]] then
-    redis.call('XADD', KEYS[2 + i], '*', 'm', payload)
+    redis.call('XADD', KEYS[4 + i], '*', 'm', payload)
     published[i] = 1
     n_published = n_published + 1
   end
 end
 if count_as ~= '' and n_published > 0 then
-  redis.call('HINCRBY', KEYS[3 + n_payloads], count_as, n_published)
+  redis.call('HINCRBY', KEYS[5 + n_payloads], count_as, n_published)
 end
-for i = 1, n_acks do redis.pcall('XACK', KEYS[2], group, ARGV[p + i]) end
+for i = 1, n_acks do
+  redis.pcall('XACK', KEYS[2], group, ARGV[p + i])
+  redis.call('HDEL', KEYS[3], ARGV[p + i])
+  redis.call('HDEL', KEYS[4], ARGV[p + i])
+end
 return published
 """

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bus.dead_letters import holds_responses
+from common.bus.redrive import redrivable
 from common.protocol import streams as names
 from common.protocol.run_dir import RunDir
 
@@ -67,10 +68,18 @@ def collect_status(bus) -> dict[str, Any]:
     # (a dead-lettered prompt was never generated; an undecodable entry is not a generator's)
     dead_groups = sum(1 for _, fields in dead_entries if holds_responses(fields))
     learner = next((s for s in services if s["service"] == "learner"), {})
+    cycle = learner.get("cycle")
+    redrivable_n = sum(
+        1
+        for _, fields in dead_entries
+        if redrivable(fields, learner_cycle=cycle if isinstance(cycle, int) else None)
+    )
     counters = learner.get("counters", {})
     # every generator id's run-long count (Redis), not the live processes' own counters, which
     # start again at 0 when a generator restarts
-    generated = sum(bus.generated_groups().values())
+    by_field = bus.generated_groups()
+    generated = sum(by_field.values())
+    eval_generated = sum(n for k, n in by_field.items() if k.endswith(names.EVAL_SUFFIX))
     return {
         "run": bus.settings.run,
         "time": now,
@@ -83,6 +92,7 @@ def collect_status(bus) -> dict[str, Any]:
         "services": services,
         "streams": streams,
         "dead_letters": dead,
+        "dead_letters_redrivable": redrivable_n,  # `tether bus redrive` can return them
         # the weight chain: the version being (or last) published and the membership epoch the
         # last publish ran under (it grows when a generator joins or is dropped)
         "weights": {
@@ -91,6 +101,7 @@ def collect_status(bus) -> dict[str, Any]:
         },
         "accounting": {
             "groups_generated": generated,
+            "eval_groups_generated": eval_generated,  # counted apart by the generators
             "trained_samples": counters.get("trained_samples", 0),
             "dropped_stale_samples": counters.get("dropped_stale", 0),
             "filtered_samples": counters.get("filtered_samples", 0),
@@ -131,6 +142,9 @@ def format_status(st: dict[str, Any]) -> str:
         )
     groups = st.get("accounting", {}).get("dead_letter_groups")
     held = f" ({groups} generated group(s); the rest prompts or undecodable)" if groups else ""
+    again = st.get("dead_letters_redrivable")
+    if again:
+        held += f"; {again} re-drivable once their cause is fixed (`tether bus redrive`)"
     lines.append(f"  dead letters: {st['dead_letters']}{held}")
     acc = st.get("accounting") or {}
     if acc:

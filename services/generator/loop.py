@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Any
 
+from common.bus.consumer import let_go
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -229,7 +230,7 @@ class GeneratorService:
             [d],
             publish=[(streams.GROUPS, group)],
             dedupe_ids=[group.group_id],
-            count_as=self.sid,
+            count_as=streams.generated_field(self.sid, msg.split),
         )
         n_tokens = sum(len(s.token_ids) for s in samples)
         self.tokens_generated += n_tokens
@@ -347,6 +348,8 @@ class GeneratorService:
                 h.cancel()
             for t in tasks:
                 t.cancel()
+            if self._stop.is_set():  # stopped on purpose: what it held is not at fault
+                await asyncio.to_thread(let_go, consumer)
 
     def stop(self) -> None:
         self._stop.set()

@@ -203,14 +203,15 @@ class Dispatcher:
             c += 1
         return done
 
-    def dispatch_eval(self, round_id: int, version: int) -> int:
-        """Send the held-out set (greedy by default) for evaluation of weights >= ``version``."""
+    def dispatch_eval(self, round_id: int, version: int, *, tag: str) -> int:
+        """Send the held-out set (greedy by default) for evaluation of weights >= ``version``;
+        ``tag`` names the learner process that runs the round (``evaluation.py``)."""
         if self.eval_set is None:
             return 0
         for i, record in enumerate(self.eval_set):
             msg = self._prompt(
                 record,
-                prompt_id=f"eval{round_id}/{i}/{record.prompt_id}",
+                prompt_id=f"eval{round_id}.{tag}/{i}/{record.prompt_id}",
                 cycle=round_id,
                 index=i,
                 split="eval",

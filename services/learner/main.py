@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import preflight
+    from common.service.preflight import check_server, preflight
 
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
@@ -43,6 +43,8 @@ def main(cfg: TetherConfig, args) -> int:
     health = status = None
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
+        if svc.rank0 is not None:
+            check_server(svc.rank0.bus)  # an evicting maxmemory-policy: exit 2 before the model
         if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live

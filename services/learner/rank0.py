@@ -49,7 +49,13 @@ class Rank0:
         self.metrics.generators_configured.set(cfg.generator.replicas)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
-        self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)
+        # the learner holds scored entries pending until a checkpoint covers their training: it
+        # neither claims (it would take its own entries back and ack them as duplicates) nor
+        # counts strikes (its restarts must never dead-letter its own data; common.bus.strikes)
+        self.consumer = self.bus.consumer(
+            streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER,
+            claims=False, track_strikes=False,
+        )  # fmt: skip
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
         self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)

@@ -49,13 +49,17 @@ def make_run_dir(tmp_path: Path, name: str) -> Path:
     return run_dir
 
 
-def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> None:
+def fake_services(
+    url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None
+) -> None:
     """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
 
     Books (responses_per_prompt = 4): generator groups 60 = 32 eval + 28 train = 112 trajectories
     = 100 trained + 4 dropped stale + 4 dead-lettered (1 group) + 4 in flight (1 queued group).
     The generator's run-long count (what ``Bus.count_generated`` keeps) is 60; with
-    ``generator_restarted`` its live process has published only 7 of them since its restart."""
+    ``generator_restarted`` its live process has published only 7 of them since its restart.
+    ``lost_round``: the generator counts its held-out groups apart (as generators do now), and a
+    round of that many groups whose learner died (never in metrics.jsonl) is among them."""
     bus = Bus(BusSettings(url=url, run=run), service="test")
     now = time.time()
     beats = [
@@ -85,7 +89,11 @@ def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> N
     bus.redis.xadd(bus.key(DEAD), dead)
     bus.redis.xadd(bus.key(DEAD), {**dead, "reason": b"unencodable_prompt", "stream": b"prompts"})
     bus.redis.xadd(bus.key(DEAD), {"reason": b"undecodable", "stream": b"groups", "split": b""})
-    bus.count_generated("generator-0", 28 + EVAL_GROUPS)
+    if lost_round is None:
+        bus.count_generated("generator-0", 28 + EVAL_GROUPS)
+    else:
+        bus.count_generated("generator-0", 28)
+        bus.count_generated("generator-0:eval", EVAL_GROUPS + lost_round)
     bus.set(WEIGHTS_PUBLISHING, 7)
     bus.set(WEIGHTS_EPOCH, 3)
     bus.close()
@@ -147,6 +155,42 @@ def test_accounting_survives_a_generator_restart(redis_server, tmp_path, capsys,
     assert st["accounting"]["groups_generated"] == 28 + EVAL_GROUPS
     assert st["accounting_trajectories"]["generated"] == 112
     assert st["accounting_trajectories"]["unaccounted"] == 0
+
+
+def test_books_balance_when_a_learner_died_during_a_held_out_round(
+    redis_server, tmp_path, capsys, monkeypatch
+):
+    # A held-out round whose learner died is never recorded in metrics.jsonl; its groups were
+    # counted by the generators as evaluation groups (``<id>:eval``), so they are not taken for
+    # unaccounted training data (before, 16 such groups read as 64 unaccounted responses).
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_deadround")
+    fake_services(redis_server.url, "st_deadround", lost_round=16)
+    code, out, err = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url, "--json"], capsys
+    )
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["accounting"]["eval_groups_generated"] == EVAL_GROUPS + 16
+    assert st["accounting_trajectories"]["generated"] == 112
+    assert st["accounting_trajectories"]["unaccounted"] == 0
+
+
+def test_status_counts_the_redrivable_dead_letters(redis_server, tmp_path, capsys, monkeypatch):
+    # whole training messages of a cycle the learner (at cycle 4) has still to train: 1 of 4
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_redrive")
+    fake_services(redis_server.url, "st_redrive")
+    bus = Bus(BusSettings(url=redis_server.url, run="st_redrive"), service="test")
+    whole = {"reason": b"max_deliveries", "stream": b"groups", "split": b"train", "cycle": 4,
+             "index": 33, "raw": b"x", "complete": 1}  # fmt: skip
+    bus.redis.xadd(bus.key(DEAD), whole)
+    bus.close()
+    code, out, err = tether(["status", "--run", str(run_dir), "--redis-url", redis_server.url],
+                           capsys)  # fmt: skip
+    assert code == 0, err
+    assert "dead letters: 4 (2 generated group(s)" in out
+    assert "1 re-drivable once their cause is fixed (`tether bus redrive`)" in out
 
 
 def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
