@@ -206,6 +206,31 @@ class Bus:
             delay = min(delay * 2, 0.5)
         return time.monotonic() - start
 
+    def in_flight(self) -> dict[str, int]:
+        """Entries on their way to the learner, per stream, from one atomic snapshot (MULTI of
+        XINFO GROUPS): prompts and groups not yet acknowledged by the generators' / scorers'
+        group (lag + pending), scored groups not yet delivered to the learner (lag). A lag Redis
+        cannot tell (after deletions) counts as one in flight."""
+
+        def snapshot() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=True)
+            for stream, _ in streams.PIPELINE:
+                pipe.xinfo_groups(self.key(stream))
+            return list(pipe.execute(raise_on_error=False))
+
+        out = {}
+        for (stream, group), reply in zip(streams.PIPELINE, self.call(snapshot, what="MULTI XINFO"),
+                                          strict=True):  # fmt: skip
+            infos = [] if isinstance(reply, Exception) else reply  # no such key: nothing there
+            info = next((g for g in infos if decode_str(g["name"]) == group), None)
+            if info is None:
+                out[stream] = 0
+                continue
+            lag = info.get("lag")
+            pending = int(info["pending"]) if stream != streams.SCORED else 0
+            out[stream] = (1 if lag is None else int(lag)) + pending
+        return out
+
     def trim_acked(self, stream: str) -> int:
         """XTRIM MINID to the oldest entry not acked by every group. Returns entries deleted."""
         bounds = []

@@ -111,11 +111,14 @@ def refused(name: str, log_path: Path) -> str:
     (``LostCycle``: the run's data ran out, not its configuration) or a refused configuration."""
     said = _refusal(log_path)
     if ": cannot go on:" in said:
-        return (
-            f"{name} cannot go on (exit code 2): {said.split(': cannot go on: ', 1)[1]} "
-            f"`tether bus redrive` returns re-drivable dead letters once their cause is fixed; "
-            f"then `tether train --resume`. See {log_path}"
+        why = said.split(": cannot go on: ", 1)[1]
+        redrive = (
+            " `tether bus redrive` returns re-drivable dead letters once their cause is fixed;"
+            " then `tether train --resume`."
+            if "dead-lettered" in why
+            else ""
         )
+        return f"{name} cannot go on (exit code 2): {why}{redrive} See {log_path}"
     return (
         f"{name} refused its configuration or data (exit code 2)"
         f"{': ' + said if said else ''}; see {log_path}"

@@ -19,6 +19,15 @@ the current version before it generates anything; updates are applied in flight,
 sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
 trajectory's ``policy_version`` is the version of its first token, the oldest — the one
 staleness is judged by.
+
+Versions never go backwards within a response. A learner restarted from a checkpoint older than
+the last version it published sends its (lower) version; the engine loads it like any update,
+and a response in flight would then carry spans such as ``[[0, 294], [3, 292]]``: two timelines
+of training in one response, which no staleness rule can judge (the scorers dead-lettered such
+groups as ``bad_value``). Such a prompt is generated again, whole, on the weights now loaded
+(``trajectories.rolled_back``, ``tether_generator_regenerated_prompts_total``). A group finished
+on the lost timeline before the roll-back keeps its honest version: the restarted learner, on
+the same checkpoint and the same batches, trains on it as on any other.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import to_group
+from services.generator.trajectories import rolled_back, to_group
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ log = logging.getLogger(__name__)
 WORKER_EXT = "services.generator.worker_ext.TetherWorkerExtension"
 ENGINE_PING_EVERY_S = 2.0  # how often the engine-core process is asked a cheap question
 ENGINE_PING_TIMEOUT_S = 10.0  # an answer later than this is no answer
+MAX_REGENERATIONS = 3  # a prompt whose versions went back is generated again at most this often
 
 
 class _Metrics:
@@ -81,6 +91,12 @@ class _Metrics:
             "Counter",
             "tether_generator_staleness_wait_seconds_total",
             "seconds prompts waited for newer weights",
+        )
+        self.regenerated = metric(
+            "Counter",
+            "tether_generator_regenerated_prompts_total",
+            "prompts generated again because the policy version went back mid-generation (a "
+            "learner restarted from an older checkpoint than its last publish)",
         )
         self.tokens_per_s = metric(
             "Gauge",
@@ -211,11 +227,21 @@ class GeneratorService:
         except ValueError as exc:  # e.g. a chat list with data.apply_chat_template = false
             await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
             return
-        await self._gate(msg.min_policy_version)
-        started = time.time()
-        samples = await self.engine.generate_group(
-            ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        )
+        for attempt in range(1 + MAX_REGENERATIONS):
+            await self._gate(msg.min_policy_version)  # again after a roll-back
+            started = time.time()
+            request = f"{msg.prompt_id}@{self.sid}@{d.deliveries}" + (f".{attempt}" * bool(attempt))
+            samples = await self.engine.generate_group(ids, self._sampling(msg.split), request)
+            went_back = rolled_back(samples)
+            if went_back is None or attempt == MAX_REGENERATIONS:
+                break
+            self.metrics.regenerated.inc()
+            log.warning(
+                "prompt %s: the policy version went back during its generation (%s: the learner "
+                "restarted from an older checkpoint); generating it again on the weights now "
+                "loaded, so that its versions never go backwards",
+                msg.prompt_id, " -> ".join(f"v{v}" for v in went_back),
+            )  # fmt: skip
         group = to_group(
             msg, ids, samples, started=started, generator_id=self.sid, version=self.version
         )

@@ -7,6 +7,19 @@ from typing import Any
 from common.protocol import wire
 
 
+def rolled_back(samples: list[Any]) -> list[int] | None:
+    """The versions of the first response whose tokens' policy version went *down* (a learner
+    restarted from a checkpoint older than what it had published, and the engine took its
+    weights mid-response), else None. Such a response mixes two timelines of training and its
+    spans would not be ordered; it is generated again (``loop.py``)."""
+    for s in samples:
+        versions = [int(v) for v, _start, _end in sorted(s.weight_versions, key=lambda w: w[1])
+                    if str(v).lstrip("-").isdigit()]  # fmt: skip
+        if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
+            return versions
+    return None
+
+
 def to_group(
     msg: wire.PromptMsg,
     ids: list[int],

@@ -48,6 +48,7 @@ from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
 from services.learner import logprobs, objective
+from services.learner.cadence import CheckpointCadence
 from services.learner.cycle import (
     Sample,
     assign_advantages,
@@ -88,6 +89,7 @@ class LearnerService:
         self._stop = False
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
+        self.cadence = CheckpointCadence(cfg.learner)
         self.last_step: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -204,6 +206,7 @@ class LearnerService:
             )
             if self.rank0 is not None:
                 self.rank0.ack_trained(self.next_cycle)
+        self.cadence.saved()
         self.live.beat()
 
     # ------------------------------------------------------------------ training
@@ -370,12 +373,8 @@ class LearnerService:
             self.next_cycle = cycle + 1
             if self.rank0 is not None:
                 self.rank0.housekeep()
-            every = self.cfg.learner.checkpoint_every_steps
-            if (
-                every
-                and self.version // every > before // every
-                and self.next_cycle < run.num_cycles
-            ):
+            due = self.cadence.due(version=self.version, before=before, device=self.device)
+            if due and self.next_cycle < run.num_cycles:
                 self.checkpoint()
         self.checkpoint()
         if self.rank0 is not None:
@@ -397,4 +396,5 @@ class LearnerService:
             "ready": self.ready,
             "counters": dict(self.counters),
             "last_step": self.last_step,
+            "no_progress_s": self.rank0.watchdog.silent_s if self.rank0 is not None else 0.0,
         }

@@ -23,6 +23,7 @@ from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut, append_jsonl
 from services.learner.rank0_metrics import Rank0Metrics
+from services.learner.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -73,6 +74,7 @@ class Rank0:
             trackers=self.trackers,
         )
         self._last_housekeeping = 0.0
+        self.watchdog = Watchdog(self.bus, self.metrics, no_progress_s=cfg.learner.no_progress_s)
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
     def _start_publisher(self):
@@ -169,16 +171,23 @@ class Rank0:
 
     # ------------------------------------------------------------------ collecting
     def _take(self, d: Any, next_cycle: int) -> None:
+        """Buffer a cycle's scored group (pending until a checkpoint holds its training); ack an
+        evaluation group, and a duplicate: of a cycle trained already, or of a position here
+        (a position dispatched again by the watchdog comes under a new group id)."""
         sg: wire.ScoredGroup = d.msg
         g = sg.group
+        self.watchdog.progressed()
         if g.split == "eval":
             self.held_out.result(g.cycle, sg)
             self.consumer.ack([d])
-        elif g.cycle < next_cycle or g.group_id in self.buffer[g.cycle]:
+        elif g.cycle < next_cycle or g.index in self._indices(g.cycle):
             self.metrics.duplicates.inc()
             self.consumer.ack([d])
         else:
             self.buffer[g.cycle][g.group_id] = d
+
+    def _indices(self, cycle: int) -> set[int]:
+        return {d.msg.group.index for d in self.buffer[cycle].values()}
 
     def collect(
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
@@ -194,11 +203,12 @@ class Rank0:
         need = self.cfg.run.prompts_per_cycle
         positions = set(range(cycle * need, cycle * need + need))
         with self.timer.phase("waiting_input"):
-            while self._awaited(cycle, positions):
+            while awaited := self._awaited(cycle, positions):
                 idle()
                 if stop():
                     return None
                 self._read(cycle)
+                self._recover(cycle, awaited)
         self._check_lost(cycle, positions, len(self.buffer[cycle]))
         deliveries = list(self.buffer.pop(cycle).values())
         self.trained_deliveries += deliveries
@@ -208,7 +218,15 @@ class Rank0:
         for d in self.consumer.read(64, self.cfg.bus.block_ms):
             self._take(d, cycle)
         if self.dead.poll():
+            self.watchdog.progressed()
             self.held_out.check_all()
+
+    def _recover(self, cycle: int, awaited: set[int]) -> None:
+        """Dispatch again the positions the watchdog found nowhere (``watchdog.py``)."""
+        lost = self.watchdog.check(cycle=cycle, awaited=awaited - self._indices(cycle))
+        if lost:
+            self.dispatcher.redispatch(cycle, lost)
+            self.metrics.redispatched.inc(len(lost))
 
     def _awaited(self, cycle: int, positions: set[int]) -> set[int]:
         """The positions of ``cycle`` still to come: neither here nor dead-lettered."""
@@ -264,6 +282,7 @@ class Rank0:
                     if stop():
                         return None
                     self._read(cycle)
+                    self._recover(cycle, expected - set(here))
                     continue
                 sel = sampling.select([here[g] for g in expected], need, fill=False)
                 missing = need - len(sel.chosen)
@@ -318,6 +337,7 @@ class Rank0:
 
     # ------------------------------------------------------------------ metrics
     def record_step(self, rec: dict[str, Any], st: Any) -> None:
+        self.watchdog.progressed()
         m = self.metrics
         m.steps.inc()
         m.version.set(rec["step"])

@@ -272,3 +272,34 @@ def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):
     for pid in pids:
         _check_shape(out[pid], pid)
     wait_until(lambda: sum(pending_by_consumer(c.bus).values()) == 0, 10, "no pending prompt")
+
+
+def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backwards(cluster):
+    # The learner published v1 (earlier tests), was killed before a checkpoint held v1, and its
+    # successor resumed from v0: a new weight store that serves v0. Responses in flight when the
+    # generator takes v0 would carry spans [(0, 1), (k, 0)]; they are generated again, whole, on
+    # v0. Last in the module: it replaces the learner's weight store.
+    c = cluster
+    survivor = c.procs[SIDS[1]]
+    assert c.bus.get(streams.generator_version(survivor.sid)) == "1"
+    pids = [f"t5-{i}" for i in range(4)]
+    publish_prompts(c.bus, [prompt(pid, index=50 + i) for i, pid in enumerate(pids)])
+    wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) & set(pids), 30,
+               "the survivor to take the prompts", [survivor])  # fmt: skip
+    restarted = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)  # the resumed learner's store
+    try:
+        restarted.publish(model_weights(c.model, scale=0.5), 0)  # its version: v0 again
+        c.bus.set(streams.WEIGHTS_PUBLISHING, 0)
+        c.bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{restarted.port}")  # the generator rejoins
+        assert not set(pids) & set(_by_id(c.bus)), "the prompts finished before the roll-back"
+        wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 180, "the groups", [survivor])
+        out = _by_id(c.bus)
+        for pid in pids:
+            _check_shape(out[pid], pid)  # spans ordered: versions never go backwards
+        assert c.bus.get(streams.generator_version(survivor.sid)) == "0"
+        _, text = http_get(c.ports[survivor.sid], "/metrics")
+        redone = metric_value(text, "tether_generator_regenerated_prompts_total")
+        assert redone and redone >= 1, "no response was in flight across the roll-back"
+        assert "the policy version went back during its generation" in survivor.tail(20000)
+    finally:
+        restarted.close()
