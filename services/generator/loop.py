@@ -125,7 +125,7 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from services.generator.engine import EngineSettings, GenerationEngine
+        from common.engine import EngineSettings, GenerationEngine
 
         g, run = self.cfg.generator, self.cfg.run
         from common.data.model_paths import policy_paths
@@ -179,7 +179,7 @@ class GeneratorService:
         )
 
     def _sampling(self, split: str):
-        from services.generator.engine import SamplingSettings
+        from common.engine import SamplingSettings
 
         g, run = self.cfg.generator, self.cfg.run
         if split == "eval":
