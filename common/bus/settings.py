@@ -25,7 +25,7 @@ class BusSettings:
     run: str = "tether"  # namespace: streams are "<run>:<name>"
     block_ms: int = 2_000  # XREADGROUP BLOCK time per read call
     claim_idle_ms: int = 300_000  # take over entries idle this long (> slowest honest work)
-    max_deliveries: int = 5  # an entry delivered more often than this is dead-lettered
+    max_deliveries: int = 5  # strikes (its consumer failed holding it) before dead-lettering
     max_message_bytes: int = 64 * 1024 * 1024  # larger payloads are refused / dead-lettered
     max_backlog: int = 1_024  # producers wait while a group's lag + pending reaches this
     socket_timeout_s: float = 30.0  # must exceed block_ms, or blocking reads time out

@@ -105,7 +105,13 @@ class BusConfig(Section):
         gt=0.0,
         description="take over another consumer's entry idle this long (longer than the slowest honest work)",
     )
-    max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
+    max_deliveries: int = Field(
+        5,
+        ge=1,
+        description="times a generator or scorer may fail while holding an entry (crash, kill, or "
+        "hang past claim_idle_s) before it is dead-lettered; redelivery alone (a consumer "
+        "reading back its pending entries after a restart) does not count",
+    )
     max_message_mb: float = Field(64.0, gt=0.0, description="largest accepted message in MiB")
     max_backlog: int = Field(
         256,

@@ -235,7 +235,7 @@ class Rank0:
 
     def _check_lost(self, cycle: int, positions: set[int], groups: int) -> None:
         """Say which of the cycle's positions never came (dead-lettered: their prompt could not
-        be encoded, their group could not be scored, or an entry was delivered more than
+        be encoded, their group could not be scored, or an entry made its consumer fail
         ``bus.max_deliveries`` times); the cycle trains without them. A cycle left with fewer
         responses than optimizer steps cannot train: stop with the reasons."""
         here = {d.msg.group.index for d in self.buffer[cycle].values()}

@@ -37,7 +37,8 @@ def main() -> None:
     settings = BusSettings(url=a.url, run=a.run, block_ms=200, socket_timeout_s=5,
                            claim_idle_ms=a.claim_idle_ms)  # fmt: skip
     bus = Bus(settings, service="test-consumer")
-    consumer = bus.consumer("in", "workers", a.name, track_strikes=not a.hold)
+    holder = {"claims": False, "track_strikes": False} if a.hold else {}
+    consumer = bus.consumer("in", "workers", a.name, **holder)
     idle_since = time.monotonic()
     while time.monotonic() - idle_since < a.exit_after_idle_s:
         batch = consumer.read(a.batch)
