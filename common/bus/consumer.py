@@ -96,7 +96,8 @@ class Consumer:
                 return self._struck(self._with_counts(entries))
             self._draining = False
         if self.claims and time.monotonic() >= self._next_claim_at:
-            entries = self._autoclaim(count)
+            # its own entries idle that long are in hand here (a slow batch): not taken twice
+            entries = [e for e in self._autoclaim(count) if e[0] not in self._in_hand]
             if entries:
                 self.bus.metrics.claimed.labels(self.stream, self.group).inc(len(entries))
                 return self._struck(self._with_counts(entries))
