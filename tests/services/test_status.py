@@ -50,8 +50,9 @@ def make_run_dir(tmp_path: Path, name: str) -> Path:
 
 
 def fake_services(
-    url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None
-) -> None:
+    url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None,
+    no_progress_s: float = 3.0,
+) -> None:  # fmt: skip
     """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
 
     Books (responses_per_prompt = 4): generator groups 60 = 32 eval + 28 train = 112 trajectories
@@ -64,7 +65,7 @@ def fake_services(
     now = time.time()
     beats = [
         ("learner", "learner-0", {"working": 60.0, "waiting_input": 30.0, "syncing_weights": 5.0},
-         {"version": 7, "cycle": 4, "ready": True, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
+         {"version": 7, "cycle": 4, "ready": True, "no_progress_s": no_progress_s, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
           "counters": {"trained_samples": 100, "dropped_stale": 4, "filtered_samples": 0}}),
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
          {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
@@ -209,10 +210,34 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
         "dead letters: 3 (1 generated group(s)",
         "bottleneck: learner",
         "weights: v7 published last, chain epoch 3",
+        "redis: used ",  # Redis memory against maxmemory (the session's server has none)
+        "(no maxmemory), policy noeviction",
     ):
         assert line in out
+    assert "no scored group, dead letter or step" not in out  # the learner moves
     assert "rate generator generator-0" in out and "50.00 tokens/s" in out
     assert "accounting (trajectories): generated 112 = trained 100" in out and "(balanced)" in out
+
+
+def test_status_shows_memory_against_maxmemory_and_a_learner_without_progress(
+    redis_server, tmp_path, capsys, monkeypatch
+):
+    import redis
+
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_stall")
+    fake_services(redis_server.url, "st_stall", no_progress_s=640.0)
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.config_set("maxmemory", 512 * 2**20)
+    try:
+        code, out, err = tether(
+            ["status", "--run", str(run_dir), "--redis-url", redis_server.url], capsys
+        )
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert code == 0, err
+    assert "of maxmemory 512.0 MiB (" in out and "policy noeviction" in out
+    assert "learner: no scored group, dead letter or step for 640 s" in out
 
 
 def test_status_finds_a_local_runs_embedded_server(redis_server, tmp_path, capsys, monkeypatch):

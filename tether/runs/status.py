@@ -111,7 +111,19 @@ def collect_status(bus) -> dict[str, Any]:
             "dead_letter_groups": dead_groups,
         },
         "bottleneck": bottleneck(services),
+        # seconds the learner has waited without a scored group, dead letter or step
+        "no_progress_s": learner.get("no_progress_s"),
+        "redis": _redis_memory(bus),
     }
+
+
+def _redis_memory(bus) -> dict[str, Any] | None:
+    """Redis's memory against ``maxmemory`` (INFO memory), or None when it cannot be read."""
+    try:
+        mem = bus.memory()
+    except Exception:  # noqa: BLE001 - INFO may be refused to this user: the rest still shows
+        return None
+    return {"used_bytes": mem.used_bytes, "max_bytes": mem.max_bytes, "policy": mem.policy}
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -146,6 +158,7 @@ def format_status(st: dict[str, Any]) -> str:
     if again:
         held += f"; {again} re-drivable once their cause is fixed (`tether bus redrive`)"
     lines.append(f"  dead letters: {st['dead_letters']}{held}")
+    lines += _health_lines(st)
     acc = st.get("accounting") or {}
     if acc:
         lines.append(
@@ -184,3 +197,24 @@ def load_status_snapshot(run_dir: str | Path) -> dict[str, Any] | None:
         raise ValueError(
             f"{path} is not valid JSON ({exc}); delete it, or run `tether status` while the run is live"
         ) from exc
+
+
+def _health_lines(st: dict[str, Any]) -> list[str]:
+    """Redis memory against maxmemory, and a learner waiting without progress."""
+    out = []
+    r = st.get("redis")
+    if r:
+        used = r["used_bytes"] / 2**20
+        if r["max_bytes"]:
+            share = r["used_bytes"] / r["max_bytes"]
+            limit = f"of maxmemory {r['max_bytes'] / 2**20:.1f} MiB ({share:.0%})"
+        else:
+            limit = "(no maxmemory)"
+        out.append(f"  redis: used {used:.1f} MiB {limit}, policy {r['policy']}")
+    waited = st.get("no_progress_s")
+    if isinstance(waited, (int, float)) and waited >= 60:
+        out.append(
+            f"  learner: no scored group, dead letter or step for {waited:.0f} s "
+            "(its log says where the queues stand; learner.no_progress_s)"
+        )
+    return out
