@@ -2,12 +2,15 @@
 
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
-          per-token behaviour log-probs and the policy version spans that produced it),
-          published together with the ack of the prompt (exactly once per prompt id).
+          per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
+          episodes: ``episodes.py``), published together with the ack of the prompt (exactly
+          once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
-          backlog (back-pressure); for the learner's weight store before its first sample.
-Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
+          backlog (back-pressure); for the learner's weight store before its first sample; an
+          episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
+Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
+          the tools answering.
 
 Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
 ``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a
@@ -16,18 +19,19 @@ silent for ``generator.liveness_s``, and ``/readyz`` with it.
 
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
-sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
-trajectory's ``policy_version`` is the version of its first token, the oldest — the one
-staleness is judged by.
+sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
+trajectory's ``policy_version`` is the version of its oldest sampled token — the one staleness
+is judged by (for an episode, over all its assistant turns).
 
-Versions never go backwards within a response. A learner restarted from a checkpoint older than
+Versions never go backwards within an episode. A learner restarted from a checkpoint older than
 the last version it published sends its (lower) version; the engine loads it like any update,
-and a response in flight would then carry spans such as ``[[0, 294], [3, 292]]``: two timelines
-of training in one response, which no staleness rule can judge (the scorers dead-lettered such
-groups as ``bad_value``). Such a prompt is generated again, whole, on the weights now loaded
-(``trajectories.rolled_back``, ``tether_generator_regenerated_prompts_total``). A group finished
-on the lost timeline before the roll-back keeps its honest version: the restarted learner, on
-the same checkpoint and the same batches, trains on it as on any other.
+and a response (or an episode's later turn) in flight would then carry versions such as 294
+then 292: two timelines of training in one episode, which no staleness rule can judge (the
+scorers dead-lettered such groups as ``bad_value``). Such a prompt is generated again, whole, on
+the weights now loaded (``trajectories.RolledBack``,
+``tether_generator_regenerated_prompts_total``). A group finished on the lost timeline before
+the roll-back keeps its honest version: the restarted learner, on the same checkpoint and the
+same batches, trains on it as on any other.
 """
 
 from __future__ import annotations
@@ -44,7 +48,13 @@ from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import rolled_back, to_group
+from services.generator.trajectories import (
+    RolledBack,
+    check_episodes_order,
+    check_samples_order,
+    single_turn_trajectories,
+    to_group,
+)
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -122,6 +132,8 @@ class GeneratorService:
         self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
+        self.episodes: Any = None  # an EpisodeRunner when generator.max_turns > 1
+        self.tool_schemas: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
@@ -153,6 +165,13 @@ class GeneratorService:
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
+        if g.max_turns > 1:
+            from services.generator.episodes import start_runner
+
+            self.episodes = await start_runner(
+                self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
+            )
+            self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
         self.weights = WeightFollower(
             self.engine,
             settings=self.cfg.weights,
@@ -175,7 +194,10 @@ class GeneratorService:
         from common.data.prompts import encode_prompt, prompt_of
 
         return encode_prompt(
-            self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
+            self.tokenizer,
+            prompt_of(msg),
+            apply_chat_template=self.cfg.data.apply_chat_template,
+            tools=self.tool_schemas,
         )
 
     def _sampling(self, split: str):
@@ -220,6 +242,23 @@ class GeneratorService:
         finally:
             self._held.discard(d.entry_id)
 
+    async def _sample(
+        self, msg: wire.PromptMsg, ids: list[int], *, request_id: str, started: float
+    ) -> list[wire.Trajectory]:
+        """The prompt's episodes: multi-turn ones (``episodes.py``) or one turn each."""
+        if self.episodes is not None:
+            episodes = await self.episodes.run_prompt(
+                msg, ids, self._sampling(msg.split), request_id=request_id,
+                version=int(self.version or 0), started=started,
+            )  # fmt: skip
+            check_episodes_order(episodes)
+            return episodes
+        samples = await self.engine.generate_group(
+            ids, self._sampling(msg.split), request_id=request_id
+        )
+        check_samples_order(samples)
+        return single_turn_trajectories(msg, samples, started=started, version=self.version)
+
     async def _generate_and_commit(self, consumer, d) -> None:
         msg: wire.PromptMsg = d.msg
         try:
@@ -227,24 +266,26 @@ class GeneratorService:
         except ValueError as exc:  # e.g. a chat list with data.apply_chat_template = false
             await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
             return
-        for attempt in range(1 + MAX_REGENERATIONS):
+        for attempt in range(MAX_REGENERATIONS + 1):
             await self._gate(msg.min_policy_version)  # again after a roll-back
             started = time.time()
-            request = f"{msg.prompt_id}@{self.sid}@{d.deliveries}" + (f".{attempt}" * bool(attempt))
-            samples = await self.engine.generate_group(ids, self._sampling(msg.split), request)
-            went_back = rolled_back(samples)
-            if went_back is None or attempt == MAX_REGENERATIONS:
+            request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}" + f".{attempt}" * bool(
+                attempt
+            )
+            try:
+                trajectories = await self._sample(msg, ids, request_id=request_id, started=started)
                 break
-            self.metrics.regenerated.inc()
-            log.warning(
-                "prompt %s: the policy version went back during its generation (%s: the learner "
-                "restarted from an older checkpoint); generating it again on the weights now "
-                "loaded, so that its versions never go backwards",
-                msg.prompt_id, " -> ".join(f"v{v}" for v in went_back),
-            )  # fmt: skip
-        group = to_group(
-            msg, ids, samples, started=started, generator_id=self.sid, version=self.version
-        )
+            except RolledBack as back:
+                if attempt == MAX_REGENERATIONS:
+                    raise
+                self.metrics.regenerated.inc()
+                log.warning(
+                    "prompt %s: the policy version went back during its generation (%s: the "
+                    "learner restarted from an older checkpoint); generating it again on the "
+                    "weights now loaded, so that its versions never go backwards",
+                    msg.prompt_id, back,
+                )  # fmt: skip
+        group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
@@ -258,7 +299,7 @@ class GeneratorService:
             dedupe_ids=[group.group_id],
             count_as=streams.generated_field(self.sid, msg.split),
         )
-        n_tokens = sum(len(s.token_ids) for s in samples)
+        n_tokens = sum(t.num_sampled for t in trajectories)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
@@ -374,6 +415,8 @@ class GeneratorService:
                 h.cancel()
             for t in tasks:
                 t.cancel()
+            if self.episodes is not None:
+                await self.episodes.sandbox.close()
             if self._stop.is_set():  # stopped on purpose: what it held is not at fault
                 await asyncio.to_thread(let_go, consumer)
 

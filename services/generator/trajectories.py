@@ -7,55 +7,80 @@ from typing import Any
 from common.protocol import wire
 
 
-def rolled_back(samples: list[Any]) -> list[int] | None:
-    """The versions of the first response whose tokens' policy version went *down* (a learner
-    restarted from a checkpoint older than what it had published, and the engine took its
-    weights mid-response), else None. Such a response mixes two timelines of training and its
-    spans would not be ordered; it is generated again (``loop.py``)."""
-    for s in samples:
-        versions = [int(v) for v, _start, _end in sorted(s.weight_versions, key=lambda w: w[1])
-                    if str(v).lstrip("-").isdigit()]  # fmt: skip
-        if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
-            return versions
-    return None
+class RolledBack(Exception):
+    """The policy version went *down* while a prompt was generated: a learner restarted from a
+    checkpoint older than what it had published, and the engine took its weights mid-episode.
+    The episode mixes two timelines of training (its versions would decrease, which the wire
+    refuses); it is generated again (``loop.py``). ``versions``: in the order sampled."""
+
+    def __init__(self, versions: list[int]) -> None:
+        super().__init__(" -> ".join(f"v{v}" for v in versions))
+        self.versions = versions
 
 
-def to_group(
-    msg: wire.PromptMsg,
-    ids: list[int],
-    samples: list[Any],
-    *,
-    started: float,
-    generator_id: str,
-    version: int | None,
-) -> wire.TrajectoryGroup:
-    """The group of ``msg``'s responses: each with its behaviour log-probs and the version spans
-    of its tokens; a trajectory's ``policy_version`` is its first token's, the oldest — the one
-    staleness is judged by. ``version`` labels a response the engine reported no spans for."""
+def _check_order(versions: Any) -> None:
     import numpy as np
 
-    trajectories = []
+    v = np.asarray(versions)
+    if len(v) > 1 and bool((np.diff(v) < 0).any()):
+        raise RolledBack([int(x) for i, x in enumerate(v) if i == 0 or x != v[i - 1]])
+
+
+def check_samples_order(samples: list[Any]) -> None:
+    """``RolledBack`` if an engine ``Sample``'s weight-version spans go down."""
+    for s in samples:
+        spans = sorted(s.weight_versions, key=lambda w: w[1])
+        _check_order([int(v) for v, _start, _end in spans if str(v).lstrip("-").isdigit()])
+
+
+def check_episodes_order(trajectories: list[wire.Trajectory]) -> None:
+    """``RolledBack`` if an episode's sampled tokens' versions go down (across turns)."""
+    import numpy as np
+
+    for t in trajectories:
+        _check_order(np.asarray(t.token_versions)[np.asarray(t.loss_mask) == 1])
+
+
+def single_turn_trajectories(
+    msg: wire.PromptMsg, samples: list[Any], *, started: float, version: int | None
+) -> list[wire.Trajectory]:
+    """The one-turn episodes of ``samples`` (the engine's ``Sample``s): every id sampled, with
+    its behaviour log-prob and the version of its span. ``version`` labels a response the engine
+    reported no spans for."""
+    out = []
     for i, s in enumerate(samples):
         spans = [
             (int(start), int(v))
             for v, start, _end in s.weight_versions
             if str(v).lstrip("-").isdigit()
         ]
-        if not spans:
-            spans = [(0, int(version or 0))]
-        trajectories.append(
-            wire.Trajectory(
+        out.append(
+            wire.Trajectory.single_turn(
                 sample_id=f"{msg.prompt_id}/{i}",
                 sample_index=i,
-                response_token_ids=np.asarray(s.token_ids, dtype=np.uint32),
-                behaviour_logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                policy_version=min(v for _, v in spans),
-                version_spans=spans,
+                token_ids=s.token_ids,
+                logprobs=s.logprobs,
+                version_spans=spans or [(0, int(version or 0))],
                 finish_reason=s.finish_reason,
                 response_text=s.text,
                 timings={"generate_s": s.seconds, "queued_s": started - msg.created_at},
             )
         )
+    return out
+
+
+def to_group(
+    msg: wire.PromptMsg,
+    ids: list[int],
+    trajectories: list[wire.Trajectory],
+    *,
+    generator_id: str,
+) -> wire.TrajectoryGroup:
+    """The group of ``msg``'s episodes (single-turn responses are episodes of one turn); a
+    trajectory's ``policy_version`` is its oldest sampled token's — the one staleness is judged
+    by."""
+    import numpy as np
+
     return wire.TrajectoryGroup(
         group_id=msg.prompt_id,
         prompt_id=msg.prompt_id,
