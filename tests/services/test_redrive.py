@@ -49,7 +49,7 @@ def _reasons(bus: Bus) -> list[str]:
     return [f[b"reason"].decode() for _, f in bus.redis.xrange(bus.key(streams.DEAD))]
 
 
-def test_redrive_moves_what_can_be_trained_back_and_keeps_the_rest(
+def test_redrive_moves_what_can_be_trained_back_and_keeps_the_others(
     redis_server, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
