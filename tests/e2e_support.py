@@ -148,13 +148,14 @@ def run_training(
     kill_plan: list[tuple] | None = None,
     resume: bool = False,
     during: Any = None,
+    env: dict[str, str] | None = None,
 ) -> RunResult:
     """Run `tether train` (``resume``: `tether train --resume` of the run directory); scrape
     /metrics; optionally SIGKILL services mid-run: ``kill_plan`` entries ``(service id, after n
     steps[, parity])`` fire, in order, once the service's live process (a pid not killed before)
-    reports and the learner is at step >= n (of that parity: 1 = odd, a step published and not
-    yet checkpointed with checkpoint_every_steps = 2). ``during(docs, step)`` runs every second
-    (a test's own fault injection). Returns what was observed."""
+    reports and the learner is at step >= n (of that parity: 1 = odd). ``during(docs, step)``
+    runs every second (a test's own fault injection); ``env``: extra environment of the run.
+    Returns what was observed."""
     run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
     args = ("--resume", str(run_dir)) if resume else ("--config", str(config))
     cmd = tether_command("train", *args, "--redis-url", redis_url)
@@ -163,7 +164,7 @@ def run_training(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
     r = redis.Redis.from_url(redis_url, socket_timeout=5)
     result = RunResult(run_dir=run_dir, returncode=-1, output="")
@@ -228,6 +229,41 @@ def _kill_next(plan: list[tuple], docs: list[dict[str, Any]], step: int, result:
     result.killed_pids.append(doc["pid"])
     result.killed_at_steps.append(step)
     plan.pop(0)
+
+
+class KillAtCheckpoints:
+    """A ``run_training(during=...)`` that SIGKILLs the learner inside the k-th checkpoint save
+    for every k in ``saves`` (1-based, counted over the run's learner processes): the run must
+    set the checkpoint test hook (``CHECKPOINT_HOOK_ENV``), which makes each save sleep before
+    it writes anything. The learner has then published the version it is saving, and a restart
+    resumes from the checkpoint before: a kill between publish and checkpoint, every time."""
+
+    def __init__(self, run_dir: Path, saves: set[int]) -> None:
+        self.log, self.saves = run_dir / "logs" / "learner.log", set(saves)
+        self.killed: list[int] = []  # the saves killed
+        self._pids: set[int] = set()
+
+    def __call__(self, docs: list[dict[str, Any]], step: int) -> None:
+        try:
+            seen = self.log.read_text(errors="replace").count(CHECKPOINT_HOOK_LINE)
+        except OSError:
+            return
+        if seen not in self.saves or seen in self.killed:
+            return
+        doc = next((d for d in docs if d["service"] == "learner"), None)
+        fresh = doc is not None and time.time() - doc.get("heartbeat", 0) < 3
+        if not fresh or doc["pid"] in self._pids:
+            return  # the sleeping save's process has not reported yet: the next poll
+        try:
+            os.kill(doc["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self._pids.add(doc["pid"])
+        self.killed.append(seen)
+
+
+CHECKPOINT_HOOK_ENV = "TETHER_TEST_ONLY_CHECKPOINT_DELAY_S"  # services.learner.checkpoint
+CHECKPOINT_HOOK_LINE = "sleeping before this checkpoint (a test hook)"
 
 
 def books(r: RunResult) -> dict[str, int]:

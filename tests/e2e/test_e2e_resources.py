@@ -16,6 +16,8 @@ import redis
 from common.bus.server import EmbeddedRedis
 from tests.conftest import test_server_binary
 from tests.e2e_support import (
+    CHECKPOINT_HOOK_ENV,
+    KillAtCheckpoints,
     assert_trained_exactly_once,
     books,
     dead_letters,
@@ -37,11 +39,13 @@ def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_pat
     # No checkpoint before the end (the default cadence is 30 minutes): each restart reads the
     # learner's pending groups back from the start (more deliveries than bus.max_deliveries, and
     # held longer than bus.claim_idle_s) and trains them again. Nothing is dead-lettered.
-    cycles = 5
+    # (run.crash_window_s = 5: kills more than 5 s apart are not a crash loop, so the launcher
+    # restarts after 2 s instead of backing off to 30 s.)
+    cycles = 4
     config = recovery_config(tmp_path, "six_kills", cycles=cycles, checkpoint_every_steps=None,
-                             run_extra="max_crashes = 10")  # fmt: skip
+                             run_extra="crash_window_s = 5.0")  # fmt: skip
     r = run_training(config, redis_url=redis_server.url, name="six_kills",
-                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1500)  # fmt: skip
+                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1200)  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
     assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6
     assert dead_letters(redis_server.url, "six_kills") == []
@@ -50,20 +54,21 @@ def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_pat
 
 
 def test_learner_killed_between_publish_and_checkpoint(redis_server, tmp_path):
-    # A checkpoint every 2 steps, a publish every step, held-out rounds every 2 steps: each kill
-    # lands after an odd step was published and before the checkpoint that would hold it, so the
-    # restarted learner resumes below the version the generators run (and often mid-round).
+    # A checkpoint every 2 steps, a publish every step, held-out rounds every 2 steps. Each kill
+    # lands inside a checkpoint save, after the version it saves was published: the restarted
+    # learner resumes below the version the generators run, often mid-round. Saves 1-3 (v2), 5
+    # (v4), 7 (v6) and 9 (the final v8) are killed; 4, 6, 8 and 10 complete.
     cycles = 8
-    config = recovery_config(tmp_path, "publish_kills", cycles=cycles,
-                             learner_extra="eval_every_steps = 2",
-                             run_extra="max_crashes = 10")  # fmt: skip
-    plan = [("learner-0", after, 1) for after in (1, 3, 3, 5, 5, 7)]
-    r = run_training(config, redis_url=redis_server.url, name="publish_kills", kill_plan=plan,
-                     timeout_s=1500)  # fmt: skip
+    name = "publish_kills"
+    config = recovery_config(tmp_path, name, cycles=cycles, learner_extra="eval_every_steps = 2",
+                             run_extra="crash_window_s = 5.0")  # fmt: skip
+    kills = KillAtCheckpoints(tmp_path / "runs" / name, {1, 2, 3, 5, 7, 9})
+    r = run_training(config, redis_url=redis_server.url, name=name, during=kills,
+                     env={CHECKPOINT_HOOK_ENV: "3"}, timeout_s=1200)  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
-    assert len(r.killed) == 6, r.killed_at_steps
-    # the scorers dead-lettered responses whose versions went backwards ([[0, v], [k, v-1]])
-    assert dead_letters(redis_server.url, "publish_kills") == []
+    assert kills.killed == [1, 2, 3, 5, 7, 9] and _restarts(r.output, "learner") == 6
+    # the scorers dead-lettered responses whose versions went backwards ([[0, v], [k, v-2]])
+    assert dead_letters(redis_server.url, name) == []
     assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
     assert books(r)["unaccounted"] == 0  # killed held-out rounds count as evaluation groups
     assert any(e["eval_round"] == 0 for e in r.evals)  # the v0 accuracy is there
