@@ -288,18 +288,19 @@ def dead_letters(redis_url: str, name: str) -> list[tuple[str, str]]:
 
 def recovery_config(
     tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "", extra: str = "",
-    run_extra: str = "", checkpoint_every_steps: int | None = 2,
+    run_extra: str = "", checkpoint_every_steps: int | None = 2, assets: str | None = None,
 ) -> Path:  # fmt: skip
     """A short run's config on the CI preset's warmed-up model (shared by the recovery tests);
-    ``extra``: lines for the [bus] table."""
+    ``extra``: lines for the [bus] table; ``assets``: the name of a model + data directory
+    shared between tests (built and warmed up once), default one per run name."""
     from tether.demo.run import prepare_assets
 
-    assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
+    built = prepare_assets(tmp_path.parent / f"e2e-assets-{assets or name}", preset="ci")
     return write_config(
         tmp_path / f"{name}.toml",
         name=name,
-        model=str(assets.model_dir),
-        data_dir=assets.data_dir,
+        model=str(built.model_dir),
+        data_dir=built.data_dir,
         run_dir=tmp_path / "runs",
         cycles=cycles,
         learner_extra=learner_extra,
