@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from common.protocol.run_dir import RunDir
 from services.learner.checkpoint_disk import NO_SPACE, as_os_error, disk_full, remove_leftovers
 from services.learner.dist import any_rank, broadcast_int, rank_world
-from services.learner.model import full_state_dict_cpu
+from services.learner.gather import full_state_dict_cpu
 
 if TYPE_CHECKING:
     import torch

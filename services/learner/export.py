@@ -97,7 +97,7 @@ def export_hf(
         config, state = _state_from_checkpoint(ckpt)
         tok_dir: Path | None = Path(tokenizer_dir) if tokenizer_dir else _tokenizer_home(ckpt)
     else:
-        from services.learner.model import full_state_dict_cpu
+        from services.learner.gather import full_state_dict_cpu
 
         state = full_state_dict_cpu(source, drop_tied=False)  # collective under FSDP
         if not state:

@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import check_server, preflight
+    from common.service.preflight import preflight
 
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
+    from services.learner.bus_side import BusSide, LostCycle
     from services.learner.checkpoint_disk import DiskFull
     from services.learner.loop import LearnerService
-    from services.learner.rank0 import LostCycle
 
     run_dir = RunDir.of(cfg).root
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -45,19 +45,17 @@ def main(cfg: TetherConfig, args) -> int:
     health = status = None
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
-        if svc.rank0 is not None:
-            check_server(svc.rank0.bus)  # an evicting maxmemory-policy: exit 2 before the model
+        svc.bus_side.check_server()  # rank 0: an evicting maxmemory-policy, exit 2 before the model
         if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
             ).start()
-        if rank == 0:
-            assert svc.rank0 is not None
+        if isinstance(svc.bus_side, BusSide):  # rank 0
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
             ).start()
             status = StatusReporter(
-                svc.rank0.bus,
+                svc.bus_side.bus,
                 "learner",
                 streams.LEARNER_CONSUMER,
                 svc.timer,

@@ -14,16 +14,18 @@ Every ``CHECK_EVERY_S`` seconds of waiting, ``Watchdog.check``:
   awaited, those positions are gone: Redis evicted a stream or restarted without its data. Two
   such snapshots in a row (``CHECK_EVERY_S`` apart) and the positions are dispatched again, under
   new prompt ids (a dedupe set that survived must not skip them), instead of waiting forever;
-- turns "no progress" into a loud error: when no scored group, dead letter or step has come for
-  ``learner.no_progress_s`` it logs where things sit once per stall (and again if it lasts),
-  and ``tether_learner_no_progress_seconds`` and the learner's status (``no_progress_s``) show
-  how long it has been.
+- turns "no progress" into a loud error: when rank 0 has waited ``learner.no_progress_s`` for a
+  cycle's groups without a scored group or a dead letter coming, it logs where things sit once
+  per stall (and again if it lasts), and ``tether_learner_no_progress_seconds`` and the
+  learner's status (``no_progress_s``) show how long it has been.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from common.bus.memory import SAFE_POLICIES
@@ -44,16 +46,30 @@ class Watchdog:
         self._empty_before = False
         self._stall_logged_at: float | None = None
         self._policy_said = False
+        self._waiting = False
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around rank 0's wait for a cycle's groups: the silence counts from its start (the
+        time spent training before it is not a stall), and is 0 outside it."""
+        self.progressed()
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
+            self.metrics.no_progress.set(0)
 
     def progressed(self) -> None:
-        """A scored group, a dead letter or a step: the pipeline moves."""
+        """A scored group or a dead letter: the pipeline moves."""
         self.progress_at = time.monotonic()
         self._stall_logged_at = None
         self.metrics.no_progress.set(0)
 
     @property
     def silent_s(self) -> float:
-        return time.monotonic() - self.progress_at
+        """Seconds waited without progress (0 when not waiting: training, publishing...)."""
+        return time.monotonic() - self.progress_at if self._waiting else 0.0
 
     def check(self, *, cycle: int, awaited: set[int]) -> set[int]:
         """At most every ``CHECK_EVERY_S``: the memory gauges, the stall report, and the awaited

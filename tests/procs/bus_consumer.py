@@ -17,6 +17,7 @@ import signal
 import time
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.settings import BusSettings
 from common.protocol.wire import PromptMsg
 
@@ -38,7 +39,7 @@ def main() -> None:
                            claim_idle_ms=a.claim_idle_ms)  # fmt: skip
     bus = Bus(settings, service="test-consumer")
     holder = {"claims": False, "track_strikes": False} if a.hold else {}
-    consumer = bus.consumer("in", "workers", a.name, **holder)
+    consumer = Consumer(bus, "in", "workers", a.name, **holder)
     idle_since = time.monotonic()
     while time.monotonic() - idle_since < a.exit_after_idle_s:
         batch = consumer.read(a.batch)

@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
 from common.protocol import streams, wire
@@ -69,7 +70,7 @@ def _restarted(bus: Bus, *, let_go: bool = False, **kw) -> list[str]:
     ``let_go``: then stopped on purpose (what the services do on SIGTERM)."""
     again = Bus(bus.settings, service="test")
     try:
-        consumer = again.consumer("in", "workers", "c", **kw)
+        consumer = Consumer(again, "in", "workers", "c", **kw)
         got = [d.msg.prompt_id for d in consumer.read(8)]
         if let_go:
             consumer.let_go()

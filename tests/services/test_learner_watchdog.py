@@ -11,11 +11,12 @@ import time
 
 import pytest
 
+from common.bus.consumer import Consumer
 from common.protocol import wire
 from common.protocol.streams import GENERATORS, PROMPTS, SCORED
 from services.learner import watchdog
 from tests.services.test_learner_service import _scored
-from tests.services.test_lost_positions import WAIT_S, _metric, _rank0
+from tests.services.test_lost_positions import WAIT_S, _bus_side, _metric
 
 
 @pytest.fixture(autouse=True)
@@ -32,11 +33,11 @@ def _answer(io, prompts: list[wire.PromptMsg]) -> None:
 
 
 def test_positions_whose_stream_vanished_are_dispatched_again(redis_server, tmp_path, caplog):
-    io = _rank0(tmp_path, "evicted", redis_server.url, num_cycles=1)
+    io = _bus_side(tmp_path, "evicted", redis_server.url, num_cycles=1)
     before = _metric("tether_learner_redispatched_positions_total")
     try:
         io.dispatch(0, first_cycle=0)
-        gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
+        gen = Consumer(io.bus, PROMPTS, GENERATORS, "generator-0")
         taken = gen.read(64, 100)
         assert sorted(d.msg.index for d in taken) == [0, 1, 2, 3]
         done = [d for d in taken if d.msg.index in (0, 1)]
@@ -48,7 +49,7 @@ def test_positions_whose_stream_vanished_are_dispatched_again(redis_server, tmp_
         stop = threading.Event()
 
         def generator() -> None:  # answers what the learner dispatches again
-            again = io.bus.consumer(PROMPTS, GENERATORS, "generator-1")
+            again = Consumer(io.bus, PROMPTS, GENERATORS, "generator-1")
             while not stop.is_set():
                 batch = again.read(8, 100)
                 redispatched.extend(d.msg for d in batch)
@@ -76,17 +77,24 @@ def test_positions_whose_stream_vanished_are_dispatched_again(redis_server, tmp_
 
 
 def test_a_wait_without_progress_is_reported_with_where_things_sit(redis_server, tmp_path, caplog):
-    io = _rank0(tmp_path, "stalled", redis_server.url, "learner.no_progress_s=0.5", num_cycles=1)
+    io = _bus_side(tmp_path, "stalled", redis_server.url, "learner.no_progress_s=0.5", num_cycles=1)
     try:
         io.dispatch(0, first_cycle=0)
-        io.bus.consumer(PROMPTS, GENERATORS, "generator-0").read(1, 100)  # held, never finished
+        Consumer(io.bus, PROMPTS, GENERATORS, "generator-0").read(1, 100)  # held, never finished
         caplog.set_level(logging.ERROR, logger="services.learner.watchdog")
-        deadline = time.monotonic() + 2.5
-        assert io.collect(0, stop=lambda: time.monotonic() > deadline) is None
+        deadline, seen = time.monotonic() + 2.5, {}
+
+        def stop() -> bool:  # what status and Prometheus show while it waits
+            seen.update(metric=_metric("tether_learner_no_progress_seconds"),
+                        silent=io.watchdog.silent_s)  # fmt: skip
+            return time.monotonic() > deadline
+
+        assert io.collect(0, stop=stop) is None
         said = [r.getMessage() for r in caplog.records if "no progress for" in r.getMessage()]
         assert said and "in flight: prompts 4, groups 0, scored 0" in said[0], said
         assert not any("can no longer arrive" in r.getMessage() for r in caplog.records)
-        assert _metric("tether_learner_no_progress_seconds") >= 0.5
-        assert io.watchdog.silent_s >= 2.0
+        assert seen["metric"] >= 0.5 and seen["silent"] >= 2.0
+        # not waiting any more: nothing to report (training is not a stall)
+        assert io.watchdog.silent_s == 0.0 and _metric("tether_learner_no_progress_seconds") == 0
     finally:
         io.close()

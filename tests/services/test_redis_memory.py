@@ -15,6 +15,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
 from common.config.errors import ConfigError
@@ -44,7 +45,7 @@ def _prompt(i: int) -> wire.PromptMsg:
 def test_writes_wait_out_maxmemory_and_nothing_is_lost(server, caplog):
     run = "r" + uuid.uuid4().hex[:8]
     producer, worker = _bus(server.url, run), _bus(server.url, run)
-    consumer = worker.consumer("in", "w", "c")
+    consumer = Consumer(worker, "in", "w", "c")
     admin = redis.Redis.from_url(server.url)
     n, errors, done = 60, [], threading.Event()
 

@@ -32,7 +32,7 @@ def _dead_letter(bus: Bus, stream: str, msg: wire.Message, reason: str) -> None:
     """As a consumer does (``Consumer.dead_letter``): the whole message kept."""
     bus.publish(stream, msg)
     group = {"groups": streams.SCORERS, "scored": streams.LEARNER}[stream]
-    consumer = bus.consumer(stream, group, "c")
+    consumer = Consumer(bus, stream, group, "c")
     (d,) = consumer.read(1, 100)
     consumer.dead_letter(d, reason, "test")
 
@@ -74,7 +74,7 @@ def test_redrive_moves_what_can_be_trained_back_and_keeps_the_others(
     assert _reasons(bus) == ["unscorable", "max_deliveries", "undecodable"]
     back = wire.decode(bus.redis.xrevrange(bus.key("groups"), count=1)[0][1][b"m"])
     assert (back.cycle, back.index) == (4, 16)  # whole, as it was
-    (again,) = bus.consumer("groups", streams.SCORERS, "scorer-0").read(8, 100)
+    (again,) = Consumer(bus, "groups", streams.SCORERS, "scorer-0").read(8, 100)
     assert again.msg.group_id == back.group_id and again.strikes == 0  # consumed as new
     bus.close()
 
