@@ -275,27 +275,32 @@ def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):
 
 
 def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backwards(cluster):
-    # The learner published v1 (earlier tests), was killed before a checkpoint held v1, and its
-    # successor resumed from v0: a new weight store that serves v0. Responses in flight when the
-    # generator takes v0 would carry spans [(0, 1), (k, 0)]; they are generated again, whole, on
-    # v0. Last in the module: it replaces the learner's weight store.
+    # The learner published v2, was killed before a checkpoint held it, and its successor
+    # resumed from v0: a new weight store that serves v0. Responses in flight when the generator
+    # takes v0 would carry versions 2 then 0; they are generated again, whole, on v0. The
+    # prompts wait in the staleness gate for v2, so they all start the moment v2 is loaded, and
+    # the roll-back follows at once. Last in the module: it replaces the learner's weight store.
     c = cluster
     survivor = c.procs[SIDS[1]]
     assert c.bus.get(streams.generator_version(survivor.sid)) == "1"
-    pids = [f"t5-{i}" for i in range(4)]
-    publish_prompts(c.bus, [prompt(pid, index=50 + i) for i, pid in enumerate(pids)])
-    wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) & set(pids), 30,
-               "the survivor to take the prompts", [survivor])  # fmt: skip
     restarted = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)  # the resumed learner's store
     try:
         restarted.publish(model_weights(c.model, scale=0.5), 0)  # its version: v0 again
-        c.bus.set(streams.WEIGHTS_PUBLISHING, 0)
+        v2 = model_weights(c.model, scale=1.25)
+        pids = [f"t5-{i}" for i in range(6)]
+        publish_prompts(c.bus, [prompt(pid, index=50 + i, min_version=2)
+                                for i, pid in enumerate(pids)])  # fmt: skip
+        wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) >= set(pids), 30,
+                   "the survivor to take the prompts (gated)", [survivor])  # fmt: skip
+        c.bus.set(streams.WEIGHTS_PUBLISHING, 2)
+        assert c.pub.publish(v2, 2).per_member.get(survivor.sid) == "ok"  # generation starts
+        c.bus.set(streams.WEIGHTS_PUBLISHING, 0)  # the learner restarted from an older one
         c.bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{restarted.port}")  # the generator rejoins
-        assert not set(pids) & set(_by_id(c.bus)), "the prompts finished before the roll-back"
         wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 180, "the groups", [survivor])
         out = _by_id(c.bus)
         for pid in pids:
-            _check_shape(out[pid], pid)  # spans ordered: versions never go backwards
+            _check_shape(out[pid], pid)  # versions ordered: they never go backwards
+            assert {s.policy_version for s in out[pid].samples} <= {0, 2}
         assert c.bus.get(streams.generator_version(survivor.sid)) == "0"
         _, text = http_get(c.ports[survivor.sid], "/metrics")
         redone = metric_value(text, "tether_generator_regenerated_prompts_total")
