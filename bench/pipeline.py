@@ -36,7 +36,7 @@ from common.protocol import streams
 
 log = logging.getLogger(__name__)
 
-# Not stage work: waiting, and the learner's final checkpoint (checkpoint_every_steps = 0).
+# Not stage work: waiting, and the learner's final checkpoint (the only one: cadence off).
 WAIT_PHASES = (
     "waiting_input",
     "blocked_staleness",
@@ -89,6 +89,7 @@ lr = {w.lr}
 lr_schedule = "constant"
 {cut}
 checkpoint_every_steps = 0
+checkpoint_every_minutes = 0
 off_policy = "{off_policy}"
 cpu_threads = {learner_cpu_threads}
 

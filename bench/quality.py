@@ -43,7 +43,8 @@ def _tether_run(root: Path, name: str, *, cycles: int, eval_every: int, sync: bo
         "--set", f"run.run_dir={json.dumps(str(root / 'runs'))}",
         "--set", f'run.name="{name}"', "--set", f"run.seed={seed}",
         "--set", f"learner.eval_every_steps={eval_every}",
-        "--set", "learner.checkpoint_every_steps=0", "--assets", str(root / "assets"),
+        "--set", "learner.checkpoint_every_steps=0", "--set", "learner.checkpoint_every_minutes=0",
+        "--assets", str(root / "assets"),
     ]  # fmt: skip
     if sync:
         cmd += ["--set", "run.max_staleness=1"]

@@ -177,6 +177,7 @@ def overrides(arm: Arm, study: Study, *, seed: int) -> list[str]:
         "learner.lr": repr(study.lr),
         "learner.eval_every_steps": str(study.eval_every),
         "learner.checkpoint_every_steps": "0",
+        "learner.checkpoint_every_minutes": "0",  # only the final one: no save inside a timing
         "learner.trackers": "[]",
         **CORRECTIONS[arm.correction],
     }

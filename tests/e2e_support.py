@@ -39,6 +39,8 @@ class RunResult:
     services_seen: set[str] = field(default_factory=set)
     status: dict[str, Any] = field(default_factory=dict)
     killed: list[str] = field(default_factory=list)
+    killed_pids: list[int] = field(default_factory=list)
+    killed_at_steps: list[int] = field(default_factory=list)
 
 
 def write_config(
@@ -51,7 +53,16 @@ def write_config(
     cycles: int,
     extra: str = "",
     learner_extra: str = "",
+    run_extra: str = "",
+    checkpoint_every_steps: int | None = 2,
 ) -> Path:
+    """A short run's config; ``checkpoint_every_steps`` None leaves the learner's default
+    cadence (``learner.checkpoint_every_minutes``)."""
+    cadence = (
+        ""
+        if checkpoint_every_steps is None
+        else (f"checkpoint_every_steps = {checkpoint_every_steps}")
+    )
     path.write_text(
         f"""
 [run]
@@ -64,6 +75,7 @@ num_cycles = {cycles}
 max_prompt_tokens = 64
 max_response_tokens = 12
 seed = 1
+{run_extra}
 
 [data]
 train_path = "{data_dir / "train.jsonl"}"
@@ -71,7 +83,7 @@ eval_path = "{data_dir / "eval.jsonl"}"
 
 [learner]
 lr = 1e-4
-checkpoint_every_steps = 2
+{cadence}
 {learner_extra}
 
 [generator]
@@ -133,18 +145,26 @@ def run_training(
     redis_url: str,
     name: str,
     timeout_s: float = 900,
-    kill_plan: list[tuple[str, float]] | None = None,
+    kill_plan: list[tuple] | None = None,
+    resume: bool = False,
+    during: Any = None,
+    env: dict[str, str] | None = None,
 ) -> RunResult:
-    """Run `tether train`; scrape /metrics; optionally SIGKILL services (``[(service id, after
-    n steps)]``) mid-run. Returns what was observed."""
+    """Run `tether train` (``resume``: `tether train --resume` of the run directory); scrape
+    /metrics; optionally SIGKILL services mid-run: ``kill_plan`` entries ``(service id, after n
+    steps[, parity])`` fire, in order, once the service's live process (a pid not killed before)
+    reports and the learner is at step >= n (of that parity: 1 = odd). ``during(docs, step)``
+    runs every second (a test's own fault injection); ``env``: extra environment of the run.
+    Returns what was observed."""
     run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
-    cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
+    args = ("--resume", str(run_dir)) if resume else ("--config", str(config))
+    cmd = tether_command("train", *args, "--redis-url", redis_url)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
     r = redis.Redis.from_url(redis_url, socket_timeout=5)
     result = RunResult(run_dir=run_dir, returncode=-1, output="")
@@ -167,12 +187,10 @@ def run_training(
                         result.metric_names |= scrape(d["metrics_port"])
                     except OSError:
                         pass
-            for sid, after in list(plan):
-                doc = next((d for d in docs if d["id"] == sid), None)
-                if doc and step >= after and doc.get("pid"):
-                    os.kill(doc["pid"], signal.SIGKILL)
-                    result.killed.append(sid)
-                    plan.remove((sid, after))
+            if during is not None:
+                during(docs, step)
+            if plan:
+                _kill_next(plan, docs, step, result)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=120)
@@ -193,19 +211,102 @@ def run_training(
     return result
 
 
-def recovery_config(tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "") -> Path:
-    """A short run's config on the CI preset's warmed-up model (shared by the recovery tests)."""
+def _kill_next(plan: list[tuple], docs: list[dict[str, Any]], step: int, result: RunResult) -> None:
+    """SIGKILL the first planned service if it is due (see ``run_training``)."""
+    sid, after, *parity = plan[0]
+    doc = next((d for d in docs if d["id"] == sid), None)
+    if doc is None or not doc.get("pid") or doc["pid"] in result.killed_pids:
+        return
+    if time.time() - doc.get("heartbeat", 0) > 5 or step < after:
+        return
+    if parity and step % 2 != parity[0]:
+        return
+    try:
+        os.kill(doc["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    result.killed.append(sid)
+    result.killed_pids.append(doc["pid"])
+    result.killed_at_steps.append(step)
+    plan.pop(0)
+
+
+class KillAtCheckpoints:
+    """A ``run_training(during=...)`` that SIGKILLs the learner inside the k-th checkpoint save
+    for every k in ``saves`` (1-based, counted over the run's learner processes): the run must
+    set the checkpoint test hook (``CHECKPOINT_HOOK_ENV``), which makes each save sleep before
+    it writes anything. The learner has then published the version it is saving, and a restart
+    resumes from the checkpoint before: a kill between publish and checkpoint, every time."""
+
+    def __init__(self, run_dir: Path, saves: set[int]) -> None:
+        self.log, self.saves = run_dir / "logs" / "learner.log", set(saves)
+        self.killed: list[int] = []  # the saves killed
+        self._pids: set[int] = set()
+
+    def __call__(self, docs: list[dict[str, Any]], step: int) -> None:
+        try:
+            seen = self.log.read_text(errors="replace").count(CHECKPOINT_HOOK_LINE)
+        except OSError:
+            return
+        if seen not in self.saves or seen in self.killed:
+            return
+        doc = next((d for d in docs if d["service"] == "learner"), None)
+        fresh = doc is not None and time.time() - doc.get("heartbeat", 0) < 3
+        if not fresh or doc["pid"] in self._pids:
+            return  # the sleeping save's process has not reported yet: the next poll
+        try:
+            os.kill(doc["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self._pids.add(doc["pid"])
+        self.killed.append(seen)
+
+
+CHECKPOINT_HOOK_ENV = "TETHER_TEST_ONLY_CHECKPOINT_DELAY_S"  # services.learner.checkpoint
+CHECKPOINT_HOOK_LINE = "sleeping before this checkpoint (a test hook)"
+
+
+def books(r: RunResult) -> dict[str, int]:
+    """The run's accounting in trajectories as `tether status` computes it, from the status
+    snapshot the launcher saved at the end (``unaccounted`` is 0 when the books balance)."""
+    from common.config.load import load_config
+    from tether.runs.status import load_status_snapshot
+    from tether.runs.status_view import enrich
+
+    snap = load_status_snapshot(r.run_dir)
+    assert snap is not None, f"no status.json in {r.run_dir}"
+    cfg = load_config(config_file=r.run_dir / "config.toml", env={}).config
+    return enrich(snap, cfg=cfg, run_dir=r.run_dir)["accounting_trajectories"]
+
+
+def dead_letters(redis_url: str, name: str) -> list[tuple[str, str]]:
+    """(reason, detail) of every dead letter of run ``name``."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=5)
+    rows = r.xrange(f"{name}:dead")
+    return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in rows]
+
+
+def recovery_config(
+    tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "", extra: str = "",
+    run_extra: str = "", checkpoint_every_steps: int | None = 2, assets: str | None = None,
+) -> Path:  # fmt: skip
+    """A short run's config on the CI preset's warmed-up model (shared by the recovery tests);
+    ``extra``: lines for the [bus] table; ``assets``: the name of a model + data directory
+    shared between tests (built and warmed up once), default one per run name."""
     from tether.demo.run import prepare_assets
 
-    assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
+    built = prepare_assets(tmp_path.parent / f"e2e-assets-{assets or name}", preset="ci")
     return write_config(
         tmp_path / f"{name}.toml",
         name=name,
-        model=str(assets.model_dir),
-        data_dir=assets.data_dir,
+        model=str(built.model_dir),
+        data_dir=built.data_dir,
         run_dir=tmp_path / "runs",
         cycles=cycles,
         learner_extra=learner_extra,
+        extra=extra,
+        run_extra=run_extra,
+        checkpoint_every_steps=checkpoint_every_steps,
     )
 
 

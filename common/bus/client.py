@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from common.bus.memory import OOM_FIRST_DELAY_S, Memory, OomEpisodes, check_policy, read_memory
 from common.bus.metrics import BusMetrics
 from common.bus.settings import (
     BusSettings,
@@ -43,23 +44,31 @@ class Bus:
             connect_timeout_s=settings.connect_timeout_s,
         )
         self._commit_script = self.redis.register_script(_COMMIT_LUA)
+        self._oom = OomEpisodes(self.metrics, lambda: read_memory(self.redis).describe())
 
     # ------------------------------------------------------------------ plumbing
     def key(self, name: str) -> str:
         return f"{self.settings.run}:{name}"
 
     def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Run ``fn`` with bounded exponential back-off and reconnect on connection loss."""
+        """Run ``fn`` with bounded exponential back-off: reconnect on connection loss (for up to
+        ``reconnect_max_s``), and wait for room while Redis is out of memory (``memory.py``)."""
         deadline = time.monotonic() + self.settings.reconnect_max_s
-        delay = 0.05
+        delay, oom_delay = 0.05, OOM_FIRST_DELAY_S
         while True:
             try:
-                return fn()
+                result = fn()
+                self._oom.succeeded()
+                return result
             except redis.AuthenticationError as e:  # a ConnectionError subclass: do not retry
                 raise ValueError(
                     f"Redis at {self._safe_url()} refused our credentials ({e}); check the "
                     "user:password in the bus url"
                 ) from e
+            except redis.OutOfMemoryError:  # maxmemory reached: wait for room (memory.py)
+                oom_delay = self._oom.wait(what, oom_delay)
+                deadline = time.monotonic() + self.settings.reconnect_max_s
+                continue
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise BusUnavailable(
@@ -77,6 +86,20 @@ class Bus:
 
     def ping(self) -> bool:
         return bool(self.call(self.redis.ping, what="PING"))
+
+    def memory(self) -> Memory:
+        """The server's used memory against ``maxmemory`` (also set as this process's gauges)."""
+        mem = self.call(lambda: read_memory(self.redis), what="INFO memory")
+        self.metrics.redis_used.set(mem.used_bytes)
+        self.metrics.redis_max.set(mem.max_bytes)
+        return mem
+
+    def check_server(self) -> Memory:
+        """At a service's start: refuse a ``maxmemory-policy`` that can evict Tether's keys
+        (``ConfigError``, exit 2) unless ``allow_evicting_policy``. Waits for Redis like any call."""
+        mem = self.memory()
+        check_policy(mem, url=self._safe_url(), allow_evicting=self.settings.allow_evicting_policy)
+        return mem
 
     def close(self) -> None:
         self.redis.close()
@@ -180,6 +203,31 @@ class Bus:
             delay = min(delay * 2, 0.5)
         return time.monotonic() - start
 
+    def in_flight(self) -> dict[str, int]:
+        """Entries on their way to the learner, per stream, from one atomic snapshot (MULTI of
+        XINFO GROUPS): prompts and groups not yet acknowledged by the generators' / scorers'
+        group (lag + pending), scored groups not yet delivered to the learner (lag). A lag Redis
+        cannot tell (after deletions) counts as one in flight."""
+
+        def snapshot() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=True)
+            for stream, _ in streams.PIPELINE:
+                pipe.xinfo_groups(self.key(stream))
+            return list(pipe.execute(raise_on_error=False))
+
+        out = {}
+        for (stream, group), reply in zip(streams.PIPELINE, self.call(snapshot, what="MULTI XINFO"),
+                                          strict=True):  # fmt: skip
+            infos = [] if isinstance(reply, Exception) else reply  # no such key: nothing there
+            info = next((g for g in infos if decode_str(g["name"]) == group), None)
+            if info is None:
+                out[stream] = 0
+                continue
+            lag = info.get("lag")
+            pending = int(info["pending"]) if stream != streams.SCORED else 0
+            out[stream] = (1 if lag is None else int(lag)) + pending
+        return out
+
     def trim_acked(self, stream: str) -> int:
         """XTRIM MINID to the oldest entry not acked by every group. Returns entries deleted."""
         bounds = []
@@ -217,9 +265,12 @@ class Bus:
         payloads = [(s, wire.encode(m)) for s, m in publish]
         ids = list(dedupe_ids) if dedupe_ids is not None else []
         gated = 1 if dedupe_ids is not None else 0
-        keys = [self.key(streams.done_set(group)), self.key(stream)] + [
-            self.key(s) for s, _ in payloads
-        ]
+        keys = [
+            self.key(streams.done_set(group)),
+            self.key(stream),
+            self.key(streams.in_hand(stream, group)),
+            self.key(streams.strikes(stream, group)),
+        ] + [self.key(s) for s, _ in payloads]
         if count_as:
             keys.append(self.key(streams.GENERATED_GROUPS))
         args: list[Any] = [group, gated, count_as or "", len(ids), *ids]
@@ -289,11 +340,13 @@ def _parse_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-# KEYS: done-set, upstream stream, downstream streams..., [count hash when count_as is set]
+# KEYS: done-set, upstream stream, its in-hand and strikes hashes (``strikes.py``), downstream
+# streams..., [count hash when count_as is set]
 # ARGV: group, gated, count_as, n_ids, ids..., n_acks, acks..., now, payloads...
-# (payload i -> KEYS[2+i]; the count hash is the key after the last downstream stream)
+# (payload i -> KEYS[4+i]; the count hash is the key after the last downstream stream)
 # Publish first, ack last: a script error part-way leaves entries pending (redelivered, deduped),
 # never acked-but-unpublished. The count grows with what was published, in the same script.
+# Under Redis's maxmemory the first write (ZADD) is refused and nothing is written at all.
 _COMMIT_LUA = """
 local group, gated, count_as, n_ids = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local fresh = {}
@@ -313,14 +366,18 @@ for i = 1, n_payloads do
   local payload = ARGV[p + n_acks + 1 + i]
   published[i] = 0
   if gated == 0 or fresh[ARGV[4 + i]] then
-    redis.call('XADD', KEYS[2 + i], '*', 'm', payload)
+    redis.call('XADD', KEYS[4 + i], '*', 'm', payload)
     published[i] = 1
     n_published = n_published + 1
   end
 end
 if count_as ~= '' and n_published > 0 then
-  redis.call('HINCRBY', KEYS[3 + n_payloads], count_as, n_published)
+  redis.call('HINCRBY', KEYS[5 + n_payloads], count_as, n_published)
 end
-for i = 1, n_acks do redis.pcall('XACK', KEYS[2], group, ARGV[p + i]) end
+for i = 1, n_acks do
+  redis.pcall('XACK', KEYS[2], group, ARGV[p + i])
+  redis.call('HDEL', KEYS[3], ARGV[p + i])
+  redis.call('HDEL', KEYS[4], ARGV[p + i])
+end
 return published
 """

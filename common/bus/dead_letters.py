@@ -3,13 +3,16 @@ arrive, and how many generated responses it holds.
 
 A dead-letter entry (``<run>:dead``, written by ``Consumer``) records the message it holds:
 ``ref`` (its group or prompt id) and, for a prompt or a (scored) group, ``split``, ``cycle``
-and ``index`` (the sampler position). The learner reads them with ``DeadLetters`` so that a
+and ``index`` (the sampler position). An entry whose message decoded keeps the whole payload
+(``complete = 1``), so that ``tether bus redrive`` can return it to its stream once the cause is
+fixed (``redrive.py``); an undecodable one keeps its first ``DEAD_RAW_BYTES`` only. The learner reads them with ``DeadLetters`` so that a
 cycle waiting for a dead-lettered prompt or group goes on without it instead of waiting
 forever; the books (``tether status``) count the responses of the dead-lettered groups.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -22,6 +25,22 @@ if TYPE_CHECKING:
 
 # streams whose entries hold generated responses (a prompt holds none)
 _GROUP_STREAMS = (streams.GROUPS, streams.SCORED)
+DEAD_RAW_BYTES = 4096  # raw bytes kept of an entry that could not be decoded
+
+
+def dead_letter_fields(
+    *, reason: str, detail: str, stream: str, entry_id: str, group: str, consumer: str,
+    deliveries: int, service: str, raw: bytes, msg: wire.Message | None, max_bytes: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The fields of a dead-letter entry. A message that decoded (``msg``) is kept whole, up to
+    ``max_bytes``, and marked ``complete``: it can be re-driven."""
+    complete = msg is not None and len(raw) <= max_bytes
+    return {
+        "reason": reason, "detail": detail[:500], "stream": stream, "entry_id": entry_id,
+        "group": group, "consumer": consumer, "deliveries": deliveries, "service": service,
+        "at": time.time(), "raw": raw if complete else raw[:DEAD_RAW_BYTES],
+        "complete": int(complete), **position_fields(msg),
+    }  # fmt: skip
 
 
 def position_fields(msg: wire.Message | None) -> dict[str, str | int]:
@@ -34,7 +53,7 @@ def position_fields(msg: wire.Message | None) -> dict[str, str | int]:
     return {"ref": ref, "split": "", "cycle": "", "index": ""}
 
 
-def _field(fields: dict[Any, Any], name: str) -> str:
+def field_of(fields: dict[Any, Any], name: str) -> str:
     value = fields.get(name.encode(), fields.get(name, b""))
     return decode_str(value) if isinstance(value, bytes) else str(value)
 
@@ -43,7 +62,7 @@ def holds_responses(fields: dict[Any, Any]) -> bool:
     """Whether a dead-letter entry is a generated group (train or eval): its responses were
     counted as generated and are now counted as dead-lettered. A prompt holds none, and an
     entry nobody could decode was not published by a generator."""
-    return _field(fields, "stream") in _GROUP_STREAMS and _field(fields, "split") != ""
+    return field_of(fields, "stream") in _GROUP_STREAMS and field_of(fields, "split") != ""
 
 
 class DeadLetters:
@@ -68,11 +87,11 @@ class DeadLetters:
                                  what="XRANGE dead")  # fmt: skip
             for entry_id, fields in rows:
                 self._cursor = decode_str(entry_id)
-                split, cycle, index = (_field(fields, k) for k in ("split", "cycle", "index"))
+                split, cycle, index = (field_of(fields, k) for k in ("split", "cycle", "index"))
                 if split and cycle.isdigit() and index.isdigit():
                     lost = self.lost[(split, int(cycle))]
                     if int(index) not in lost:
-                        lost[int(index)] = _field(fields, "reason")
+                        lost[int(index)] = field_of(fields, "reason")
                         found += 1
             if len(rows) < count:
                 return found

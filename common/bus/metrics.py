@@ -32,6 +32,12 @@ class BusMetrics:
         self.claimed = metric(
             "Counter", "tether_bus_claimed_messages_total", "Entries taken over by XAUTOCLAIM", SG
         )
+        self.strikes = metric(
+            "Counter",
+            "tether_bus_strikes_total",
+            "Entries delivered again while still in hand: their consumer failed holding them",
+            SG,
+        )
         self.dead = metric(
             "Counter", "tether_bus_dead_letters_total", "Entries dead-lettered", [*SG, "reason"]
         )
@@ -40,6 +46,26 @@ class BusMetrics:
         )
         self.reconnects = metric(
             "Counter", "tether_bus_reconnects_total", "Reconnects after connection loss"
+        )
+        self.oom_waiting = metric(
+            "Gauge",
+            "tether_bus_oom_waiting",
+            "1 while this process waits for Redis to have memory for a write (maxmemory reached)",
+        )
+        self.oom_wait_seconds = metric(
+            "Counter",
+            "tether_bus_oom_wait_seconds_total",
+            "Seconds spent waiting for Redis memory (writes refused at maxmemory)",
+        )
+        self.redis_used = metric(
+            "Gauge",
+            "tether_bus_redis_used_memory_bytes",
+            "Memory Redis uses (INFO memory; read by the learner every few seconds)",
+        )
+        self.redis_max = metric(
+            "Gauge",
+            "tether_bus_redis_maxmemory_bytes",
+            "Redis maxmemory (0 = no limit)",
         )
         self.recreated = metric(
             "Counter",

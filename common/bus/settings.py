@@ -25,12 +25,13 @@ class BusSettings:
     run: str = "tether"  # namespace: streams are "<run>:<name>"
     block_ms: int = 2_000  # XREADGROUP BLOCK time per read call
     claim_idle_ms: int = 300_000  # take over entries idle this long (> slowest honest work)
-    max_deliveries: int = 5  # an entry delivered more often than this is dead-lettered
+    max_deliveries: int = 5  # strikes (its consumer failed holding it) before dead-lettering
     max_message_bytes: int = 64 * 1024 * 1024  # larger payloads are refused / dead-lettered
     max_backlog: int = 1_024  # producers wait while a group's lag + pending reaches this
     socket_timeout_s: float = 30.0  # must exceed block_ms, or blocking reads time out
     connect_timeout_s: float = 5.0
     reconnect_max_s: float = 120.0  # give up (raise) after Redis is unreachable this long
+    allow_evicting_policy: bool = False  # run on a server whose maxmemory-policy can evict keys
 
     def __post_init__(self) -> None:
         scheme = urlparse(self.url).scheme
@@ -77,6 +78,7 @@ def bus_settings_for(cfg: TetherConfig, *, redis_url: str | None = None) -> BusS
         max_message_bytes=int(b.max_message_mb * 1024 * 1024),
         max_backlog=b.max_backlog,
         socket_timeout_s=b.socket_timeout_s,
+        allow_evicting_policy=b.allow_evicting_policy,
     )
 
 

@@ -182,7 +182,18 @@ class LearnerConfig(Section):
         description="broadcast weights every N optimizer steps; default once per cycle",
     )
     checkpoint_every_steps: int = Field(
-        0, ge=0, description="save a checkpoint every N steps; 0 = only at the end"
+        0,
+        ge=0,
+        description="save a checkpoint every N steps; 0 = by time only (checkpoint_every_minutes)",
+    )
+    checkpoint_every_minutes: float = Field(
+        30.0,
+        ge=0.0,
+        description="save a checkpoint at the first cycle end this long after the last one (also "
+        "with checkpoint_every_steps: whichever comes first); 0 = off, and with "
+        "checkpoint_every_steps = 0 only at the end. A restart retrains at most this much, and "
+        "the scored groups Redis holds until a checkpoint covers them stay bounded by what the "
+        "learner trains in this time (`tether plan` shows it)",
     )
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     eval_every_steps: int = Field(
@@ -194,6 +205,14 @@ class LearnerConfig(Section):
         le=65535,
         description="Prometheus/health port of rank 0, and /healthz of each node's first rank; "
         "0 = pick a free one",
+    )
+    no_progress_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="seconds rank 0 may wait without a scored group, dead letter or step before "
+        "it logs a stall with where things sit (tether_learner_no_progress_seconds and `tether "
+        "status` show the wait all along); positions nothing holds any more are dispatched again "
+        "at once",
     )
     liveness_s: float = Field(
         900.0,

@@ -65,6 +65,15 @@ class RunConfig(Section):
         256, ge=1, description="longest prompt in tokens (see data.overlong_prompt_policy)"
     )
     max_response_tokens: int = Field(128, ge=1, description="longest response in tokens")
+    max_crashes: int = Field(
+        5,
+        ge=1,
+        description="`tether train` stops the run when one service crashes this many times "
+        "within crash_window_s (a restart loop that does not heal)",
+    )
+    crash_window_s: float = Field(
+        300.0, gt=0.0, description="window in seconds over which max_crashes is counted"
+    )
 
 
 class DataConfig(Section):
@@ -101,7 +110,13 @@ class BusConfig(Section):
         gt=0.0,
         description="take over another consumer's entry idle this long (longer than the slowest honest work)",
     )
-    max_deliveries: int = Field(5, ge=1, description="deliveries before an entry is dead-lettered")
+    max_deliveries: int = Field(
+        5,
+        ge=1,
+        description="times a generator or scorer may fail while holding an entry (crash, kill, or "
+        "hang past claim_idle_s) before it is dead-lettered; redelivery alone (a consumer "
+        "reading back its pending entries after a restart) does not count",
+    )
     max_message_mb: float = Field(64.0, gt=0.0, description="largest accepted message in MiB")
     max_backlog: int = Field(
         256,
@@ -110,6 +125,12 @@ class BusConfig(Section):
     )
     socket_timeout_s: float = Field(
         30.0, gt=0.0, description="Redis client socket timeout; must exceed block_ms"
+    )
+    allow_evicting_policy: bool = Field(
+        False,
+        description="run on a Redis whose maxmemory-policy can evict keys (allkeys-*), knowing "
+        "that eviction deletes streams and loses trajectories; by default every service refuses "
+        "it at start (fix: CONFIG SET maxmemory-policy noeviction)",
     )
 
 

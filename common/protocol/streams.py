@@ -13,7 +13,9 @@ weight chain's membership epoch after the last publish: it moves whenever a gene
 or was dropped; the learner's weight store holds the chain itself, which the process groups need
 for their rendezvous), ``status`` (a hash with one
 field ``<service>:<id>`` per replica: phase seconds, counters, heartbeat; read by ``tether
-status``) and ``done:<group>`` (a consumer group's dedupe ids, scored by commit time).
+status``), ``done:<group>`` (a consumer group's dedupe ids, scored by commit time), and
+``inhand:<stream>:<group>`` / ``strikes:<stream>:<group>`` (which consumer holds an entry it is
+working on, and how often a consumer failed while holding it: ``common.bus.strikes``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ WEIGHTS_PUBLISHING = "weights:publishing"
 WEIGHTS_EPOCH = "weights:epoch"
 STATUS = "status"
 # Hash: generator id -> groups it has published over the run (all its processes): the status
-# accounting's "generated", which must not restart at 0 when a generator restarts.
+# accounting's "generated", which must not restart at 0 when a generator restarts. Held-out
+# groups are counted apart, under "<id>:eval" (``generated_field``): a round whose learner died
+# is never recorded in metrics.jsonl, and its groups must not read as training data.
 GENERATED_GROUPS = "generated:groups"
+EVAL_SUFFIX = ":eval"
+
+
+def generated_field(sid: str, split: str) -> str:
+    """The ``generated:groups`` field that counts generator ``sid``'s groups of ``split``."""
+    return sid + EVAL_SUFFIX if split == "eval" else sid
 
 
 def generator_version(sid: str) -> str:
@@ -42,3 +52,13 @@ def generator_version(sid: str) -> str:
 def done_set(group: str) -> str:
     """The sorted set of dedupe ids ``group`` has committed (score: commit time)."""
     return f"done:{group}"
+
+
+def in_hand(stream: str, group: str) -> str:
+    """The hash of entries of ``stream`` a consumer of ``group`` is working on (id -> consumer)."""
+    return f"inhand:{stream}:{group}"
+
+
+def strikes(stream: str, group: str) -> str:
+    """The hash of strikes (id -> times a consumer failed while holding the entry)."""
+    return f"strikes:{stream}:{group}"

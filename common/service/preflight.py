@@ -12,6 +12,7 @@ policy model + tokenizer directories  yes      yes         yes        solver mod
 solver model directory                solver   -           -          solver mode
 data.train_path / eval_path exist     yes      rank 0      -          -
 Redis URL answers one PING in 2 s     if set   rank 0 (*)  yes (*)    yes (*)
+Redis maxmemory-policy cannot evict   if set   rank 0      yes        yes
 tokenizer loads; chat template        yes      rank 0      yes        -
 episodes: tools, tool format, sandbox yes      -           yes        -
 every dataset row, token lengths      yes      rank 0      -          -
@@ -19,6 +20,9 @@ every dataset row, token lengths      yes      rank 0      -          -
 
 (*) Not when `tether train` started the service: it pinged (or started the server) itself, and
 a service it restarts during a Redis outage must wait for Redis, not exit 2 and stop the run.
+The eviction policy is checked by every service once its bus client is made (``check_server``:
+it waits for Redis like any bus call), and by `tether train` for a ``run.redis_url`` of its own
+(its embedded server never evicts).
 
 The on-disk checks and the PING come first and are reported together; then the tokenizer is
 loaded (transformers; a few seconds) and every row is read with the loader the learner uses
@@ -183,7 +187,36 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
         return [f"{where} answered PING with an error ({exc}). Fix the URL's user:password."]
     except ValueError as exc:  # from_url: not a URL redis-py can use
         return [f"run.redis_url = {safe_url(url)!r} is not a usable Redis URL ({exc})."]
+    return _eviction(cfg, url)
+
+
+def _eviction(cfg: TetherConfig, url: str) -> list[str]:
+    """The server's ``maxmemory-policy``, read once (``INFO memory``) after the PING worked."""
+    import redis
+
+    from common.bus.memory import check_policy, read_memory
+    from common.bus.settings import make_client, safe_url
+
+    client = make_client(url, socket_timeout_s=PING_TIMEOUT_S, connect_timeout_s=PING_TIMEOUT_S)
+    try:
+        memory = read_memory(client)
+        check_policy(memory, url=safe_url(url), allow_evicting=cfg.bus.allow_evicting_policy)
+    except ConfigError as exc:
+        return [str(exc)]
+    except redis.RedisError:  # INFO not allowed to this user: every service checks again
+        return []
+    finally:
+        client.close()
     return []
+
+
+def check_server(bus: Any) -> None:
+    """A service's check of its Redis at start: ``maxmemory-policy`` must not evict Tether's
+    keys (``common.bus.memory``); ``PreflightError`` (exit 2) otherwise."""
+    try:
+        bus.check_server()
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def _tokenizer(cfg: TetherConfig) -> Any:

@@ -42,6 +42,7 @@ class StatusReporter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"status-{service}", daemon=True)
         self.started = time.time()
+        self._failing_since: float | None = None  # time.monotonic() of the first failed write
 
     def start(self) -> StatusReporter:
         self._thread.start()
@@ -64,8 +65,21 @@ class StatusReporter:
         try:
             doc.update(self.extra())
             self.bus.write_status(self.service, self.sid, json.dumps(doc))
-        except Exception as exc:  # status is best effort; the bus logs connection trouble itself
-            log.debug("status write failed: %s", exc)
+        except Exception as exc:  # best effort, but said: `tether status` shows this one silent
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                log.warning(
+                    "status heartbeat of %s %s failed (%s); `tether status` shows it silent "
+                    "until a write works again (retried every %.0f s)",
+                    self.service, self.sid, exc, self.interval_s,
+                )  # fmt: skip
+            return
+        if self._failing_since is not None:
+            log.warning(
+                "status heartbeat of %s %s works again after %.0f s",
+                self.service, self.sid, time.monotonic() - self._failing_since,
+            )  # fmt: skip
+            self._failing_since = None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

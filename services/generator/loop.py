@@ -22,6 +22,16 @@ the current version before it generates anything; updates are applied in flight,
 sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
 trajectory's ``policy_version`` is the version of its oldest sampled token — the one staleness
 is judged by (for an episode, over all its assistant turns).
+
+Versions never go backwards within an episode. A learner restarted from a checkpoint older than
+the last version it published sends its (lower) version; the engine loads it like any update,
+and a response (or an episode's later turn) in flight would then carry versions such as 294
+then 292: two timelines of training in one episode, which no staleness rule can judge (the
+scorers dead-lettered such groups as ``bad_value``). Such a prompt is generated again, whole, on
+the weights now loaded (``trajectories.RolledBack``,
+``tether_generator_regenerated_prompts_total``). A group finished on the lost timeline before
+the roll-back keeps its honest version: the restarted learner, on the same checkpoint and the
+same batches, trains on it as on any other.
 """
 
 from __future__ import annotations
@@ -31,14 +41,20 @@ import logging
 import time
 from typing import Any
 
-from common.bus.consumer import Consumer
+from common.bus.consumer import Consumer, let_go
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import single_turn_trajectories, to_group
+from services.generator.trajectories import (
+    RolledBack,
+    check_episodes_order,
+    check_samples_order,
+    single_turn_trajectories,
+    to_group,
+)
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -46,6 +62,7 @@ log = logging.getLogger(__name__)
 WORKER_EXT = "services.generator.worker_ext.TetherWorkerExtension"
 ENGINE_PING_EVERY_S = 2.0  # how often the engine-core process is asked a cheap question
 ENGINE_PING_TIMEOUT_S = 10.0  # an answer later than this is no answer
+MAX_REGENERATIONS = 3  # a prompt whose versions went back is generated again at most this often
 
 
 class _Metrics:
@@ -84,6 +101,12 @@ class _Metrics:
             "Counter",
             "tether_generator_staleness_wait_seconds_total",
             "seconds prompts waited for newer weights",
+        )
+        self.regenerated = metric(
+            "Counter",
+            "tether_generator_regenerated_prompts_total",
+            "prompts generated again because the policy version went back mid-generation (a "
+            "learner restarted from an older checkpoint than its last publish)",
         )
         self.tokens_per_s = metric(
             "Gauge",
@@ -199,6 +222,23 @@ class GeneratorService:
         finally:
             self._held.discard(d.entry_id)
 
+    async def _sample(
+        self, msg: wire.PromptMsg, ids: list[int], *, request_id: str, started: float
+    ) -> list[wire.Trajectory]:
+        """The prompt's episodes: multi-turn ones (``episodes.py``) or one turn each."""
+        if self.episodes is not None:
+            episodes = await self.episodes.run_prompt(
+                msg, ids, self._sampling(msg.split), request_id=request_id,
+                version=int(self.version or 0), started=started,
+            )  # fmt: skip
+            check_episodes_order(episodes)
+            return episodes
+        samples = await self.engine.generate_group(
+            ids, self._sampling(msg.split), request_id=request_id
+        )
+        check_samples_order(samples)
+        return single_turn_trajectories(msg, samples, started=started, version=self.version)
+
     async def _generate_and_commit(self, consumer, d) -> None:
         msg: wire.PromptMsg = d.msg
         try:
@@ -206,21 +246,25 @@ class GeneratorService:
         except ValueError as exc:  # e.g. a chat list with data.apply_chat_template = false
             await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
             return
-        await self._gate(msg.min_policy_version)
-        started = time.time()
-        request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        if self.episodes is not None:
-            trajectories = await self.episodes.run_prompt(
-                msg, ids, self._sampling(msg.split), request_id=request_id,
-                version=int(self.version or 0), started=started,
-            )  # fmt: skip
-        else:
-            samples = await self.engine.generate_group(
-                ids, self._sampling(msg.split), request_id=request_id
+        for attempt in range(MAX_REGENERATIONS + 1):
+            await self._gate(msg.min_policy_version)  # again after a roll-back
+            started = time.time()
+            request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}" + f".{attempt}" * bool(
+                attempt
             )
-            trajectories = single_turn_trajectories(
-                msg, samples, started=started, version=self.version
-            )
+            try:
+                trajectories = await self._sample(msg, ids, request_id=request_id, started=started)
+                break
+            except RolledBack as back:
+                if attempt == MAX_REGENERATIONS:
+                    raise
+                self.metrics.regenerated.inc()
+                log.warning(
+                    "prompt %s: the policy version went back during its generation (%s: the "
+                    "learner restarted from an older checkpoint); generating it again on the "
+                    "weights now loaded, so that its versions never go backwards",
+                    msg.prompt_id, back,
+                )  # fmt: skip
         group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
@@ -233,7 +277,7 @@ class GeneratorService:
             [d],
             publish=[(streams.GROUPS, group)],
             dedupe_ids=[group.group_id],
-            count_as=self.sid,
+            count_as=streams.generated_field(self.sid, msg.split),
         )
         n_tokens = sum(t.num_sampled for t in trajectories)
         self.tokens_generated += n_tokens
@@ -353,6 +397,8 @@ class GeneratorService:
                 t.cancel()
             if self.episodes is not None:
                 await self.episodes.sandbox.close()
+            if self._stop.is_set():  # stopped on purpose: what it held is not at fault
+                await asyncio.to_thread(let_go, consumer)
 
     def stop(self) -> None:
         self._stop.set()

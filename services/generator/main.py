@@ -7,13 +7,14 @@ from common.service.serve import serve_async, service_id
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import preflight
+    from common.service.preflight import check_server, preflight
 
     preflight(cfg, "generator")  # model, tokenizer, Redis: exit 2 before the engine starts
     from services.generator.loop import GeneratorService
 
     sid = service_id("generator", getattr(args, "service_id", None))
     svc = GeneratorService(cfg, sid=sid)
+    check_server(svc.bus)  # an evicting maxmemory-policy: exit 2 before the engine starts
 
     def cleanup() -> None:
         engine = getattr(svc, "engine", None)

@@ -7,6 +7,40 @@ from typing import Any
 from common.protocol import wire
 
 
+class RolledBack(Exception):
+    """The policy version went *down* while a prompt was generated: a learner restarted from a
+    checkpoint older than what it had published, and the engine took its weights mid-episode.
+    The episode mixes two timelines of training (its versions would decrease, which the wire
+    refuses); it is generated again (``loop.py``). ``versions``: in the order sampled."""
+
+    def __init__(self, versions: list[int]) -> None:
+        super().__init__(" -> ".join(f"v{v}" for v in versions))
+        self.versions = versions
+
+
+def _check_order(versions: Any) -> None:
+    import numpy as np
+
+    v = np.asarray(versions)
+    if len(v) > 1 and bool((np.diff(v) < 0).any()):
+        raise RolledBack([int(x) for i, x in enumerate(v) if i == 0 or x != v[i - 1]])
+
+
+def check_samples_order(samples: list[Any]) -> None:
+    """``RolledBack`` if an engine ``Sample``'s weight-version spans go down."""
+    for s in samples:
+        spans = sorted(s.weight_versions, key=lambda w: w[1])
+        _check_order([int(v) for v, _start, _end in spans if str(v).lstrip("-").isdigit()])
+
+
+def check_episodes_order(trajectories: list[wire.Trajectory]) -> None:
+    """``RolledBack`` if an episode's sampled tokens' versions go down (across turns)."""
+    import numpy as np
+
+    for t in trajectories:
+        _check_order(np.asarray(t.token_versions)[np.asarray(t.loss_mask) == 1])
+
+
 def single_turn_trajectories(
     msg: wire.PromptMsg, samples: list[Any], *, started: float, version: int | None
 ) -> list[wire.Trajectory]:

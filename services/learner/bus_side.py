@@ -26,6 +26,7 @@ from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut
 from services.learner.metrics import LearnerMetrics
+from services.learner.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -56,9 +57,13 @@ class BusSide:
         self.metrics.generators_configured.set(cfg.generator.replicas)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
+        # the learner holds scored entries pending until a checkpoint covers their training: it
+        # neither claims (it would take its own entries back and ack them as duplicates) nor
+        # counts strikes (its restarts must never dead-letter its own data; common.bus.strikes)
         self.consumer = Consumer(
-            self.bus, streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER
-        )
+            self.bus, streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER,
+            claims=False, track_strikes=False,
+        )  # fmt: skip
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
         self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
@@ -75,6 +80,7 @@ class BusSide:
             trackers=self.trackers,
         )
         self._last_housekeeping = 0.0
+        self.watchdog = Watchdog(self.bus, self.metrics, no_progress_s=cfg.learner.no_progress_s)
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
     # ------------------------------------------------------------------ state
@@ -130,16 +136,23 @@ class BusSide:
 
     # ------------------------------------------------------------------ collecting
     def _take(self, d: Any, next_cycle: int) -> None:
+        """Buffer a cycle's scored group (pending until a checkpoint holds its training); ack an
+        evaluation group, and a duplicate: of a cycle trained already, or of a position here
+        (a position dispatched again by the watchdog comes under a new group id)."""
         sg: wire.ScoredGroup = d.msg
         g = sg.group
+        self.watchdog.progressed()
         if g.split == "eval":
             self.held_out.result(g.cycle, sg)
             self.consumer.ack([d])
-        elif g.cycle < next_cycle or g.group_id in self.buffer[g.cycle]:
+        elif g.cycle < next_cycle or g.index in self._indices(g.cycle):
             self.metrics.duplicates.inc()
             self.consumer.ack([d])
         else:
             self.buffer[g.cycle][g.group_id] = d
+
+    def _indices(self, cycle: int) -> set[int]:
+        return {d.msg.group.index for d in self.buffer[cycle].values()}
 
     def collect(
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
@@ -154,12 +167,13 @@ class BusSide:
             return self._collect_dynamic(cycle, stop=stop, idle=idle)
         need = self.cfg.run.prompts_per_cycle
         positions = set(range(cycle * need, cycle * need + need))
-        with self.timer.phase("waiting_input"):
-            while self._awaited(cycle, positions):
+        with self.watchdog.waiting(), self.timer.phase("waiting_input"):
+            while awaited := self._awaited(cycle, positions):
                 idle()
                 if stop():
                     return None
                 self._read(cycle)
+                self._recover(cycle, awaited)
         self._check_lost(cycle, positions, len(self.buffer[cycle]))
         deliveries = list(self.buffer.pop(cycle).values())
         self.trained_deliveries += deliveries
@@ -169,7 +183,15 @@ class BusSide:
         for d in self.consumer.read(64, self.cfg.bus.block_ms):
             self._take(d, cycle)
         if self.dead.poll():
+            self.watchdog.progressed()
             self.held_out.check_all()
+
+    def _recover(self, cycle: int, awaited: set[int]) -> None:
+        """Dispatch again the positions the watchdog found nowhere (``watchdog.py``)."""
+        lost = self.watchdog.check(cycle=cycle, awaited=awaited - self._indices(cycle))
+        if lost:
+            self.dispatcher.redispatch(cycle, lost)
+            self.metrics.redispatched.inc(len(lost))
 
     def _awaited(self, cycle: int, positions: set[int]) -> set[int]:
         """The positions of ``cycle`` still to come: neither here nor dead-lettered."""
@@ -178,7 +200,7 @@ class BusSide:
 
     def _check_lost(self, cycle: int, positions: set[int], groups: int) -> None:
         """Say which of the cycle's positions never came (dead-lettered: their prompt could not
-        be encoded, their group could not be scored, or an entry was delivered more than
+        be encoded, their group could not be scored, or an entry made its consumer fail
         ``bus.max_deliveries`` times); the cycle trains without them. A cycle left with fewer
         responses than optimizer steps cannot train: stop with the reasons."""
         here = {d.msg.group.index for d in self.buffer[cycle].values()}
@@ -213,7 +235,7 @@ class BusSide:
         from services.learner import sampling
 
         need, n = self.cfg.run.prompts_per_cycle, self.cfg.run.responses_per_prompt
-        with self.timer.phase("waiting_input"):
+        with self.watchdog.waiting(), self.timer.phase("waiting_input"):
             while True:
                 expected = self.dispatcher.positions(cycle)
                 here = {d.msg.group.index: d.msg for d in self.buffer[cycle].values()}
@@ -225,6 +247,7 @@ class BusSide:
                     if stop():
                         return None
                     self._read(cycle)
+                    self._recover(cycle, expected - set(here))
                     continue
                 sel = sampling.select([here[g] for g in expected], need, fill=False)
                 missing = need - len(sel.chosen)
@@ -277,6 +300,18 @@ class BusSide:
             if self.dead.poll():
                 self.held_out.check_all()
 
+    def check_server(self) -> None:
+        """At start: refuse a Redis whose ``maxmemory-policy`` can evict Tether's keys (exit 2,
+        ``common.service.preflight.check_server``)."""
+        from common.service.preflight import check_server
+
+        check_server(self.bus)
+
+    @property
+    def silent_s(self) -> float:
+        """Seconds rank 0 has waited for a cycle's groups without progress (``watchdog.py``)."""
+        return self.watchdog.silent_s
+
     def close(self) -> None:
         self.trackers.close()
 
@@ -286,6 +321,10 @@ class NoBusSide:
     (``cycle.broadcast_samples``), so it dispatches, collects and acknowledges nothing."""
 
     selection_counts: dict[str, int] = {}
+    silent_s = 0.0
+
+    def check_server(self) -> None:
+        pass
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {}

@@ -17,7 +17,13 @@ Layout under ``<run_dir>/checkpoints/``::
 
 A save writes everything into ``tmp-<N>-<pid>/``, fsyncs every file and the directory, renames it
 to ``step-<N>/``, fsyncs ``checkpoints/``, then replaces ``latest``. A SIGKILL at any point leaves
-the previous ``latest`` intact; a half-written ``tmp-*`` is ignored and removed by the next save.
+the previous ``latest`` intact; a half-written ``tmp-*`` is ignored, and removed when the learner
+starts (``remove_leftovers``) and after the next save.
+
+A save that fails for lack of space (``ENOSPC``, ``EDQUOT``) on any rank removes its half-written
+directory and raises ``DiskFull`` on every rank, with the path, the bytes it needed and those
+free: the learner stops (exit 2: retrying would retrain the same steps into the same full disk)
+and ``tether train --resume`` continues from the last good checkpoint once there is room.
 
 Full (gathered) state dicts are used instead of DCP's sharded format because DCP reads its
 metadata with ``pickle.load``; the price is that rank 0 holds one full copy of the weights and
@@ -41,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.protocol.run_dir import RunDir
 from services.learner import lora
-from services.learner.dist import barrier, broadcast_int, rank_world
+from services.learner.checkpoint_disk import NO_SPACE, as_os_error, disk_full, remove_leftovers
+from services.learner.dist import any_rank, broadcast_int, rank_world
 from services.learner.gather import full_state_dict_cpu
 
 if TYPE_CHECKING:
@@ -77,9 +84,16 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path))
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as exc:  # its I/O errors are not OSErrors: ENOSPC must read as one
+        os_error = as_os_error(exc, path)
+        if os_error is None:
+            raise
+        raise os_error from exc
     _fsync_file(path)
 
 
@@ -210,13 +224,7 @@ def _prune(root: Path, *, keep_last: int, keep: Path) -> None:
     for _, path in _step_dirs(root)[:-keep_last]:
         if path != keep:
             shutil.rmtree(path, ignore_errors=True)
-    # Leftovers of saves killed mid-way (this save's own tmp dir is already renamed).
-    for path in root.iterdir():
-        if path.name.startswith(("tmp-", "trash-", "latest.tmp-")):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+    remove_leftovers(root)  # this save's own tmp dir is already renamed
 
 
 # Tests only: seconds every rank sleeps at the start of each save (before anything is written),
@@ -264,40 +272,57 @@ def save_checkpoint(
     root = RunDir(Path(run_dir)).checkpoints
     device = next(model.parameters()).device
     tmp = root / f"tmp-{step}-{broadcast_int(os.getpid(), device)}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    barrier()
-    _write_json(tmp / f"rng-rank{rank}.json", _rng_state())
-    barrier()
-    final = root / f"step-{step}"
-    if rank == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world,
-            "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
-            "adapter": adapter,  # LoRA: adapter files instead of model.safetensors
-        }
-        _write_files(
-            tmp,
-            model=model,
-            model_sd=model_sd,
-            osd=osd,
-            scheduler=scheduler,
-            extra=extra,
-            meta=meta,
+    final, failure = root / f"step-{step}", None
+    try:  # each rank's part; a lack of space on any rank fails the save on every rank
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+    except OSError as exc:
+        failure = exc
+    if not any_rank(failure is not None, device):
+        try:
+            _write_json(tmp / f"rng-rank{rank}.json", _rng_state())
+        except OSError as exc:
+            failure = exc
+    if not any_rank(failure is not None, device) and rank == 0:
+        try:
+            final = _write_and_publish(
+                root, tmp, step, model=model, model_sd=model_sd, osd=osd, scheduler=scheduler,
+                extra=extra, world=world, keep_last=keep_last, adapter=adapter,
+            )  # fmt: skip
+            logger.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - t0)
+        except OSError as exc:
+            failure = exc
+    if any_rank(failure is not None, device):  # every rank leaves here together
+        if failure is not None and failure.errno not in NO_SPACE:
+            raise failure
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise disk_full(root, step, failure, states=(model_sd, osd["state"]))
+    return final
+
+
+def _write_and_publish(root: Path, tmp: Path, step: int, *, model: Any, model_sd: dict,
+                       osd: dict, scheduler: Any, extra: str, world: int,
+                       keep_last: int, adapter: bool) -> Path:  # fmt: skip
+    """Rank 0: every file into ``tmp``, then rename it to ``step-<N>`` and move ``latest``."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world,
+        "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
+        "adapter": adapter,  # LoRA: adapter files instead of model.safetensors
+    }
+    _write_files(tmp, model=model, model_sd=model_sd, osd=osd, scheduler=scheduler,
+                 extra=extra, meta=meta)  # fmt: skip
+    hook_sleep = float(os.environ.get(TEST_HOOK_SLEEP_ENV, "0") or 0)
+    if hook_sleep > 0:
+        logger.warning(
+            "test hook %s: sleeping %.1f s before rename", TEST_HOOK_SLEEP_ENV, hook_sleep
         )
-        hook_sleep = float(os.environ.get(TEST_HOOK_SLEEP_ENV, "0") or 0)
-        if hook_sleep > 0:
-            logger.warning(
-                "test hook %s: sleeping %.1f s before rename", TEST_HOOK_SLEEP_ENV, hook_sleep
-            )
-            time.sleep(hook_sleep)
-        final = _publish(root, tmp, step)
-        _prune(root, keep_last=keep_last, keep=final)
-        logger.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - t0)
-    barrier()
+        time.sleep(hook_sleep)
+    final = _publish(root, tmp, step)
+    _prune(root, keep_last=keep_last, keep=final)
     return final
 
 
@@ -349,7 +374,8 @@ def load_checkpoint(
     scheduler: Any,
     checkpoint_dir: str | Path | None = None,
 ) -> dict[str, Any] | None:
-    """Restore model, optimizer, scheduler and this rank's RNG from the latest checkpoint.
+    """Restore model, optimizer, scheduler and this rank's RNG from the latest checkpoint, after
+    rank 0 removed the leftovers of saves that did not finish (``remove_leftovers``).
 
     Every rank must call it. Returns the saved ``extra_state`` plus ``"checkpoint_step"``, or
     ``None`` when ``run_dir`` has no checkpoint (fresh start). ``checkpoint_dir`` picks one.
@@ -361,6 +387,10 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    rank, world = rank_world()
+    root = RunDir(Path(run_dir)).checkpoints
+    if rank == 0 and (n := remove_leftovers(root)):  # at start: what killed saves left
+        logger.info("removed %d half-written checkpoint leftover(s) from %s", n, root)
     ckpt = Path(checkpoint_dir) if checkpoint_dir else latest_checkpoint(run_dir)
     if ckpt is None:
         return None
@@ -383,7 +413,6 @@ def load_checkpoint(
     osd = _join_optimizer_state(load_file(str(ckpt / "optimizer.safetensors")), optim_meta)
     set_optimizer_state_dict(model, optimizer, osd, options=options)
     scheduler.load_state_dict(json.loads((ckpt / "scheduler.json").read_text(encoding="utf-8")))
-    rank, world = rank_world()
     rng_file = ckpt / f"rng-rank{rank}.json"
     if rng_file.exists():
         _set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))

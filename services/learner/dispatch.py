@@ -50,6 +50,7 @@ class Dispatcher:
         self.cursor = 0  # next sampler position (dynamic sampling)
         self.rounds: dict[int, list[tuple[int, int]]] = {}  # cycle -> [(first position, count)]
         self.filter_rate: float | None = None  # smoothed share of equal-reward groups
+        self.redispatches: dict[int, int] = {}  # cycle -> times positions were dispatched again
         self.prompts_dispatched = metric(
             "Counter",
             "tether_learner_prompts_dispatched_total",
@@ -201,14 +202,38 @@ class Dispatcher:
             c += 1
         return done
 
-    def dispatch_eval(self, round_id: int, version: int) -> int:
-        """Send the held-out set (greedy by default) for evaluation of weights >= ``version``."""
+    def redispatch(self, cycle: int, positions: set[int]) -> None:
+        """Dispatch ``positions`` of ``cycle`` again: their prompts and groups vanished from
+        Redis (``watchdog.py``). New prompt ids (``…/r<n>``), so that a generator whose dedupe
+        set survived generates them; the learner keeps one group per position."""
+        run = self.cfg.run
+        assert run.train_steps_per_cycle is not None and run.max_staleness is not None
+        need = min_policy_version(
+            cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
+        )
+        self.redispatches[cycle] = attempt = self.redispatches.get(cycle, 0) + 1
+        for g in sorted(positions):
+            ((_, record),) = self.records_at(g, 1)
+            msg = self._prompt(
+                record,
+                prompt_id=f"c{cycle}/{g}/{record.prompt_id}/r{attempt}",
+                cycle=cycle,
+                index=g,
+                split="train",
+                min_version=need,
+            )
+            self.bus.publish(streams.PROMPTS, msg)
+        self.prompts_dispatched.labels("train").inc(len(positions))
+
+    def dispatch_eval(self, round_id: int, version: int, *, tag: str) -> int:
+        """Send the held-out set (greedy by default) for evaluation of weights >= ``version``;
+        ``tag`` names the learner process that runs the round (``evaluation.py``)."""
         if self.eval_set is None:
             return 0
         for i, record in enumerate(self.eval_set):
             msg = self._prompt(
                 record,
-                prompt_id=f"eval{round_id}/{i}/{record.prompt_id}",
+                prompt_id=f"eval{round_id}.{tag}/{i}/{record.prompt_id}",
                 cycle=round_id,
                 index=i,
                 split="eval",

@@ -63,6 +63,15 @@ def broadcast_int(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank (a barrier that also carries one bit)."""
+    import torch
+
+    if not _multi_rank():
+        return flag
+    return bool(all_reduce(torch.tensor([int(flag)], dtype=torch.int64, device=device), "max"))
+
+
 # The word rank 0 says at the top of every cycle (``control``): the others wait for it.
 STOP, GO, WAITING = 0, 1, 2
 

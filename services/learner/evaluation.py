@@ -5,6 +5,13 @@ generators and scorers as training (``Dispatcher.dispatch_eval``); the scored gr
 ``<run>:scored`` with ``split = "eval"`` and ``cycle = round``. The round is recorded (accuracy,
 prompts, the policy versions that answered) once every prompt has come back or been
 dead-lettered (``lost``), in ``metrics.jsonl``, Prometheus and the trackers.
+
+A learner that dies during a round loses the round's state, and the groups already acknowledged.
+Its successor runs the round again under prompt ids of its own (``eval<round>.<tag>/…``, a tag
+per learner process), so the generators' de-duplication does not skip the prompts answered
+before, and groups of the dead learner's round that still arrive are acknowledged and left out
+(the generators counted them as evaluation groups, so the books still balance). A round already
+in the checkpoint's history is not run again.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,11 +51,13 @@ class HeldOut:
         )
         self.rounds: dict[int, dict[str, Any]] = {}  # round -> {"expected", "results", ...}
         self.history: list[dict[str, Any]] = []
+        self.tag = uuid.uuid4().hex[:8]  # this learner process's rounds
 
     def start(self, version: int) -> None:
-        if version in self.rounds or self.dispatcher.eval_set is None:
+        done = any(h.get("eval_round") == version for h in self.history)
+        if version in self.rounds or done or self.dispatcher.eval_set is None:
             return
-        n = self.dispatcher.dispatch_eval(version, version)
+        n = self.dispatcher.dispatch_eval(version, version, tag=self.tag)
         self.rounds[version] = {"expected": n, "results": [], "started": time.time()}
 
     def outstanding(self) -> bool:
@@ -55,8 +65,8 @@ class HeldOut:
 
     def result(self, round_id: int, sg: wire.ScoredGroup) -> None:
         ev = self.rounds.get(round_id)
-        if ev is None:
-            return  # from before a restart: its round is gone
+        if ev is None or not sg.group.prompt_id.startswith(f"eval{round_id}.{self.tag}/"):
+            return  # a round of a learner that died: this one runs the round afresh
         ev["results"].append(sg)
         self.maybe_finish(round_id)
 

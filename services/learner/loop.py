@@ -52,6 +52,7 @@ from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
 from services.learner import logprobs, objective
 from services.learner.bus_side import BusSide, LostCycle, NoBusSide
+from services.learner.cadence import CheckpointCadence
 from services.learner.cycle import (
     Sample,
     assign_advantages,
@@ -94,6 +95,7 @@ class LearnerService:
         self._stop = False
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
+        self.cadence = CheckpointCadence(cfg.learner)
         self.last_step: dict[str, Any] = {}
         self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
         # rank 0's duties; setup_io_first gives rank 0 the real ones
@@ -235,6 +237,7 @@ class LearnerService:
                 keep_last=self.cfg.learner.keep_checkpoints,
             )
             self.bus_side.ack_trained(self.next_cycle)
+        self.cadence.saved()
         self.live.beat()
 
     # ------------------------------------------------------------------ training
@@ -393,12 +396,8 @@ class LearnerService:
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
             self.bus_side.housekeep()
-            every = self.cfg.learner.checkpoint_every_steps
-            if (
-                every
-                and self.version // every > before // every
-                and self.next_cycle < run.num_cycles
-            ):
+            due = self.cadence.due(version=self.version, before=before, device=self.device)
+            if due and self.next_cycle < run.num_cycles:
                 self.checkpoint()
         self.checkpoint()
         if self.next_cycle >= run.num_cycles:
@@ -420,4 +419,5 @@ class LearnerService:
             "ready": self.ready,
             "counters": dict(self.counters),
             "last_step": self.last_step,
+            "no_progress_s": self.bus_side.silent_s,
         }

@@ -7,7 +7,8 @@ the same port, its ``/healthz`` its own loop's heartbeat (the other ranks hear r
 
 Exit codes (``common.service.exit_codes``): 0 when the run is finished; 75 when it was asked to
 stop (SIGTERM/SIGINT) before its end and checkpointed, so a restart resumes; 2 when it cannot go
-on (``LostCycle``) or the preflight refused its configuration or data."""
+on (``LostCycle``; ``DiskFull``: a checkpoint found no room) or the preflight refused its
+configuration or data."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def main(cfg: TetherConfig, args) -> int:
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
     from services.learner.bus_side import BusSide, LostCycle
+    from services.learner.checkpoint_disk import DiskFull
     from services.learner.loop import LearnerService
 
     run_dir = RunDir.of(cfg).root
@@ -43,6 +45,7 @@ def main(cfg: TetherConfig, args) -> int:
     health = status = None
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
+        svc.bus_side.check_server()  # rank 0: an evicting maxmemory-policy, exit 2 before the model
         if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
@@ -60,7 +63,8 @@ def main(cfg: TetherConfig, args) -> int:
                 metrics_port=health.port,
             ).start()
         svc.run()
-    except LostCycle as exc:  # one paragraph, as a refused start (the launcher quotes it)
+    except (LostCycle, DiskFull) as exc:  # one paragraph, as a refused start (the launcher
+        # quotes it); a restart would not help: it stops the run, which resumes once fixed
         print(f"tether learner: cannot go on: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     finally:

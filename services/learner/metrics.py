@@ -36,6 +36,18 @@ class LearnerMetrics:
             "a cycle's groups that never came (their prompt or group was dead-lettered); the cycle "
             "trained without them",
         )
+        self.redispatched = metric(
+            "Counter",
+            "tether_learner_redispatched_positions_total",
+            "positions dispatched again because nothing held them any more (Redis evicted keys "
+            "or restarted without its data)",
+        )
+        self.no_progress = metric(
+            "Gauge",
+            "tether_learner_no_progress_seconds",
+            "seconds since the last scored group, dead letter or optimizer step while waiting "
+            "(0 when moving; learner.no_progress_s makes it a logged error)",
+        )
         self.duplicates = metric(
             "Counter",
             "tether_learner_duplicate_groups_total",

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from common.bus.consumer import Consumer
+from common.bus.consumer import Consumer, let_go
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -297,6 +297,8 @@ class ScorerService:
                 if deliveries:
                     await self._process(consumer, deliveries)
         finally:
+            if self._stop.is_set():  # stopped on purpose: what it held is not at fault
+                await asyncio.to_thread(let_go, consumer)
             self.pool.close()
             if self.solver is not None:
                 self.solver.shutdown()

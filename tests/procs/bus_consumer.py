@@ -2,11 +2,18 @@
 
 Reads ``in`` in batches, sets ``<run>:started:<name>`` after taking its first batch, "works" for
 ``--work-s`` seconds per batch, then commits each prompt id downstream to ``out`` exactly once.
+
+Failure modes for the strike tests (``common.bus.strikes``): ``--poison ID`` SIGKILLs itself when
+a batch holds prompt ``ID`` (a message that crashes its consumer every time); ``--hold`` reads
+without tracking strikes and exits without acking (the learner holding entries until its
+checkpoint); ``--let-go`` reads, lets go of what it holds and exits (a SIGTERM'd consumer).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import time
 
 from common.bus.client import Bus
@@ -24,18 +31,29 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--work-s", type=float, default=0.0)
     p.add_argument("--exit-after-idle-s", type=float, default=3.0)
+    p.add_argument("--poison", default="")
+    p.add_argument("--hold", action="store_true")
+    p.add_argument("--let-go", action="store_true")
     a = p.parse_args()
     settings = BusSettings(url=a.url, run=a.run, block_ms=200, socket_timeout_s=5,
                            claim_idle_ms=a.claim_idle_ms)  # fmt: skip
     bus = Bus(settings, service="test-consumer")
-    consumer = Consumer(bus, "in", "workers", a.name)
+    holder = {"claims": False, "track_strikes": False} if a.hold else {}
+    consumer = Consumer(bus, "in", "workers", a.name, **holder)
     idle_since = time.monotonic()
     while time.monotonic() - idle_since < a.exit_after_idle_s:
         batch = consumer.read(a.batch)
         if not batch:
             continue
         bus.set(f"started:{a.name}", len(batch))
+        if a.hold:
+            return  # exits holding them, unacknowledged
+        if a.let_go:
+            consumer.let_go()
+            return
         time.sleep(a.work_s)
+        if a.poison and any(d.msg.prompt_id == a.poison for d in batch):
+            os.kill(os.getpid(), signal.SIGKILL)
         out = [("out", PromptMsg(prompt_id=d.msg.prompt_id, cycle=0, index=0, text=a.name))
                for d in batch]  # fmt: skip
         consumer.commit(batch, publish=out, dedupe_ids=[d.msg.prompt_id for d in batch])

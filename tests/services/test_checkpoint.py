@@ -171,6 +171,62 @@ def test_sigkill_during_save_keeps_previous_checkpoint(
     assert json.loads((ckpts / "step-2" / "meta.json").read_text())["step"] == 2
 
 
+def test_a_full_disk_fails_the_save_cleanly_and_the_run_can_go_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # A real full filesystem: a tmpfs with room for one checkpoint and a half.
+    from services.learner.checkpoint import load_checkpoint, save_checkpoint
+    from services.learner.checkpoint_disk import DiskFull
+    from tests.fs_faults import resize, small_tmpfs, used_kb
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    model, optimizer, scheduler = _training(tiny_model_dir)
+    with small_tmpfs(ckpts, 64 * 1024):
+        _step(model, optimizer, scheduler)
+        save_checkpoint(tmp_path / "run", 1, model=model, optimizer=optimizer,
+                        scheduler=scheduler, extra_state={"v": 1})  # fmt: skip
+        one = used_kb(ckpts)
+        resize(ckpts, one * 3 // 2)
+        _step(model, optimizer, scheduler)
+        with pytest.raises(DiskFull) as err:
+            save_checkpoint(tmp_path / "run", 2, model=model, optimizer=optimizer,
+                            scheduler=scheduler, extra_state={"v": 2})  # fmt: skip
+        text = str(err.value)
+        for needle in (
+            f"checkpoint step-2 could not be written to {ckpts}",
+            "No space left",
+            "MiB free",
+            "it needs about",
+            "run.run_dir",
+            "tether train --resume",
+        ):
+            assert needle in text, text
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1"]  # no tmp-* left
+        fresh = _training(tiny_model_dir)
+        extra = load_checkpoint(tmp_path / "run", model=fresh[0], optimizer=fresh[1],
+                                scheduler=fresh[2])  # fmt: skip
+        assert extra == {"v": 1, "checkpoint_step": 1}  # the previous one stands
+        resize(ckpts, one * 4)  # space freed
+        save_checkpoint(tmp_path / "run", 2, model=model, optimizer=optimizer,
+                        scheduler=scheduler, extra_state={"v": 2})  # fmt: skip
+        assert (ckpts / "latest").read_text().strip() == "step-2"
+
+
+def test_leftovers_of_killed_saves_are_removed_at_start(tiny_model_dir: Path, tmp_path: Path):
+    from services.learner.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optimizer, scheduler = _training(tiny_model_dir)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra_state={})  # fmt: skip
+    ckpts = tmp_path / "checkpoints"
+    for name in ("tmp-2-111", "tmp-2-222", "trash-1-333"):
+        (ckpts / name).mkdir()
+        (ckpts / name / "model.safetensors").write_bytes(b"half")
+    (ckpts / "latest.tmp-444").write_text("step-2")
+    assert load_checkpoint(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1"]
+
+
 def test_broken_latest_pointer_falls_back_to_newest_complete(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

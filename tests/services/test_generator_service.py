@@ -272,3 +272,45 @@ def test_sigkill_mid_generation_every_prompt_published_exactly_once(cluster):
     for pid in pids:
         _check_shape(out[pid], pid)
     wait_until(lambda: sum(pending_by_consumer(c.bus).values()) == 0, 10, "no pending prompt")
+
+
+def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backwards(cluster):
+    # The learner published v2, was killed before a checkpoint held it, and its successor
+    # resumed from v0: a new weight store that serves v0. Responses in flight when the generator
+    # takes v0 would carry versions 2 then 0; they are generated again, whole, once the staleness
+    # gate lets them (the resumed learner publishes v1, v2 again). The prompts wait in the gate
+    # for v2, so they all start the moment v2 is loaded, and the roll-back follows at once.
+    # Last in the module: it replaces the learner's weight store.
+    c = cluster
+    survivor = c.procs[SIDS[1]]
+    assert c.bus.get(streams.generator_version(survivor.sid)) == "1"
+    restarted = WeightPublisher("127.0.0.1", 0, timeout_s=60.0)  # the resumed learner's store
+    try:
+        restarted.publish(model_weights(c.model, scale=0.5), 0)  # its version: v0 again
+        v2 = model_weights(c.model, scale=1.25)
+        pids = [f"t5-{i}" for i in range(6)]
+        publish_prompts(c.bus, [prompt(pid, index=50 + i, min_version=2)
+                                for i, pid in enumerate(pids)])  # fmt: skip
+        wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) >= set(pids), 30,
+                   "the survivor to take the prompts (gated)", [survivor])  # fmt: skip
+        c.bus.set(streams.WEIGHTS_PUBLISHING, 2)
+        assert c.pub.publish(v2, 2).per_member.get(survivor.sid) == "ok"  # generation starts
+        c.bus.set(streams.WEIGHTS_PUBLISHING, 0)  # the learner restarted from an older one
+        c.bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{restarted.port}")  # the generator rejoins
+        wait_until(lambda: c.bus.get(streams.generator_version(survivor.sid)) == "0", 60,
+                   "the generator to take v0", [survivor])  # fmt: skip
+        for version in (1, 2):  # the resumed learner trains its steps again and publishes them
+            c.bus.set(streams.WEIGHTS_PUBLISHING, version)
+            weights = model_weights(c.model, scale=0.5 + 0.25 * version)
+            assert restarted.publish(weights, version).per_member.get(survivor.sid) == "ok"
+        wait_until(lambda: set(pids) <= set(_by_id(c.bus)), 180, "the groups", [survivor])
+        out = _by_id(c.bus)
+        for pid in pids:
+            _check_shape(out[pid], pid)  # versions ordered: they never go backwards
+            assert {s.policy_version for s in out[pid].samples} == {2}  # the gate holds again
+        _, text = http_get(c.ports[survivor.sid], "/metrics")
+        redone = metric_value(text, "tether_generator_regenerated_prompts_total")
+        assert redone and redone >= 1, "no response was in flight across the roll-back"
+        assert "the policy version went back during its generation" in survivor.tail(20000)
+    finally:
+        restarted.close()

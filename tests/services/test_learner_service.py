@@ -188,3 +188,46 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
         assert pending() == 0
     finally:
         io.close()
+
+
+def test_no_scored_entry_is_acked_before_a_checkpoint_whatever_claim_idle_s(redis_server, tmp_path):
+    """With bus.claim_idle_s shorter than the time the learner holds a cycle's entries, the
+    learner's own consumer used to claim them back (XAUTOCLAIM) and ack them as duplicates
+    before any checkpoint held their training. It does not claim: they stay pending."""
+    import time
+
+    from common.protocol.streams import SCORED
+    from common.telemetry.metrics import PhaseTimer
+    from services.learner.bus_side import BusSide
+
+    c = cfg(
+        f"run.redis_url={json.dumps(redis_server.url)}",
+        'run.name="acks_claim"',
+        "learner.trackers=[]",
+        "bus.claim_idle_s=0.2",
+        prompts_per_cycle=2,
+        responses_per_prompt=2,
+        train_steps_per_cycle=1,
+        num_cycles=4,
+    )
+    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
+               datasets=(_prompts(tmp_path), None))  # fmt: skip
+
+    def pending() -> int:
+        return int(io.bus.redis.xpending(io.bus.key(SCORED), "learner")["pending"])
+
+    try:
+        for index in range(2):
+            io.bus.publish(SCORED, _scored(0, index))
+        assert len(io.collect(0, stop=lambda: False) or []) == 2  # trained, no checkpoint yet
+        time.sleep(1.0)  # idle well past claim_idle_s
+        for index in range(2, 4):
+            io.bus.publish(SCORED, _scored(1, index))
+        deadline = time.monotonic() + 3.0  # reads (and, before, claims) while collecting
+        assert len(io.collect(1, stop=lambda: time.monotonic() > deadline) or []) == 2
+        io.collect(2, stop=lambda: time.monotonic() > deadline + 2.0)  # waits: more reads
+        assert pending() == 4  # nothing acknowledged: no checkpoint yet
+        io.ack_trained(2)  # the checkpoint after cycle 1
+        assert pending() == 0
+    finally:
+        io.close()

@@ -93,25 +93,51 @@ def test_a_cycle_goes_on_without_its_dead_lettered_prompt_and_group(redis_server
         again.close()
 
 
-def test_a_scored_group_delivered_too_often_is_not_waited_for(redis_server, tmp_path):
-    # The learner's own pending entry, redelivered after more restarts than bus.max_deliveries
-    # allows, is dead-lettered undecoded; its position still comes from the payload.
+def test_the_learners_own_pending_groups_survive_more_restarts_than_max_deliveries(
+    redis_server, tmp_path
+):
+    # The learner holds scored entries pending until a checkpoint covers them; a restart reads
+    # them back (Redis counts a delivery each time), which is not poison: with
+    # bus.max_deliveries=1, three restarts later the group is still trained, not dead-lettered.
     sets = ("bus.max_deliveries=1",)
-    io = _bus_side(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
-    try:
-        io.dispatch(0, first_cycle=0)
-        for index in range(4):
-            io.bus.publish(SCORED, _scored(0, index))
-        io.consumer.read(1, 100)  # delivered once, then the learner "dies" holding it
-    finally:
-        io.close()
+    for _ in range(3):
+        io = _bus_side(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
+        try:
+            if io.dispatcher.dispatched_through < 0:
+                io.dispatch(0, first_cycle=0)
+            if not io.bus.redis.xlen(io.bus.key(SCORED)):
+                for index in range(4):
+                    io.bus.publish(SCORED, _scored(0, index))
+            assert len(io.consumer.read(4, 100)) >= 1  # then the learner "dies" holding them
+        finally:
+            io.close()
     again = _bus_side(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
     try:
-        assert [g.group.index for g in _collect(again, 0)] == [1, 2, 3]
-        (_, fields), *_ = again.bus.redis.xrange(again.bus.key(DEAD))
-        assert fields[b"reason"] == b"max_deliveries" and fields[b"index"] == b"0"
+        assert [g.group.index for g in _collect(again, 0)] == [0, 1, 2, 3]
+        assert again.bus.redis.xlen(again.bus.key(DEAD)) == 0
     finally:
         again.close()
+
+
+def test_a_group_that_kept_failing_its_scorer_is_not_waited_for(redis_server, tmp_path):
+    # A group whose scorer failed while holding it bus.max_deliveries times (strikes) is
+    # dead-lettered with its position, which the learner then does not wait for.
+    sets = ("bus.max_deliveries=2",)
+    io = _bus_side(tmp_path, "lost_strikes", redis_server.url, *sets, num_cycles=2)
+    try:
+        io.dispatch(0, first_cycle=0)
+        io.bus.publish(GROUPS, _scored(0, 0).group)
+        for _ in range(2):  # a scorer takes it and dies holding it, twice
+            assert len(Consumer(io.bus, GROUPS, SCORERS, "scorer-0").read(4, 100)) == 1
+        assert Consumer(io.bus, GROUPS, SCORERS, "scorer-0").read(4, 100) == []  # struck out
+        for index in (1, 2, 3):
+            io.bus.publish(SCORED, _scored(0, index))
+        assert [g.group.index for g in _collect(io, 0)] == [1, 2, 3]
+        (_, fields), *_ = io.bus.redis.xrange(io.bus.key(DEAD))
+        assert fields[b"reason"] == b"max_deliveries" and fields[b"index"] == b"0"
+        assert b"failed 2 times" in fields[b"detail"]
+    finally:
+        io.close()
 
 
 def test_dynamic_sampling_tops_up_for_a_lost_position(redis_server, tmp_path):
@@ -152,7 +178,10 @@ def test_an_evaluation_round_finishes_without_its_dead_lettered_prompt(redis_ser
         gen.dead_letter(prompts[0], "unencodable_prompt", "too long")
         for d in prompts[1:]:
             sg = _scored(0, d.msg.index)
-            group = wire.TrajectoryGroup(**{**sg.group.__dict__, "split": "eval"})
+            pid = d.msg.prompt_id  # as a generator does: the group carries its prompt's id
+            group = wire.TrajectoryGroup(
+                **{**sg.group.__dict__, "split": "eval", "group_id": pid, "prompt_id": pid}
+            )
             comps = [{"correct": 1.0}, {"correct": 0.0}]
             io.bus.publish(SCORED, wire.ScoredGroup(group, [1.0, 0.0], comps, ["", ""], "s", 0.1))
         io.finish_evals(timeout_s=WAIT_S)

@@ -50,12 +50,15 @@ def _marked(marker: str) -> list[int]:
     return found
 
 
-def tether(cwd: Path, *args: str, timeout_s: float = 60.0) -> Result:
+def tether(
+    cwd: Path, *args: str, timeout_s: float = 60.0, extra_env: dict[str, str] | None = None
+) -> Result:
     """`python -m tether.cli ARGS` in ``cwd``; on a timeout, its whole session is killed."""
     marker = uuid.uuid4().hex  # inherited by everything the command starts
     env = dict(os.environ, PYTHONPATH=str(REPO), TETHER_PREFLIGHT_TEST_MARKER=marker)
     for name in [k for k in env if k.startswith("TETHER_") and "__" in k]:
         del env[name]  # only the arguments configure the command
+    env.update(extra_env or {})
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tether.cli", *args], cwd=cwd, env=env, text=True,

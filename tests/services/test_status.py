@@ -49,18 +49,23 @@ def make_run_dir(tmp_path: Path, name: str) -> Path:
     return run_dir
 
 
-def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> None:
+def fake_services(
+    url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None,
+    no_progress_s: float = 3.0,
+) -> None:  # fmt: skip
     """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
 
     Books (responses_per_prompt = 4): generator groups 60 = 32 eval + 28 train = 112 trajectories
     = 100 trained + 4 dropped stale + 4 dead-lettered (1 group) + 4 in flight (1 queued group).
     The generator's run-long count (what ``Bus.count_generated`` keeps) is 60; with
-    ``generator_restarted`` its live process has published only 7 of them since its restart."""
+    ``generator_restarted`` its live process has published only 7 of them since its restart.
+    ``lost_round``: the generator counts its held-out groups apart (as generators do now), and a
+    round of that many groups whose learner died (never in metrics.jsonl) is among them."""
     bus = Bus(BusSettings(url=url, run=run), service="test")
     now = time.time()
     beats = [
         ("learner", "learner-0", {"working": 60.0, "waiting_input": 30.0, "syncing_weights": 5.0},
-         {"version": 7, "cycle": 4, "ready": True, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
+         {"version": 7, "cycle": 4, "ready": True, "no_progress_s": no_progress_s, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
           "counters": {"trained_samples": 100, "dropped_stale": 4, "filtered_samples": 0}}),
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
          {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
@@ -85,7 +90,11 @@ def fake_services(url: str, run: str, *, generator_restarted: bool = False) -> N
     bus.redis.xadd(bus.key(DEAD), dead)
     bus.redis.xadd(bus.key(DEAD), {**dead, "reason": b"unencodable_prompt", "stream": b"prompts"})
     bus.redis.xadd(bus.key(DEAD), {"reason": b"undecodable", "stream": b"groups", "split": b""})
-    bus.count_generated("generator-0", 28 + EVAL_GROUPS)
+    if lost_round is None:
+        bus.count_generated("generator-0", 28 + EVAL_GROUPS)
+    else:
+        bus.count_generated("generator-0", 28)
+        bus.count_generated("generator-0:eval", EVAL_GROUPS + lost_round)
     bus.set(WEIGHTS_PUBLISHING, 7)
     bus.set(WEIGHTS_EPOCH, 3)
     bus.close()
@@ -149,6 +158,42 @@ def test_accounting_survives_a_generator_restart(redis_server, tmp_path, capsys,
     assert st["accounting_trajectories"]["unaccounted"] == 0
 
 
+def test_books_balance_when_a_learner_died_during_a_held_out_round(
+    redis_server, tmp_path, capsys, monkeypatch
+):
+    # A held-out round whose learner died is never recorded in metrics.jsonl; its groups were
+    # counted by the generators as evaluation groups (``<id>:eval``), so they are not taken for
+    # unaccounted training data (before, 16 such groups read as 64 unaccounted responses).
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_deadround")
+    fake_services(redis_server.url, "st_deadround", lost_round=16)
+    code, out, err = tether(
+        ["status", "--run", str(run_dir), "--redis-url", redis_server.url, "--json"], capsys
+    )
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["accounting"]["eval_groups_generated"] == EVAL_GROUPS + 16
+    assert st["accounting_trajectories"]["generated"] == 112
+    assert st["accounting_trajectories"]["unaccounted"] == 0
+
+
+def test_status_counts_the_redrivable_dead_letters(redis_server, tmp_path, capsys, monkeypatch):
+    # whole training messages of a cycle the learner (at cycle 4) has still to train: 1 of 4
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_redrive")
+    fake_services(redis_server.url, "st_redrive")
+    bus = Bus(BusSettings(url=redis_server.url, run="st_redrive"), service="test")
+    whole = {"reason": b"max_deliveries", "stream": b"groups", "split": b"train", "cycle": 4,
+             "index": 33, "raw": b"x", "complete": 1}  # fmt: skip
+    bus.redis.xadd(bus.key(DEAD), whole)
+    bus.close()
+    code, out, err = tether(["status", "--run", str(run_dir), "--redis-url", redis_server.url],
+                           capsys)  # fmt: skip
+    assert code == 0, err
+    assert "dead letters: 4 (2 generated group(s)" in out
+    assert "1 re-drivable once their cause is fixed (`tether bus redrive`)" in out
+
+
 def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
     run_dir = make_run_dir(tmp_path, "st_human")
@@ -165,10 +210,34 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
         "dead letters: 3 (1 generated group(s)",
         "bottleneck: learner",
         "weights: v7 published last, chain epoch 3",
+        "redis: used ",  # Redis memory against maxmemory (the session's server has none)
+        "(no maxmemory), policy noeviction",
     ):
         assert line in out
+    assert "no scored group, dead letter or step" not in out  # the learner moves
     assert "rate generator generator-0" in out and "50.00 tokens/s" in out
     assert "accounting (trajectories): generated 112 = trained 100" in out and "(balanced)" in out
+
+
+def test_status_shows_memory_against_maxmemory_and_a_learner_without_progress(
+    redis_server, tmp_path, capsys, monkeypatch
+):
+    import redis
+
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_stall")
+    fake_services(redis_server.url, "st_stall", no_progress_s=640.0)
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.config_set("maxmemory", 512 * 2**20)
+    try:
+        code, out, err = tether(
+            ["status", "--run", str(run_dir), "--redis-url", redis_server.url], capsys
+        )
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert code == 0, err
+    assert "of maxmemory 512.0 MiB (" in out and "policy noeviction" in out
+    assert "learner: no scored group, dead letter or step for 640 s" in out
 
 
 def test_status_finds_a_local_runs_embedded_server(redis_server, tmp_path, capsys, monkeypatch):

@@ -186,3 +186,20 @@ def test_sync_down_a_chain_stays_flat_in_generators_and_pairwise_grows():
     assert pairwise == pytest.approx([6.0, 24.0, 48.0])
     with pytest.raises(ValueError, match="weights_fanout"):
         ClusterShape(weights_fanout="tree")
+
+
+def test_redis_memory_held_for_the_learner_grows_with_the_checkpoint_cadence():
+    from tether.runs.plan import held_memory
+
+    work = dict(cycle_seconds=60.0, responses_per_cycle=120, prompts_per_cycle=30,
+                prompt_tokens=512, response_tokens=3072)  # fmt: skip
+    per = 120 * 3072 * 12.5 + 30 * 512 * 8.0
+    timed = held_memory(**work)  # the default: every 30 minutes
+    assert timed["bytes_per_cycle"] == per
+    assert timed["cycles_between_checkpoints"] == 30 and timed["peak_bytes"] == 31 * per
+    stepped = held_memory(**work, checkpoint_every_minutes=0, checkpoint_every_steps=10,
+                          train_steps_per_cycle=2)  # fmt: skip
+    assert stepped["cycles_between_checkpoints"] == 5  # whichever comes first
+    never = held_memory(**work, checkpoint_every_minutes=0)
+    assert never["peak_bytes"] is None  # grows with the run
+    assert held_memory(**work, checkpoint_every_minutes=60)["peak_bytes"] == 61 * per

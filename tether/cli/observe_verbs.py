@@ -1,6 +1,7 @@
-"""`tether status [--run NAME|DIR] [--json]`, `tether report RUN_DIR [--out FILE]` and
-`tether bus inspect`: what a running or finished run is doing (``tether.runs.status_view``,
-``tether.runs.report``, ``common.bus.inspect``). Heavy imports stay inside the handlers."""
+"""`tether status [--run NAME|DIR] [--json]`, `tether report RUN_DIR [--out FILE]`, `tether bus
+inspect` and `tether bus redrive`: what a running or finished run is doing
+(``tether.runs.status_view``, ``tether.runs.report``, ``common.bus.inspect``), and dead letters
+returned to their streams (``common.bus.redrive``). Heavy imports stay inside the handlers."""
 
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ def _bus_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bus_redrive(args: argparse.Namespace) -> int:
+    from common.bus.client import Bus
+    from common.bus.redrive import RedriveRefused, format_redrive, redrive
+    from common.bus.settings import bus_settings_for
+    from tether.runs.status_view import run_redis
+
+    cfg, run_dir = _resolve(args)
+    with run_redis(cfg, run_dir) as url:
+        if url is None:
+            print(
+                f"tether bus redrive: no Redis for run {cfg.run.name!r}: pass --redis-url, or --run "
+                "with the run's directory (its embedded server is started for the command)",
+                file=sys.stderr,
+            )
+            return 2
+        bus = Bus(bus_settings_for(cfg, redis_url=url), service="redrive")
+        try:
+            result = redrive(bus, reasons=set(args.reason or ()) or None, dry_run=args.dry_run)
+        except RedriveRefused as exc:
+            print(f"tether bus redrive: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            bus.close()
+    print(json.dumps(result, indent=2) if args.json else format_redrive(result))
+    return 0
+
+
 def add_observe_verbs(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser(
         "status",
@@ -90,3 +118,22 @@ def add_observe_verbs(sub: argparse._SubParsersAction) -> None:
     add_config_args(insp)
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_bus_inspect)
+    rd = bus_sub.add_parser(
+        "redrive",
+        help="return dead letters to their stream once their cause is fixed (run stopped)",
+        description="Moves every re-drivable dead letter (a whole training prompt or group of a "
+        "cycle the learner has still to train) back onto its stream, then `tether train --resume` "
+        "trains it. Refused while the learner runs. For a local run whose embedded server is "
+        "stopped, --run starts it for the command.",
+    )
+    rd.add_argument(
+        "--run", metavar="NAME|DIR", help="run name (under run.run_dir) or run directory"
+    )
+    rd.add_argument(
+        "--reason", action="append", metavar="REASON",
+        help="only dead letters with this reason (repeatable), e.g. max_deliveries, unscorable",
+    )  # fmt: skip
+    rd.add_argument("--dry-run", action="store_true", help="say what would be re-driven")
+    rd.add_argument("--json", action="store_true", help="machine-readable output")
+    add_config_args(rd)
+    rd.set_defaults(func=_bus_redrive)

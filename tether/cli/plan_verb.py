@@ -40,6 +40,22 @@ def add_plan_verb(sub: argparse._SubParsersAction) -> None:
         "--bytes-per-param", type=float, default=2.0, help="published weight bytes (bf16: 2)"
     )
     work.add_argument("--steps-per-cycle", type=int, default=1, help="optimizer steps per cycle")
+    work.add_argument(
+        "--responses-per-prompt", type=int, default=4, help="group size (prompts = responses / it)"
+    )
+    ckpt = p.add_argument_group("checkpoints (Redis holds scored groups until one covers them)")
+    ckpt.add_argument(
+        "--checkpoint-every-minutes",
+        type=float,
+        default=30.0,
+        help="learner.checkpoint_every_minutes (default 30; 0 = off)",
+    )
+    ckpt.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        default=0,
+        help="learner.checkpoint_every_steps (default 0 = off)",
+    )
     rates = p.add_argument_group("rates (default: Qwen2.5-3B on H100s; see bench/README.md)")
     rates.add_argument(
         "--from-pipeline",
@@ -78,7 +94,7 @@ def _rates(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from tether.runs.plan import ClusterShape, best_split, plan
+    from tether.runs.plan import ClusterShape, best_split, held_memory, plan
 
     try:
         rates, source = _rates(args)
@@ -100,12 +116,22 @@ def run_plan(args: argparse.Namespace) -> int:
         gpus = args.generators + args.learner_ranks
         splits = best_split(total_gpus=gpus, rates=rates, scorers=args.scorers,
                             scaling=args.scaling, **work) if gpus >= 2 else []  # fmt: skip
+        memory = held_memory(
+            cycle_seconds=modes["async"]["cycle_seconds"],
+            responses_per_cycle=args.responses,
+            prompts_per_cycle=max(1, args.responses // max(1, args.responses_per_prompt)),
+            prompt_tokens=args.prompt_tokens,
+            response_tokens=args.response_tokens,
+            train_steps_per_cycle=args.steps_per_cycle,
+            checkpoint_every_minutes=args.checkpoint_every_minutes,
+            checkpoint_every_steps=args.checkpoint_every_steps,
+        )
     except (ValueError, OSError, KeyError) as exc:
         print(f"tether plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"rates": rates.__dict__, "source": source, **modes,
-                          "splits": splits}, indent=2))  # fmt: skip
+                          "splits": splits, "redis_memory": memory}, indent=2))  # fmt: skip
         return 0
     print(f"rates: {source}")
     print(
@@ -125,6 +151,7 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{name:5s}: {m['cycle_seconds']:.1f} s per cycle, {m['responses_per_s']:.2f} "
             f"responses/s, bound by {m['bottleneck']}"
         )
+    print(_memory_line(memory, args))
     if splits:
         best = splits[0]
         print(
@@ -133,3 +160,27 @@ def run_plan(args: argparse.Namespace) -> int:
             f"bound by {best['bottleneck']}"
         )
     return 0
+
+
+def _memory_line(memory: dict[str, Any], args: argparse.Namespace) -> str:
+    """How Redis memory grows with the checkpoint cadence (``plan.held_memory``)."""
+    per = memory["bytes_per_cycle"] / 1e6
+    head = f"redis: scored groups held until a checkpoint, {per:,.1f} MB per cycle"
+    if memory["peak_bytes"] is None:
+        return (
+            f"{head}; no checkpoint before the end (checkpoint_every_minutes and _steps 0): it "
+            f"grows with the run, {per * 1000 / 1e3:,.1f} GB after 1,000 cycles"
+        )
+    cadence = " or ".join(
+        x
+        for x in (
+            f"{args.checkpoint_every_minutes:g} min" if args.checkpoint_every_minutes else "",
+            f"{args.checkpoint_every_steps} steps" if args.checkpoint_every_steps else "",
+        )
+        if x
+    )
+    return (
+        f"{head}; a checkpoint every {cadence} ≈ {memory['cycles_between_checkpoints']} cycles: "
+        f"≈ {memory['peak_bytes'] / 1e6:,.0f} MB at the peak (and at most that much training "
+        "repeated after a restart)"
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bus.dead_letters import holds_responses
+from common.bus.redrive import redrivable
 from common.protocol import streams as names
 from common.protocol.run_dir import RunDir
 
@@ -67,10 +68,18 @@ def collect_status(bus) -> dict[str, Any]:
     # (a dead-lettered prompt was never generated; an undecodable entry is not a generator's)
     dead_groups = sum(1 for _, fields in dead_entries if holds_responses(fields))
     learner = next((s for s in services if s["service"] == "learner"), {})
+    cycle = learner.get("cycle")
+    redrivable_n = sum(
+        1
+        for _, fields in dead_entries
+        if redrivable(fields, learner_cycle=cycle if isinstance(cycle, int) else None)
+    )
     counters = learner.get("counters", {})
     # every generator id's run-long count (Redis), not the live processes' own counters, which
     # start again at 0 when a generator restarts
-    generated = sum(bus.generated_groups().values())
+    by_field = bus.generated_groups()
+    generated = sum(by_field.values())
+    eval_generated = sum(n for k, n in by_field.items() if k.endswith(names.EVAL_SUFFIX))
     return {
         "run": bus.settings.run,
         "time": now,
@@ -83,6 +92,7 @@ def collect_status(bus) -> dict[str, Any]:
         "services": services,
         "streams": streams,
         "dead_letters": dead,
+        "dead_letters_redrivable": redrivable_n,  # `tether bus redrive` can return them
         # the weight chain: the version being (or last) published and the membership epoch the
         # last publish ran under (it grows when a generator joins or is dropped)
         "weights": {
@@ -91,6 +101,7 @@ def collect_status(bus) -> dict[str, Any]:
         },
         "accounting": {
             "groups_generated": generated,
+            "eval_groups_generated": eval_generated,  # counted apart by the generators
             "trained_samples": counters.get("trained_samples", 0),
             "dropped_stale_samples": counters.get("dropped_stale", 0),
             "filtered_samples": counters.get("filtered_samples", 0),
@@ -100,7 +111,19 @@ def collect_status(bus) -> dict[str, Any]:
             "dead_letter_groups": dead_groups,
         },
         "bottleneck": bottleneck(services),
+        # seconds the learner has waited without a scored group, dead letter or step
+        "no_progress_s": learner.get("no_progress_s"),
+        "redis": _redis_memory(bus),
     }
+
+
+def _redis_memory(bus) -> dict[str, Any] | None:
+    """Redis's memory against ``maxmemory`` (INFO memory), or None when it cannot be read."""
+    try:
+        mem = bus.memory()
+    except Exception:  # noqa: BLE001 - INFO may be refused to this user: the rest still shows
+        return None
+    return {"used_bytes": mem.used_bytes, "max_bytes": mem.max_bytes, "policy": mem.policy}
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -141,7 +164,11 @@ def format_status(st: dict[str, Any]) -> str:
         )
     groups = st.get("accounting", {}).get("dead_letter_groups")
     held = f" ({groups} generated group(s); the rest prompts or undecodable)" if groups else ""
+    again = st.get("dead_letters_redrivable")
+    if again:
+        held += f"; {again} re-drivable once their cause is fixed (`tether bus redrive`)"
     lines.append(f"  dead letters: {st['dead_letters']}{held}")
+    lines += _health_lines(st)
     acc = st.get("accounting") or {}
     if acc:
         lines.append(
@@ -180,3 +207,24 @@ def load_status_snapshot(run_dir: str | Path) -> dict[str, Any] | None:
         raise ValueError(
             f"{path} is not valid JSON ({exc}); delete it, or run `tether status` while the run is live"
         ) from exc
+
+
+def _health_lines(st: dict[str, Any]) -> list[str]:
+    """Redis memory against maxmemory, and a learner waiting without progress."""
+    out = []
+    r = st.get("redis")
+    if r:
+        used = r["used_bytes"] / 2**20
+        if r["max_bytes"]:
+            share = r["used_bytes"] / r["max_bytes"]
+            limit = f"of maxmemory {r['max_bytes'] / 2**20:.1f} MiB ({share:.0%})"
+        else:
+            limit = "(no maxmemory)"
+        out.append(f"  redis: used {used:.1f} MiB {limit}, policy {r['policy']}")
+    waited = st.get("no_progress_s")
+    if isinstance(waited, (int, float)) and waited >= 60:
+        out.append(
+            f"  learner: no scored group, dead letter or step for {waited:.0f} s "
+            "(its log says where the queues stand; learner.no_progress_s)"
+        )
+    return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,6 @@ from common.protocol.run_dir import RunDir
 from tether.runs.status import format_status, load_status_snapshot
 
 log = logging.getLogger(__name__)
-
 
 
 def embedded_redis_url(run_dir: Path) -> str | None:
@@ -31,6 +32,40 @@ def embedded_redis_url(run_dir: Path) -> str | None:
     return f"redis://127.0.0.1:{port}/0" if port else None
 
 
+@contextmanager
+def run_redis(cfg: Any, run_dir: Path) -> Iterator[str | None]:
+    """The URL of the run's Redis: run.redis_url / TETHER_REDIS_URL, else the embedded server of
+    a local run, started for the caller (and stopped after) when it no longer runs; None when
+    there is none."""
+    url = cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL") or embedded_redis_url(run_dir)
+    if url and (cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL") or _answers(url)):
+        yield url
+        return
+    if not RunDir(run_dir).redis.is_dir():
+        yield None
+        return
+    from common.bus.server import EmbeddedRedis
+
+    server = EmbeddedRedis(RunDir(run_dir).redis, binary=cfg.run.redis_server_binary or None)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _answers(url: str) -> bool:
+    import redis
+
+    probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    try:
+        return bool(probe.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        probe.close()
+
+
 def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     """``collect_status`` from the Redis at ``url``; None when it does not answer within ~2 s."""
     import redis
@@ -39,14 +74,9 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     from common.bus.settings import BusUnavailable, bus_settings_for
     from tether.runs.status import collect_status
 
-    probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
-    try:
-        probe.ping()  # a quick look first: the bus itself retries for reconnect_max_s
-    except (redis.RedisError, OSError) as exc:
-        log.debug("no live status from %s: %s", url, exc)
+    if not _answers(url):  # a quick look first: the bus itself retries for reconnect_max_s
+        log.debug("no live status from %s", url)
         return None
-    finally:
-        probe.close()
     settings = replace(
         bus_settings_for(cfg, redis_url=url), reconnect_max_s=2.0, connect_timeout_s=2.0
     )

@@ -21,9 +21,6 @@ from common.service.supervision import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 
-CRASH_WINDOW_S = 300.0
-MAX_CRASHES = 5
-
 
 @dataclass
 class Child:
@@ -93,16 +90,46 @@ class RunFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-def _refusal(log_path: Path) -> str:
-    """The last `tether ...` error line a service that exited 2 wrote to its log, if any."""
+def _tail(log_path: Path, nbytes: int = 16384) -> list[str]:
     try:
         with log_path.open("rb") as f:
-            f.seek(max(0, log_path.stat().st_size - 16384))
-            lines = f.read().decode(errors="replace").splitlines()
+            f.seek(max(0, log_path.stat().st_size - nbytes))
+            return f.read().decode(errors="replace").splitlines()
     except OSError:
-        return ""
+        return []
+
+
+def _refusal(log_path: Path) -> str:
+    """The last `tether ...` error line a service that exited 2 wrote to its log, if any."""
+    lines = _tail(log_path)
     said = [ln for ln in lines if ln.startswith("tether") and ("error" in ln or "cannot" in ln)]
     return said[-1] if said else ""
+
+
+def refused(name: str, log_path: Path) -> str:
+    """What a service's exit code 2 means, in its own words: a learner that cannot go on
+    (``LostCycle``: the run's data ran out, not its configuration) or a refused configuration."""
+    said = _refusal(log_path)
+    if ": cannot go on:" in said:
+        why = said.split(": cannot go on: ", 1)[1]
+        redrive = (
+            " `tether bus redrive` returns re-drivable dead letters once their cause is fixed;"
+            " then `tether train --resume`."
+            if "dead-lettered" in why
+            else ""
+        )
+        return f"{name} cannot go on (exit code 2): {why}{redrive} See {log_path}"
+    return (
+        f"{name} refused its configuration or data (exit code 2)"
+        f"{': ' + said if said else ''}; see {log_path}"
+    )
+
+
+def _last_error(log_path: Path) -> str:
+    """The last line of a crashed service's log that names an error (a traceback's last line)."""
+    lines = [ln.strip() for ln in _tail(log_path)]
+    said = [ln for ln in lines if ln and ("Error" in ln or "error" in ln)]
+    return said[-1][:400] if said else ""
 
 
 # Seconds the learner gets on stop to finish its cycle and write its final checkpoint.
@@ -168,20 +195,18 @@ class Supervisor:
 
     def _on_exit(self, c: Child, code: int) -> None:
         now = time.monotonic()
+        window, limit = self.cfg.run.crash_window_s, self.cfg.run.max_crashes
         c.crashes.append(now)
-        while c.crashes and now - c.crashes[0] > CRASH_WINDOW_S:
+        while c.crashes and now - c.crashes[0] > window:
             c.crashes.popleft()
-        if len(c.crashes) >= MAX_CRASHES:
-            raise RunFailed(
-                f"{c.name} crashed {len(c.crashes)} times within {CRASH_WINDOW_S:.0f} s (last exit code {code}); "
-                f"stopping the run. See its log: {c.log_path}"
-            )
         if code == 2:  # the preflight passed here, so the service found something it did not
-            said = _refusal(c.log_path)
+            raise RunFailed(refused(c.name, c.log_path), exit_code=2)
+        if len(c.crashes) >= limit:
+            said = _last_error(c.log_path)
             raise RunFailed(
-                f"{c.name} refused its configuration or data (exit code 2)"
-                f"{': ' + said if said else ''}; see {c.log_path}",
-                exit_code=2,
+                f"{c.name} crashed {len(c.crashes)} times within {window:.0f} s (last exit code "
+                f"{code}; run.max_crashes = {limit}, run.crash_window_s); stopping the run"
+                f"{'. Its last error: ' + said if said else ''}. See its log: {c.log_path}"
             )
         delay = min(30.0, 2.0 ** len(c.crashes))
         c.next_start = now + delay

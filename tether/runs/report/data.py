@@ -78,11 +78,14 @@ def accounting_rows(
     trajectories (responses), as (key, label, value, source) rows; the last row is the unexplained
     remainder (0 when the books balance).
 
-    Generators count groups (training and evaluation alike); evaluation groups (one response each)
-    are known from ``metrics.jsonl`` and taken out. The learner counts a sample once per pass."""
+    Generators count groups, evaluation groups apart (one response each: taken out); older
+    snapshots know the evaluation groups only from ``metrics.jsonl`` (``eval_groups``). The learner counts a sample once per pass."""
     acc, streams, n = status.get("accounting", {}), status.get("streams", {}), responses_per_prompt
     # snapshots written before the run-long count called it groups_generated_by_live_generators
     total = acc.get("groups_generated", acc.get("groups_generated_by_live_generators", 0))
+    # the generators count held-out groups apart, rounds a dead learner never recorded included
+    # (at least the recorded rounds of metrics.jsonl); counts written before that have 0 there
+    eval_groups = max(acc.get("eval_groups_generated", 0), eval_groups)
     generated = (total - eval_groups) * n
     trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
     dropped = acc.get("dropped_stale_samples", 0)

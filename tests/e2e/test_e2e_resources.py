@@ -1,0 +1,134 @@
+"""Nothing lost when resources run out, through real runs (`tether train`, every real service):
+a learner SIGKILLed six times (more than bus.max_deliveries) with the default checkpoint cadence
+and with one between every publish and its checkpoint; Redis at maxmemory for 30 s; a disk that
+fills up during a checkpoint. Each run completes with nothing dead-lettered, every step trained
+once (a step redone after a restart trains the same batch) and the books balanced."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+import redis
+
+from common.bus.server import EmbeddedRedis
+from tests.conftest import test_server_binary
+from tests.e2e_support import (
+    CHECKPOINT_HOOK_ENV,
+    KillAtCheckpoints,
+    assert_trained_exactly_once,
+    books,
+    dead_letters,
+    recovery_config,
+    run_training,
+)
+from tests.fs_faults import resize, small_tmpfs
+
+pytestmark = pytest.mark.slow
+
+PROMPTS, RESPONSES = 4, 4  # recovery_config's cycle
+ASSETS = "resources"  # one warmed-up model for the module's runs
+
+
+def _restarts(output: str, service: str) -> int:
+    return len(re.findall(rf"{service} exited with code", output))
+
+
+def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_path):
+    # No checkpoint before the end (the default cadence is 30 minutes): each restart reads the
+    # learner's pending groups back from the start (more deliveries than bus.max_deliveries, and
+    # held longer than bus.claim_idle_s) and trains them again. Nothing is dead-lettered.
+    # (run.crash_window_s = 5: kills more than 5 s apart are not a crash loop, so the launcher
+    # restarts after 2 s instead of backing off to 30 s.)
+    cycles = 4
+    config = recovery_config(tmp_path, "six_kills", cycles=cycles, checkpoint_every_steps=None,
+                             assets=ASSETS,
+                             run_extra="crash_window_s = 5.0")  # fmt: skip
+    r = run_training(config, redis_url=redis_server.url, name="six_kills",
+                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1200)  # fmt: skip
+    assert r.returncode == 0, r.output[-4000:]
+    assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6
+    assert dead_letters(redis_server.url, "six_kills") == []
+    assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
+    assert books(r)["unaccounted"] == 0
+
+
+def test_learner_killed_between_publish_and_checkpoint(redis_server, tmp_path):
+    # A checkpoint every 2 steps, a publish every step, held-out rounds every 2 steps. Each kill
+    # lands inside a checkpoint save, after the version it saves was published: the restarted
+    # learner resumes below the version the generators run, often mid-round. Saves 1-3 (v2), 5
+    # (v4), 7 (v6) and 9 (the final v8) are killed; 4, 6, 8 and 10 complete.
+    cycles = 8
+    name = "publish_kills"
+    config = recovery_config(tmp_path, name, cycles=cycles, learner_extra="eval_every_steps = 2",
+                             assets=ASSETS,
+                             run_extra="crash_window_s = 5.0")  # fmt: skip
+    kills = KillAtCheckpoints(tmp_path / "runs" / name, {1, 2, 3, 5, 7, 9})
+    r = run_training(config, redis_url=redis_server.url, name=name, during=kills,
+                     env={CHECKPOINT_HOOK_ENV: "3"}, timeout_s=1200)  # fmt: skip
+    assert r.returncode == 0, r.output[-4000:]
+    assert kills.killed == [1, 2, 3, 5, 7, 9] and _restarts(r.output, "learner") == 6
+    # the scorers dead-lettered responses whose versions went backwards ([[0, v], [k, v-2]])
+    assert dead_letters(redis_server.url, name) == []
+    assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
+    assert books(r)["unaccounted"] == 0  # killed held-out rounds count as evaluation groups
+    assert any(e["eval_round"] == 0 for e in r.evals)  # the v0 accuracy is there
+
+
+def test_redis_at_maxmemory_for_30_s_slows_the_run_down_and_loses_nothing(tmp_path):
+    binary = shutil.which("redis-server") or test_server_binary()  # Redis 7.0 where installed
+    server = EmbeddedRedis(tmp_path / "redis", binary=binary).start()
+    admin = redis.Redis.from_url(server.url)
+    held: dict[str, float] = {}
+
+    def squeeze(_docs, step: int) -> None:
+        if "from" not in held and step >= 2:
+            used = int(admin.info("memory")["used_memory"])
+            admin.config_set("maxmemory", used + 64 * 1024)
+            held["from"] = time.monotonic()
+        elif "from" in held and "to" not in held and time.monotonic() - held["from"] >= 30:
+            admin.config_set("maxmemory", 0)
+            held["to"] = time.monotonic()
+
+    try:
+        cycles = 6
+        config = recovery_config(tmp_path, "oom", cycles=cycles, assets=ASSETS)
+        r = run_training(config, redis_url=server.url, name="oom", during=squeeze,
+                         timeout_s=900)  # fmt: skip
+        assert r.returncode == 0, r.output[-4000:]
+        assert held.get("to"), "the run ended before the 30 s hold"
+        assert "exited with code" not in r.output  # no service crashed or exited
+        logs = "".join(p.read_text(errors="replace") for p in (r.run_dir / "logs").glob("*.log"))
+        assert "Redis is out of memory" in logs and "accepts writes again" in logs
+        assert dead_letters(server.url, "oom") == []
+        assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
+        assert books(r)["unaccounted"] == 0
+    finally:
+        admin.config_set("maxmemory", 0)
+        server.stop()
+
+
+def test_a_full_disk_during_a_checkpoint_stops_the_run_which_resumes_once_freed(
+    redis_server, tmp_path
+):
+    cycles = 6
+    config = recovery_config(tmp_path, "diskfull", cycles=cycles, assets=ASSETS)  # ckpt / 2 steps
+    ckpts = tmp_path / "runs" / "diskfull" / "checkpoints"
+    # room for one checkpoint of the CI model (~6.7 MB), not for two (keep_checkpoints = 2)
+    with small_tmpfs(ckpts, 10 * 1024):
+        r = run_training(config, redis_url=redis_server.url, name="diskfull", timeout_s=900)
+        assert r.returncode == 2, r.output[-4000:]
+        said = "learner cannot go on (exit code 2): checkpoint step-4 could not be written to"
+        assert said in r.output and "No space left on device" in r.output, r.output[-4000:]
+        assert _restarts(r.output, "learner") == 0  # no loop retraining into a full disk
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2"]  # no tmp-*
+        resize(ckpts, 64 * 1024)  # space freed
+        again = run_training(config, redis_url=redis_server.url, name="diskfull", resume=True,
+                             timeout_s=900)  # fmt: skip
+    assert again.returncode == 0, again.output[-4000:]
+    assert dead_letters(redis_server.url, "diskfull") == []
+    # metrics.jsonl holds both runs: steps 3-4 twice, each time the same batch
+    assert_trained_exactly_once(again, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
+    assert books(again)["unaccounted"] == 0
