@@ -161,16 +161,20 @@ class GeneratorService:
             self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
         )
 
-    def _sampling(self, split: str):
+    def _sampling(self, msg: wire.PromptMsg):
+        """The prompt's sampling settings, with its own seed (``seeds.request_seed``)."""
         from services.generator.engine import SamplingSettings
+        from services.generator.seeds import request_seed
 
         g, run = self.cfg.generator, self.cfg.run
-        if split == "eval":
+        seed = request_seed(run_seed=run.seed, split=msg.split, cycle=msg.cycle, index=msg.index)
+        if msg.split == "eval":
             return SamplingSettings(
                 n=1,
                 temperature=g.eval_temperature,
                 max_tokens=run.max_response_tokens,
                 stop=tuple(g.stop),
+                seed=seed,
             )
         return SamplingSettings(
             n=run.responses_per_prompt,
@@ -180,6 +184,7 @@ class GeneratorService:
             max_tokens=run.max_response_tokens,
             stop=tuple(g.stop),
             ignore_eos=g.ignore_eos,
+            seed=seed,
         )
 
     async def _gate(self, need: int) -> None:
@@ -196,6 +201,15 @@ class GeneratorService:
             self._waiting_staleness -= 1
             self.metrics.staleness_wait.inc(time.monotonic() - t0)
 
+    async def _sample(self, msg: wire.PromptMsg, ids: list[int], *, request_id: str):
+        """Generate the prompt's responses and make its group. A response the engine reports no
+        version spans for is labelled with the version the engine ran when the request was
+        submitted: the oldest that can have sampled any of its tokens (read after generation,
+        an in-flight update would make it look newer than it is)."""
+        started, version = time.time(), self.version
+        samples = await self.engine.generate_group(ids, self._sampling(msg), request_id=request_id)
+        return to_group(msg, ids, samples, started=started, generator_id=self.sid, version=version)
+
     async def _handle(self, consumer, d) -> None:
         self._held.add(d.entry_id)
         try:
@@ -211,12 +225,8 @@ class GeneratorService:
             await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
             return
         await self._gate(msg.min_policy_version)
-        started = time.time()
-        samples = await self.engine.generate_group(
-            ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        )
-        group = to_group(
-            msg, ids, samples, started=started, generator_id=self.sid, version=self.version
+        group = await self._sample(
+            msg, ids, request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
         )
         self._waiting_backpressure += 1
         try:
@@ -231,7 +241,7 @@ class GeneratorService:
             dedupe_ids=[group.group_id],
             count_as=self.sid,
         )
-        n_tokens = sum(len(s.token_ids) for s in samples)
+        n_tokens = sum(len(t.response_token_ids) for t in group.samples)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
