@@ -215,6 +215,7 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
 def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
     from bench.learner_packing import row_packing
     from bench.peer import row_variable
+    from bench.reproducibility import readme_row as row_reproducibility
 
     rows = []
     for f in sorted(Path(results_dir).glob("*.json")):
@@ -233,6 +234,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_quality(r)
         elif kind == "staleness":
             rows += [row_staleness(r)]
+        elif kind == "reproducibility":
+            rows += [row_reproducibility(r)]
         elif kind == "models":
             rows += [bench_readme_row(r)]
         else:

@@ -11,7 +11,8 @@ from types import ModuleType
 from common.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness",
+    "reproducibility", "models",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
@@ -101,9 +102,11 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("what", choices=[*BENCHMARKS, "all"], help="which benchmark")
     bench.add_argument(
         "--size",
-        choices=["quick", "medium", "full"],
+        choices=["quick", "medium", "full", "smoke"],
         default=None,
-        help="workload preset for pipeline/peer; for staleness the grid (quick: 3 configurations, medium: 9, full: 14) (default: full, or quick with --quick)",
+        help="workload preset for pipeline/peer (quick, medium, full); staleness: full (the "
+        "pre-registered study, 22 arms × 8 seeds) or smoke (every arm kind once, a few minutes) "
+        "(default: full, or the smallest with --quick)",
     )
     bench.add_argument(
         "--threads", type=int, default=None, help="OpenMP threads per benchmarked process"
@@ -122,8 +125,8 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "--lr",
         type=float,
         default=None,
-        help="staleness: the study's learning rate (default 2e-4, 4x the demo's; results "
-        "go to staleness[_SIZE]_lrLR.json)",
+        help="staleness: replace the design's learning rate (a different study, with its own "
+        "runs; results go to staleness[_smoke]_lrLR.json)",
     )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")

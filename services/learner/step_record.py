@@ -1,6 +1,6 @@
 """What the learner records of one optimizer step: the dict that goes to ``metrics.jsonl``, the
-trackers, ``/metrics`` and ``tether status`` (``Rank0.record_step``), and that the staleness and
-learner benchmarks read."""
+trackers, ``/metrics`` and ``tether status`` (``Rank0.record_step``), and that the pipeline,
+reproducibility and learner benchmarks read."""
 
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ def step_record(
         "response_tokens": sum(len(samples[i].response_ids) for i in idx),
         "batch_digest": batch_digest(samples[i].sample_id for i in idx),
         "staleness_max": max(lags),
-        # responses per staleness (index = optimizer steps behind): the measured distribution,
-        # as `tether bench staleness` reports it
+        # responses per staleness (index = optimizer steps behind): the measured distribution
         "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
         **{k: v for k, v in losses.merge_stats(stats).items() if k != "tokens"},
     }
