@@ -255,7 +255,7 @@ def _measure(
 ) -> dict:  # fmt: skip
     from common.bus.server import EmbeddedRedis
     from common.config.load import load_config
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = str(
         build_tiny_model(

@@ -27,8 +27,8 @@ SIZES = {"full": 10, "quick": 3}  # cycles of 2 optimizer steps (16 prompts × 8
 def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, seed: int = 0,
                timeout_s: float = 1200.0) -> list[dict[str, Any]]:  # fmt: skip
     """One `tether train` run; its step records."""
-    from common.demo.run import DEMO_CONFIG
-    from common.runs.supervisor import tether_command
+    from tether.demo.run import DEMO_CONFIG
+    from tether.runs.supervisor import tether_command
 
     sets = {
         "run.run_dir": json.dumps(str(root / "runs")),
@@ -80,7 +80,7 @@ def run_reproducibility_bench(
     *, out_path: str | Path | None = None, work_dir: str | Path = "bench/work",
     quick: bool = False, size: str | None = None, **_: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     cycles = SIZES[size or ("quick" if quick else "full")]
     root = Path(work_dir).resolve() / "reproducibility"

@@ -5,7 +5,7 @@ between the runs that produce the README's figures, and must pass before a figur
 
     python -m bench.smoke [NAME ...] [--root DIR]     # default: every benchmark, bench/work/smoke
 
-Each benchmark runs as `python -m common.cli bench NAME --quick --out DIR/results --work-dir
+Each benchmark runs as `python -m tether.cli bench NAME --quick --out DIR/results --work-dir
 DIR/work` in a child process (``bench.child_process``: stopped with its children on a timeout
 or Ctrl-C). The seconds each took are printed and written to ``DIR/smoke.json``.
 """
@@ -38,7 +38,7 @@ LIMITS = {
 def run_smoke(name: str, *, root: Path) -> dict[str, Any]:
     """One benchmark's smallest size; what happened."""
     out = root / "results"
-    cmd = [sys.executable, "-m", "common.cli", "bench", name, "--quick", "--out", str(out),
+    cmd = [sys.executable, "-m", "tether.cli", "bench", name, "--quick", "--out", str(out),
            "--work-dir", str(root / "work")]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(CLONE))
     started = time.monotonic()

@@ -30,8 +30,8 @@ ASSETS_PRESET = "demo"  # the demo's tiny model, task and supervised warm-up
 def prepare(root: Path, study: Study) -> dict[str, str]:
     """The warmed-up demo model and task (``tether demo``'s), and ``study.held_out`` problems
     never trained on: the demo's held-out split, then problems drawn after its train split."""
-    from common.demo.run import PRESETS, prepare_assets
-    from common.demo.tasks import ArithmeticTask, make_problems
+    from tether.demo.run import PRESETS, prepare_assets
+    from tether.demo.tasks import ArithmeticTask, make_problems
 
     assets = prepare_assets(root.parent / "demo-assets", preset=ASSETS_PRESET, seed=0)
     task = ArithmeticTask(seed=0, **PRESETS[ASSETS_PRESET]["task"])

@@ -41,7 +41,7 @@ REPLICATE_STRIDE = 1_000_003  # sampling-stream seed of a replicate: seed + repl
 def arm_config(arm: Arm, study: Study, *, seed: int, model_dir: Path, train_path: Path) -> Any:
     """The demo's config with this arm's cycle shape, lag bound, correction and seed."""
     from common.config.load import load_config
-    from common.demo.run import DEMO_CONFIG
+    from tether.demo.run import DEMO_CONFIG
 
     s = arm.steps_per_cycle
     sets = {
@@ -139,8 +139,8 @@ def _weight_stats(samples: list, idx: list[int], prox: list[list[float]]) -> dic
 
 
 def _cycle_samples(cfg, records, responses, *, tokenizer, cycle: int, version: int) -> list:
-    from common.demo.tasks import is_correct
     from services.learner.cycle import Sample
+    from tether.demo.tasks import is_correct
 
     n = cfg.run.responses_per_prompt
     out = []
@@ -159,7 +159,7 @@ def _cycle_samples(cfg, records, responses, *, tokenizer, cycle: int, version: i
 
 
 def _accuracy(model: Any, held_out: list[tuple[list[int], str]], *, tokenizer, cfg) -> float:
-    from common.demo.tasks import is_correct
+    from tether.demo.tasks import is_correct
 
     was = model.training
     model.eval()
@@ -185,8 +185,8 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
     from transformers import AutoTokenizer
 
     from common.data.datasets import prompt_sets_for
-    from common.demo.tasks import read_jsonl
     from services.generator.seeds import request_seed
+    from tether.demo.tasks import read_jsonl
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -203,6 +203,12 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
     stream = seed + arm.replicate * REPLICATE_STRIDE
     s, p = arm.steps_per_cycle, cfg.run.prompts_per_cycle
     evals = [[0, _accuracy(models.policy, held_out, tokenizer=tokenizer, cfg=cfg)]]
+
+    def evaluate(step: int) -> None:
+        """After optimizer step ``step`` (1-based over the run)."""
+        if step % study.eval_every == 0:
+            evals.append([step, _accuracy(models.policy, held_out, tokenizer=tokenizer, cfg=cfg)])
+
     steps: list[dict[str, Any]] = []
     for cycle in range(study.steps // s):
         behaviour_cycle = cycle - arm.eta if cycle >= arm.eta else cycle
@@ -229,16 +235,9 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
                 cfg, samples[: study.responses_per_prompt * 4], pad_id=tokenizer.pad_token_id
             )
 
-        def evaluate(step: int) -> None:
-            if step % study.eval_every == 0:
-                evals.append(
-                    [step, _accuracy(models.policy, held_out, tokenizer=tokenizer, cfg=cfg)]
-                )
-
         steps += _train_cycle(
-            models, cfg, samples, cycle=cycle, pad_id=tokenizer.pad_token_id,
-            on_step=lambda k, first=cycle * s: evaluate(first + k),
-        )  # fmt: skip
+            models, cfg, samples, cycle=cycle, pad_id=tokenizer.pad_token_id, on_step=evaluate
+        )
     return {
         "arm": arm.name, "label": arm.label, "correction": arm.correction, "eta": arm.eta,
         "steps_per_cycle": s, "replicate": arm.replicate, "seed": seed,
@@ -252,7 +251,7 @@ def _train_cycle(
 ) -> list:  # fmt: skip
     """``LearnerService.train_cycle`` without the service: the proximal log-probs, the
     advantages, then each optimizer step; with the study's diagnostics around each step and
-    ``on_step(k)`` after its k-th step."""
+    ``on_step(n)`` after it, n the run's optimizer steps so far."""
     from services.learner import logprobs, objective
     from services.learner.cycle import assign_advantages, steps_of_cycle
     from services.learner.losses import merge_stats
@@ -278,6 +277,7 @@ def _train_cycle(
         )
         st = train_step(policy, models.optimizer, models.scheduler, mbs, loss_fn,
                         grad_clip=ln.grad_clip or None)  # fmt: skip
+        assert models.probe is not None and models.probe_dists is not None, "set before cycle 0"
         after = _log_dists(policy, cfg, models.probe)
         merged = merge_stats(stats)
         records.append(
@@ -292,5 +292,5 @@ def _train_cycle(
             }
         )
         models.probe_dists = after
-        on_step(len(records))
+        on_step(cycle * run.train_steps_per_cycle + len(records))
     return records

@@ -108,7 +108,7 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from services.generator.engine import EngineSettings, GenerationEngine
+        from common.engine import EngineSettings, GenerationEngine
 
         g, run = self.cfg.generator, self.cfg.run
         from common.data.model_paths import policy_paths
@@ -163,7 +163,7 @@ class GeneratorService:
 
     def _sampling(self, msg: wire.PromptMsg):
         """The prompt's sampling settings, with its own seed (``seeds.request_seed``)."""
-        from services.generator.engine import SamplingSettings
+        from common.engine import SamplingSettings
         from services.generator.seeds import request_seed
 
         g, run = self.cfg.generator, self.cfg.run

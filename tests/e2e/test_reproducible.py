@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_synchronous_runs_of_one_seed_give_the_same_rewards_at_every_step(tmp_path):
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     assets = prepare_assets(TEST_CACHE / "ci-assets", preset="ci")
     a = train_once(tmp_path, assets, name="first", mode="sync", cycles=3)

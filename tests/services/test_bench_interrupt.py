@@ -34,7 +34,7 @@ def _children(pid: int) -> dict[int, str]:
 
 def test_sigterm_stops_the_bench_and_the_server_it_started(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
-    cmd = [sys.executable, "-m", "common.cli", "bench", "learner", "--quick", "--out", str(out),
+    cmd = [sys.executable, "-m", "tether.cli", "bench", "learner", "--quick", "--out", str(out),
            "--work-dir", str(work)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -209,7 +209,7 @@ def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_pe
             "values": [EXIT_STOPPED]}} in rules  # fmt: skip
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
     (c,) = pod["containers"]
-    assert c["command"] == ["python3", "-m", "common.runs.graceful_torchrun"]
+    assert c["command"] == ["python3", "-m", "tether.runs.graceful_torchrun"]
     assert 0 < int(_flag(c["args"], "--shutdown-timeout")) < pod["terminationGracePeriodSeconds"]
     env = {e["name"]: e for e in c["env"]}
     assert (
@@ -227,7 +227,7 @@ def test_compose_learner_stops_within_its_grace_period():
     doc = yaml.safe_load(COMPOSE.read_text())
     learner = doc["services"]["learner"]
     entry = learner["entrypoint"]
-    assert entry[:3] == ["python3", "-m", "common.runs.graceful_torchrun"]
+    assert entry[:3] == ["python3", "-m", "tether.runs.graceful_torchrun"]
     grace = int(str(learner.get("stop_grace_period", doc["x-tether"]["stop_grace_period"]))[:-1])
     assert 0 < int(_flag(entry, "--shutdown-timeout")) < grace
 

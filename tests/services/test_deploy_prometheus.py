@@ -106,7 +106,7 @@ def test_real_prometheus_scrapes_a_real_scorer(redis_server, tmp_path):
     prometheus = dt.tool("prometheus", apt="prometheus")
     metrics_port, prom_port = free_port(), free_port()
     scorer = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "scorer", "--id", "scorer-deploy-test",
+        [sys.executable, "-m", "tether.cli", "scorer", "--id", "scorer-deploy-test",
          "--set", f"run.redis_url={redis_server.url}", "--set", f"scorer.metrics_port={metrics_port}",
          "--set", "run.name=deploy-prom-test", "--set", "scorer.grader_workers=1"],
         stdout=(tmp_path / "scorer.log").open("wb"), stderr=subprocess.STDOUT, cwd=dt.ROOT,

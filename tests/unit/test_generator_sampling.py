@@ -8,8 +8,8 @@ import asyncio
 from types import SimpleNamespace
 
 from common.config.load import load_config
+from common.engine import Sample
 from common.protocol import wire
-from services.generator.engine import Sample
 from services.generator.loop import GeneratorService
 from services.generator.seeds import request_seed
 
