@@ -83,10 +83,13 @@ def _one(job: tuple[Arm, int, Study, dict[str, str], str, dict[str, Any]]) -> di
     return got
 
 
-def run_all(study: Study, root: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every arm × seed, reusing finished runs; returns (runs, how they were made)."""
+def run_all(
+    study: Study, root: Path, *, assets: dict[str, str] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every arm × seed, reusing finished runs; returns (runs, how they were made).
+    ``assets``: the model, train and held-out files (default: ``prepare``'s)."""
     started, load = time.monotonic(), os.getloadavg()
-    assets = prepare(root, study)
+    assets = assets or prepare(root, study)
     warmup_s = time.monotonic() - started
     runs_dir = root / "runs" / fingerprint(study, assets)
     runs_dir.mkdir(parents=True, exist_ok=True)

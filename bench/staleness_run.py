@@ -92,11 +92,16 @@ class _Policies:
         self.probe = collate(fields, list(range(len(fields))), pad_id=pad_id)
         self.probe_dists = _log_dists(self.policy, cfg, self.probe)
 
-    def start_cycle(self, cycle: int, behaviour_cycle: int) -> None:
+    def start_cycle(self, cycle: int, *, eta: int) -> int:
+        """Keep the policy's weights at the start of ``cycle``; load the behaviour policy of the
+        cycle (``eta`` cycles back, or the policy itself in the synchronous prefix); forget the
+        weights no later cycle needs. Returns the behaviour's cycle."""
+        behaviour_cycle = cycle - eta if cycle >= eta else cycle
         self.snapshots[cycle] = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         self.behaviour.load_state_dict(self.snapshots[behaviour_cycle])
-        for old in [c for c in self.snapshots if c < behaviour_cycle]:
+        for old in [c for c in self.snapshots if c <= cycle - eta]:  # later cycles need > c − η
             del self.snapshots[old]
+        return behaviour_cycle
 
 
 def _log_dists(model: Any, cfg: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -211,11 +216,10 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
 
     steps: list[dict[str, Any]] = []
     for cycle in range(study.steps // s):
-        behaviour_cycle = cycle - arm.eta if cycle >= arm.eta else cycle
-        models.start_cycle(cycle, behaviour_cycle)
-        order = train.order(seed, 0)
-        positions = [cycle * p + k for k in range(p)]
-        records = [train[order[g % len(train)]] for g in positions]
+        behaviour_cycle = models.start_cycle(cycle, eta=arm.eta)
+        positions = [cycle * p + k for k in range(p)]  # the dispatcher's sampler positions
+        orders = {e: train.order(seed, e) for e in {g // len(train) for g in positions}}
+        records = [train[orders[g // len(train)][g % len(train)]] for g in positions]
         rows = [(r.prompt_token_ids, r.ground_truth) for r in records]
         n = cfg.run.responses_per_prompt
         seeds = [

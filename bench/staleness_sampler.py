@@ -37,7 +37,7 @@ def _noise(seeds: list[int], steps: int, vocab: int) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model: Any,
     prompts: list[list[int]],
@@ -67,22 +67,27 @@ def generate(
     logps = torch.zeros(rows, max_tokens)
     done = torch.zeros(rows, dtype=torch.bool)
     length = torch.full((rows,), max_tokens, dtype=torch.long)
+    alive = torch.arange(rows)  # the rows still decoding; a finished row leaves the batch
     next_pos = positions[:, -1] + 1
     for t in range(max_tokens):
         if temperature > 0:
             assert noise is not None
             scaled = logits / temperature
-            tok = (scaled + noise[:, t]).argmax(-1)
-            logps[:, t] = torch.log_softmax(scaled, -1).gather(-1, tok[:, None])[:, 0]
+            tok = (scaled + noise[alive, t]).argmax(-1)
+            logps[alive, t] = torch.log_softmax(scaled, -1).gather(-1, tok[:, None])[:, 0]
         else:
             tok = logits.argmax(-1)
-        tokens[:, t] = tok
-        ended = (tok == eos_id) & ~done
-        length[ended] = t + 1
-        done |= ended
-        if bool(done.all()) or t == max_tokens - 1:
+        tokens[alive, t] = tok
+        ended = tok == eos_id
+        length[alive[ended]] = t + 1
+        done[alive[ended]] = True
+        if bool(ended.all()) or t == max_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
+        if bool(ended.any()):
+            keep = (~ended).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            alive, tok, mask, next_pos = alive[keep], tok[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=torch.long)], dim=1)
         out = model(
             input_ids=tok[:, None],
             attention_mask=mask,

@@ -121,23 +121,24 @@ def _arm(arms: dict[str, Any], *, s: int, eta: int, label: str) -> dict[str, Any
 
 
 def verdicts(arms: dict[str, dict[str, Any]], prereg: dict[str, Any]) -> dict[str, Any]:
-    """The pre-registered tests, per S."""
+    """The pre-registered tests: per S, non-inferiority and decoupled vs uncorrected; once, the
+    A/A control (``resolvable``: its interval contains 0)."""
     ni, cmp_, aa = prereg["non_inferiority"], prereg["comparison"], prereg["aa_control"]
     out: dict[str, Any] = {}
+    a = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][0])
+    b = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][1])
+    if a and b and len(set(a["auc"]) & set(b["auc"])) > 1:
+        out["aa_control"] = aa_control(a["auc"], b["auc"])
+    out["resolvable"] = out.get("aa_control", {}).get("equal_within_interval")
     for s in ni["steps_per_cycle"]:
         sync = _arm(arms, s=s, eta=0, label="sync")
         dec = _arm(arms, s=s, eta=ni["eta"], label=ni["arm"])
         none = _arm(arms, s=s, eta=cmp_["eta"], label=cmp_["against"])
-        rep = _arm(arms, s=s, eta=aa["eta"], label=aa["labels"][1])
         got: dict[str, Any] = {}
         if sync and dec and len(dec["auc"]) > 1:
             got["non_inferiority"] = non_inferiority(dec["auc"], sync["auc"], margin=ni["margin"])
         if dec and none and len(dec["auc"]) > 1:
             got["decoupled_vs_none"] = paired(dec["auc"], none["auc"])
-        if dec and rep and len(dec["auc"]) > 1:
-            got["aa_control"] = aa_control(dec["auc"], rep["auc"])
-        resolvable = got.get("aa_control", {}).get("equal_within_interval")
-        got["resolvable"] = resolvable
         out[f"S{s}"] = got
     return out
 
