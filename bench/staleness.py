@@ -27,7 +27,7 @@ from bench.staleness_design import PREREGISTERED, SIZES, Arm, Study
 ASSETS_PRESET = "demo"  # the demo's tiny model, task and supervised warm-up
 
 
-def prepare(root: Path, study: Study) -> dict[str, str]:
+def prepare(root: Path, study: Study) -> dict[str, Any]:
     """The warmed-up demo model and task (``tether demo``'s), and ``study.held_out`` problems
     never trained on: the demo's held-out split, then problems drawn after its train split."""
     from tether.demo.run import PRESETS, prepare_assets
@@ -55,14 +55,24 @@ def prepare(root: Path, study: Study) -> dict[str, str]:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(path)
-    return {
+    out: dict[str, Any] = {
         "model_dir": str(assets.model_dir),
         "train_path": str(assets.data_dir / "train.jsonl"),
         "held_out_path": str(path),
     }
+    out["initial_accuracy"] = _initial_accuracy(out, study)
+    return out
 
 
-def fingerprint(study: Study, assets: dict[str, str]) -> str:
+def _initial_accuracy(assets: dict[str, Any], study: Study) -> float:
+    """Held-out accuracy of the warm-up model, the same step-0 point of every run (measured
+    once here instead of in each of them)."""
+    from bench.staleness_run import held_out_accuracy
+
+    return held_out_accuracy(assets, study)
+
+
+def fingerprint(study: Study, assets: dict[str, Any]) -> str:
     """What a finished run's numbers depend on: the design (not the worker count) and the
     warm-up. A changed design starts a new set of runs; the old ones stay."""
     design = {k: v for k, v in study.describe().items() if k not in ("workers", "arms", "seeds")}
@@ -71,7 +81,7 @@ def fingerprint(study: Study, assets: dict[str, str]) -> str:
     return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
 
 
-def _one(job: tuple[Arm, int, Study, dict[str, str], str, dict[str, Any]]) -> dict[str, Any]:
+def _one(job: tuple[Arm, int, Study, dict[str, Any], str, dict[str, Any]]) -> dict[str, Any]:
     """A worker's task: one run, written atomically to its file."""
     from bench.staleness_run import run_arm
 
@@ -84,7 +94,7 @@ def _one(job: tuple[Arm, int, Study, dict[str, str], str, dict[str, Any]]) -> di
 
 
 def run_all(
-    study: Study, root: Path, *, assets: dict[str, str] | None = None
+    study: Study, root: Path, *, assets: dict[str, Any] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every arm × seed, reusing finished runs; returns (runs, how they were made).
     ``assets``: the model, train and held-out files (default: ``prepare``'s)."""

@@ -57,6 +57,9 @@ def arm_config(arm: Arm, study: Study, *, seed: int, model_dir: Path, train_path
         "learner.lr": repr(study.lr),
         "learner.off_policy": json.dumps(arm.off_policy),
         "learner.micro_batch_size": str(study.prompts_per_step * study.responses_per_prompt),
+        # padded micro-batches: the same loss and gradients as packed ones (tested to 1e-5),
+        # and ~6 % faster at these lengths (45 tokens, one micro-batch per step)
+        "learner.pack_sequences": "false",
         "learner.trackers": "[]",
     }
     return load_config(
@@ -184,9 +187,29 @@ def _accuracy(model: Any, held_out: list[tuple[list[int], str]], *, tokenizer, c
     return right / len(held_out)
 
 
-def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dict[str, Any]:
+def held_out_accuracy(assets: dict[str, Any], study: Study) -> float:
+    """Greedy held-out accuracy of the model in ``assets`` (the warm-up model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tether.demo.tasks import read_jsonl
+
+    torch.set_num_threads(1)
+    model_dir = str(assets["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    arm = next(iter(study.arms))
+    cfg = arm_config(
+        arm, study, seed=0, model_dir=Path(model_dir), train_path=Path(assets["train_path"])
+    )
+    rows = read_jsonl(assets["held_out_path"])[: study.held_out]
+    held_out = [(list(r["prompt_token_ids"]), r["answer"]) for r in rows]
+    return _accuracy(model, held_out, tokenizer=tokenizer, cfg=cfg)
+
+
+def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, Any]) -> dict[str, Any]:
     """Train ``study.steps`` optimizer steps of ``arm`` from the warmed-up demo model; returns
-    the held-out curve and the per-step records."""
+    the held-out curve and the per-step records. ``assets``: model_dir, train_path,
+    held_out_path, and optionally initial_accuracy (the model's, measured once)."""
     from transformers import AutoTokenizer
 
     from common.data.datasets import prompt_sets_for
@@ -207,7 +230,10 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
     models = _Policies(cfg, model_dir)
     stream = seed + arm.replicate * REPLICATE_STRIDE
     s, p = arm.steps_per_cycle, cfg.run.prompts_per_cycle
-    evals = [[0, _accuracy(models.policy, held_out, tokenizer=tokenizer, cfg=cfg)]]
+    # step 0 is the warm-up model in every run: the driver measures it once
+    first = assets.get("initial_accuracy")
+    evals = [[0, _accuracy(models.policy, held_out, tokenizer=tokenizer, cfg=cfg)
+              if first is None else float(first)]]  # fmt: skip
 
     def evaluate(step: int) -> None:
         """After optimizer step ``step`` (1-based over the run)."""
@@ -236,7 +262,7 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, str]) -> dic
         )
         if models.probe is None:  # a fixed batch to measure how far each step moves the policy
             models.set_probe(
-                cfg, samples[: study.responses_per_prompt * 4], pad_id=tokenizer.pad_token_id
+                cfg, samples[: study.responses_per_prompt * 2], pad_id=tokenizer.pad_token_id
             )
 
         steps += _train_cycle(
