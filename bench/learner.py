@@ -45,11 +45,11 @@ def _groups(
     for c in range(cycles):
         for p in range(cfg.run.prompts_per_cycle):
             samples = [
-                wire.Trajectory(
+                wire.Trajectory.single_turn(
                     sample_id=f"c{c}/p{p}/{i}", sample_index=i,
-                    response_token_ids=rng.integers(3, vocab, response_tokens).astype(np.uint32),
-                    behaviour_logprobs=-rng.random(response_tokens).astype(np.float32),
-                    policy_version=0, version_spans=[(0, 0)], finish_reason="length",
+                    token_ids=rng.integers(3, vocab, response_tokens).astype(np.uint32),
+                    logprobs=-rng.random(response_tokens).astype(np.float32),
+                    version_spans=[(0, 0)], finish_reason="length",
                 )
                 for i in range(r)
             ]  # fmt: skip
@@ -155,16 +155,17 @@ def _service(
     svc.train_cycle = timed  # type: ignore[method-assign]
     while svc.next_cycle < cfg.run.num_cycles:
         cycle = svc.next_cycle
+        from services.learner.bus_side import BusSide
         from services.learner.cycle import samples_from_groups
 
-        assert svc.rank0 is not None
-        collected = svc.rank0.collect(cycle, stop=lambda: False)
+        assert isinstance(svc.bus_side, BusSide)
+        collected = svc.bus_side.collect(cycle, stop=lambda: False)
         assert collected is not None
         svc.train_cycle(cycle, samples_from_groups(collected))
         svc.next_cycle += 1
     elapsed = marks[-1] - marks[0]  # cycle 0 warms the allocator and kernels: not timed
-    assert svc.rank0 is not None
-    svc.rank0.close()
+    svc.publishing.close()
+    svc.bus_side.close()
     if phases_out is not None:  # where the timed cycles' time went (working, syncing_weights, ...)
         for k, v in phases[-1].items():
             phases_out[k] = phases_out.get(k, 0.0) + v - phases[0].get(k, 0.0)

@@ -59,8 +59,8 @@ def readme_for(out_dir: Path) -> Path:
 
 
 ORDER = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness",
-    "reproducibility", "models",
+    "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
+    "staleness", "reproducibility", "models",
 )  # fmt: skip
 
 
@@ -72,6 +72,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "weights": {"total_mb": 64, "repeats": 2},
         "scorer": {"rule_items": 400, "answer_tokens": (0, 64)},
         "generator": {"max_tokens": 32, "rounds": 1, "hidden_size": 128, "num_layers": 2},
+        "episodes": {"prompts": 8, "n": 4, "rounds": 1},
         "learner": {
             "cycles": 3,
             "prompts": 8,
@@ -134,7 +135,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner"):
+    if what in ("models", "learner", "episodes"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 
 class ScorerConfig(Section):
@@ -29,6 +29,12 @@ class ScorerConfig(Section):
         0, ge=0, description="soft length penalty starts this many tokens before the limit; 0 = off"
     )
     overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length limit")
+    tool_error_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="episodes: reward term `tool_errors` = −penalty × the episode's failed tool "
+        "calls (malformed, unknown tool, bad arguments, errors, timeouts); 0 = off",
+    )
     custom_reward: str = Field(
         "", description="dotted path `package.module:function` of an extra reward"
     )
@@ -57,8 +63,8 @@ class ScorerConfig(Section):
         le=1.0,
         description="solver engine's memory fraction (on CPU: of RAM; keep ≤ 0.3)",
     )
-    solver_max_model_len: int | None = Field(
-        None,
+    solver_max_model_len: int = Field(
+        DERIVED,
         ge=1,
         description="solver engine's context in tokens (its prompt and answer); default "
         "run.max_prompt_tokens + run.max_response_tokens + solver_max_tokens",

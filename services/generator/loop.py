@@ -2,12 +2,15 @@
 
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
-          per-token behaviour log-probs and the policy version spans that produced it),
-          published together with the ack of the prompt (exactly once per prompt id).
+          per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
+          episodes: ``episodes.py``), published together with the ack of the prompt (exactly
+          once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
-          backlog (back-pressure); for the learner's weight store before its first sample.
-Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
+          backlog (back-pressure); for the learner's weight store before its first sample; an
+          episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
+Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
+          the tools answering.
 
 Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
 ``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a
@@ -16,9 +19,9 @@ silent for ``generator.liveness_s``, and ``/readyz`` with it.
 
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
-sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
-trajectory's ``policy_version`` is the version of its first token, the oldest — the one
-staleness is judged by.
+sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
+trajectory's ``policy_version`` is the version of its oldest sampled token — the one staleness
+is judged by (for an episode, over all its assistant turns).
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ import logging
 import time
 from typing import Any
 
+from common.bus.consumer import Consumer
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import to_group
+from services.generator.trajectories import single_turn_trajectories, to_group
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -105,37 +109,26 @@ class GeneratorService:
         self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
+        self.episodes: Any = None  # an EpisodeRunner when generator.max_turns > 1
+        self.tool_schemas: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from common.engine import EngineSettings, GenerationEngine
+        from common.engine import GenerationEngine, policy_engine_settings
 
-        g, run = self.cfg.generator, self.cfg.run
-        from common.data.model_paths import policy_paths
-
-        model_dir, tok_dir = policy_paths(self.cfg)
-        dtype = (
-            g.dtype if g.dtype != "auto" else "float32" if g.gpus_per_replica == 0 else "bfloat16"
-        )
-        self.engine = GenerationEngine(
-            EngineSettings(
-                model=model_dir,
-                tokenizer=tok_dir,
-                dtype=dtype,
-                max_model_len=run.max_prompt_tokens + run.max_response_tokens,
-                gpu_memory_utilization=g.gpu_memory_utilization,
-                kv_cache_gib=g.kv_cache_gib,
-                enforce_eager=g.enforce_eager,
-                max_num_seqs=g.max_num_seqs,
-                seed=run.seed,
-                tensor_parallel_size=g.tensor_parallel_size,
-                worker_extension_cls=WORKER_EXT,
-            )
-        )
+        settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
+        self.engine = GenerationEngine(settings)
         await self.engine.start()
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
+        if self.cfg.generator.max_turns > 1:
+            from services.generator.episodes import start_runner
+
+            self.episodes = await start_runner(
+                self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
+            )
+            self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
         self.weights = WeightFollower(
             self.engine,
             settings=self.cfg.weights,
@@ -158,7 +151,10 @@ class GeneratorService:
         from common.data.prompts import encode_prompt, prompt_of
 
         return encode_prompt(
-            self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
+            self.tokenizer,
+            prompt_of(msg),
+            apply_chat_template=self.cfg.data.apply_chat_template,
+            tools=self.tool_schemas,
         )
 
     def _sampling(self, msg: wire.PromptMsg):
@@ -201,14 +197,22 @@ class GeneratorService:
             self._waiting_staleness -= 1
             self.metrics.staleness_wait.inc(time.monotonic() - t0)
 
-    async def _sample(self, msg: wire.PromptMsg, ids: list[int], *, request_id: str):
-        """Generate the prompt's responses and make its group. A response the engine reports no
-        version spans for is labelled with the version the engine ran when the request was
-        submitted: the oldest that can have sampled any of its tokens (read after generation,
-        an in-flight update would make it look newer than it is)."""
+    async def _sample(
+        self, msg: wire.PromptMsg, ids: list[int], *, request_id: str
+    ) -> list[wire.Trajectory]:
+        """The prompt's responses (episodes with ``generator.tools``). A response the engine
+        reports no version spans for is labelled with the version the engine ran when the
+        request was submitted: the oldest that can have sampled any of its tokens (read after
+        generation, an in-flight update would make it look newer than it is)."""
         started, version = time.time(), self.version
-        samples = await self.engine.generate_group(ids, self._sampling(msg), request_id=request_id)
-        return to_group(msg, ids, samples, started=started, generator_id=self.sid, version=version)
+        sampling = self._sampling(msg)
+        if self.episodes is not None:
+            return await self.episodes.run_prompt(
+                msg, ids, sampling, request_id=request_id, version=int(version or 0),
+                started=started,
+            )  # fmt: skip
+        samples = await self.engine.generate_group(ids, sampling, request_id=request_id)
+        return single_turn_trajectories(msg, samples, started=started, version=version)
 
     async def _handle(self, consumer, d) -> None:
         self._held.add(d.entry_id)
@@ -225,9 +229,9 @@ class GeneratorService:
             await asyncio.to_thread(consumer.dead_letter, d, "unencodable_prompt", str(exc))
             return
         await self._gate(msg.min_policy_version)
-        group = await self._sample(
-            msg, ids, request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        )
+        request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
+        trajectories = await self._sample(msg, ids, request_id=request_id)
+        group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
@@ -241,7 +245,7 @@ class GeneratorService:
             dedupe_ids=[group.group_id],
             count_as=self.sid,
         )
-        n_tokens = sum(len(t.response_token_ids) for t in group.samples)
+        n_tokens = sum(t.num_sampled for t in trajectories)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
@@ -319,7 +323,7 @@ class GeneratorService:
         await self.weights.join_until_done()
         self.ready = True
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)  # back-pressure reads its backlog
-        consumer = self.bus.consumer(streams.PROMPTS, streams.GENERATORS, self.sid)
+        consumer = Consumer(self.bus, streams.PROMPTS, streams.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
         helpers = [
             asyncio.create_task(c)
@@ -357,6 +361,8 @@ class GeneratorService:
                 h.cancel()
             for t in tasks:
                 t.cancel()
+            if self.episodes is not None:
+                await self.episodes.sandbox.close()
 
     def stop(self) -> None:
         self._stop.set()

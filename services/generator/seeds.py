@@ -16,8 +16,18 @@ import hashlib
 _SEED_BITS = 62
 
 
+def _hash(key: str) -> int:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
+
+
 def request_seed(*, run_seed: int, split: str, cycle: int, index: int) -> int:
     """The seed of one prompt's request: a hash of its coordinates (62 bits)."""
-    key = f"tether-sample/{run_seed}/{split}/{cycle}/{index}".encode()
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
+    return _hash(f"tether-sample/{run_seed}/{split}/{cycle}/{index}")
+
+
+def episode_seed(seed: int | None, *, response: int, turn: int) -> int | None:
+    """The seed of turn ``turn`` of response ``response`` of a prompt whose request seed is
+    ``seed`` (episodes sample each turn as a request of its own): distinct per response and
+    turn, so a group's episodes do not repeat each other's draws. None stays None."""
+    return None if seed is None else _hash(f"tether-turn/{seed}/{response}/{turn}")

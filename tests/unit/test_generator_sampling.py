@@ -64,7 +64,16 @@ def test_a_response_without_spans_carries_the_version_its_request_started_on():
     svc.weights = SimpleNamespace(version=3)  # type: ignore[assignment]
     svc.engine = _FakeEngine(svc.weights)  # type: ignore[assignment]
     msg = _prompt(1, 9)
-    group = asyncio.run(svc._sample(msg, [1, 2, 3], request_id="r"))
+    trajectories = asyncio.run(svc._sample(msg, [1, 2, 3], request_id="r"))
     # read after generation it would say 4, and the learner would under-count its staleness
-    assert [t.policy_version for t in group.samples] == [3]
-    assert group.samples[0].version_spans == [(0, 3)]
+    assert [t.policy_version for t in trajectories] == [3]
+    assert trajectories[0].version_spans == [(0, 3)]
+
+
+def test_every_turn_of_every_episode_has_its_own_seed():
+    from services.generator.seeds import episode_seed
+
+    seeds = {episode_seed(99, response=r, turn=t) for r in range(4) for t in range(3)}
+    assert len(seeds) == 12 and all(0 <= s < 2**62 for s in seeds if s is not None)
+    assert episode_seed(99, response=1, turn=2) == episode_seed(99, response=1, turn=2)
+    assert episode_seed(None, response=0, turn=0) is None
