@@ -130,6 +130,8 @@ def run_all(
         "warmup_seconds": warmup_s,
         "run_seconds": time.monotonic() - t0,
         "runs_reused": len(done) - len(jobs),
+        # CPU seconds of every run, ÷ the workers: the study's time on an otherwise idle machine
+        "cpu_seconds_total": sum(r.get("cpu_seconds", 0.0) for r in done),
         "load_average_before": list(load),
         "load_average_after": list(os.getloadavg()),
         "commits": sorted({json.dumps(r.get("git")) for r in done}),

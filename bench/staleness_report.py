@@ -105,7 +105,7 @@ def verdict_lines(r: dict[str, Any]) -> list[str]:
 
 def table(r: dict[str, Any]) -> list[str]:
     head = ["arm", "S", "η", "staleness (steps)", "AUC mean ± sd", "Δ AUC vs sync, 95 % CI",
-            "final accuracy", "KL(behav‖learner)", "weights > 5", "ESS", "s / run"]  # fmt: skip
+            "final accuracy", "KL(behav‖learner)", "weights > 5", "ESS", "CPU s / run"]  # fmt: skip
     rel = {e["arm"]: e for e in r["exploratory"]}
     rows = []
     for name, a in sorted(
@@ -125,7 +125,7 @@ def table(r: dict[str, Any]) -> list[str]:
             f"{_pct(e['relative'])} {_ci(e, rel=True)}" if e else "—",
             f"{a['final_mean']:.3f} ± {a['final_sd']:.3f}",
             f"{mean('kl_behaviour_learner'):.4f}", f"{100 * mean('is_over_5_frac'):.2f} %",
-            f"{mean('ess_frac'):.3f}", f"{a['seconds_mean']:.0f}",
+            f"{mean('ess_frac'):.3f}", f"{a.get('cpu_seconds_mean', a['seconds_mean']):.0f}",
         ])  # fmt: skip
     return [
         "| " + " | ".join(head) + " |",
@@ -188,7 +188,8 @@ def readme_section(results_dir: Path) -> str:
         f"### `{r['command']}` ({len(r['arms'])} arms × {len(study['seeds'])} seeds, "
         f"{study['steps']} steps, lr {study['lr']:g}, {study['held_out']} held-out problems; "
         f"commit {(r.get('git') or {}).get('commit', '?')[:10]}; "
-        f"{made['run_seconds'] / 60:.0f} min of runs)"
+        f"{made['run_seconds'] / 60:.0f} min of runs, "
+        f"{made.get('cpu_seconds_total', 0) / 3600:.1f} CPU-hours)"
     )
     return "\n".join(
         [METHOD, head, "", *(f"- {x}" for x in verdict_lines(r)), "", *table(r), "", ""]

@@ -18,7 +18,8 @@ Per optimizer step it records the reward, KL(behaviour ‖ learner) (the learner
 estimate over the step's tokens, ``mismatch_kl_k3_mean``), the KL between the policies before and
 after the step (exact over the vocabulary, on a fixed probe batch), and the behaviour importance
 weights π_prox / π_behav of the sampled tokens (mean, max, fraction above 2 and 5, effective
-sample size); greedy held-out accuracy every ``eval_every`` steps (after any step: the
+sample size; over ``DIAGNOSED`` of the step's responses where the learner itself recomputes
+no proximal log-probs); greedy held-out accuracy every ``eval_every`` steps (after any step: the
 simulation evaluates the policy itself, not the weights a generator holds).
 """
 
@@ -36,6 +37,10 @@ from bench.staleness_design import Arm, Study
 from bench.staleness_sampler import generate
 
 REPLICATE_STRIDE = 1_000_003  # sampling-stream seed of a replicate: seed + replicate × this
+# Where the learner recomputes no proximal log-probs (uncorrected PPO; one step per cycle), the
+# behaviour-weight statistics cover this many of each step's responses (a quarter of 64): the
+# recompute pass they need would otherwise be a fifth of the run's time.
+DIAGNOSED = 16
 
 
 def arm_config(arm: Arm, study: Study, *, seed: int, model_dir: Path, train_path: Path) -> Any:
@@ -127,11 +132,16 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
 
-def _weight_stats(samples: list, idx: list[int], prox: list[list[float]]) -> dict[str, float]:
-    """π_prox / π_behav of the sampled tokens of the step (no cap)."""
+def _weight_stats(samples: list, idx: list[int], prox: dict[int, list[float]]) -> dict[str, float]:
+    """π_prox / π_behav of the sampled tokens of the step's responses in ``prox`` (no cap)."""
     w = (
         torch.tensor(
-            [p - b for i in idx for p, b in zip(prox[i], samples[i].behaviour_logp, strict=True)],
+            [
+                p - b
+                for i in idx
+                if i in prox
+                for p, b in zip(prox[i], samples[i].behaviour_logp, strict=True)
+            ],
             dtype=torch.float64,
         )
         .clamp(max=20.0)
@@ -219,7 +229,7 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, Any]) -> dic
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(seed)
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     model_dir, train_path = Path(assets["model_dir"]), Path(assets["train_path"])
     cfg = arm_config(arm, study, seed=seed, model_dir=model_dir, train_path=train_path)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -272,6 +282,7 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, Any]) -> dic
         "arm": arm.name, "label": arm.label, "correction": arm.correction, "eta": arm.eta,
         "steps_per_cycle": s, "replicate": arm.replicate, "seed": seed,
         "evals": evals, "steps": steps, "seconds": time.monotonic() - started,
+        "cpu_seconds": time.process_time() - cpu,  # what the run costs whatever else runs
     }  # fmt: skip
 
 
@@ -290,16 +301,24 @@ def _train_cycle(
     run, ln = cfg.run, cfg.learner
     device = torch.device("cpu")
     policy = models.policy
-    prox = logprobs.recompute_logprobs(policy, cfg, samples, pad_id=pad_id, device=device)
-    if ln.off_policy != "none" and not logprobs.proximal_is_current(cfg):  # as _prepare
-        for smp, lp in zip(samples, prox, strict=True):
-            smp.old_logp = lp
-    assign_advantages(samples, cfg)
-    records = []
-    for idx in steps_of_cycle(
+    steps = steps_of_cycle(
         len(samples), steps=run.train_steps_per_cycle, passes=run.passes_per_cycle,
         seed=run.seed, cycle=cycle,
-    ):  # fmt: skip
+    )  # fmt: skip
+    if ln.off_policy != "none" and not logprobs.proximal_is_current(cfg):  # as _prepare
+        lps = logprobs.recompute_logprobs(policy, cfg, samples, pad_id=pad_id, device=device)
+        for smp, lp in zip(samples, lps, strict=True):
+            smp.old_logp = lp
+        prox = dict(enumerate(lps))
+    else:  # the learner needs none: for the diagnostics, DIAGNOSED responses of each step
+        some = sorted({i for idx in steps for i in idx[:DIAGNOSED]})
+        lps = logprobs.recompute_logprobs(
+            policy, cfg, [samples[i] for i in some], pad_id=pad_id, device=device
+        )
+        prox = dict(zip(some, lps, strict=True))
+    assign_advantages(samples, cfg)
+    records = []
+    for idx in steps:
         stats: list[dict[str, float]] = []
         mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=pad_id, device=device)
         loss_fn = objective.make_loss_fn(

@@ -111,6 +111,7 @@ def per_arm(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 for k in keys
             },
             "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+            "cpu_seconds_mean": statistics.fmean(r.get("cpu_seconds", r["seconds"]) for r in mine),
         }
     return out
 
