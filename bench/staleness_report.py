@@ -55,6 +55,12 @@ come out equal within its interval, or the study says it cannot resolve the ques
 deterministic (one thread each, deterministic algorithms, seeded streams): the same command gives
 the same numbers on a busy or an idle machine; finished runs are kept under
 `bench/work/staleness/runs/` so an interrupted study resumes.
+
+**Cost.** 21 arms × 8 seeds = 168 runs of 100 steps, two at a time (one thread each). Timed on
+`tether bench staleness --size slice` (the four S = 4 tested arms × 2 seeds): 80 CPU-seconds per
+run (S = 1 runs sample 100 times instead of 25: ≈ 83), ≈ 13,500 CPU-seconds in all, so ≈ 1.9 h
+on an otherwise idle 2-core machine plus the demo's warm-up on a fresh clone (≈ 3 min). The
+runs' CPU-seconds are in the JSON (`made.cpu_seconds_total`).
 """
 
 

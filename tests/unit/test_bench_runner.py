@@ -71,3 +71,10 @@ def test_an_interrupted_child_is_asked_to_stop_then_its_group_is_killed(tmp_path
         time.sleep(0.1)
     else:
         pytest.fail("the child's own child outlived it: the process group was not killed")
+
+
+def test_make_bench_smoke_covers_every_benchmark_with_a_limit():
+    from bench.runner import ORDER
+    from bench.smoke import LIMITS
+
+    assert set(LIMITS) == set(ORDER)
