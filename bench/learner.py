@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from bench.learner_packing import format_packing, run_packing
+from bench.provenance import device_name
+from bench.workload import count_params
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ def _groups(
                 for i in range(r)
             ]  # fmt: skip
             g = wire.TrajectoryGroup(
-                group_id=f"c{c}/p{p}", prompt_id=f"c{c}/p{p}", cycle=c, index=c * 1000 + p, split="train",
+                # index = the sampler position c·P + p the learner collects the cycle by
+                group_id=f"c{c}/p{p}", prompt_id=f"c{c}/p{p}", cycle=c, index=c * cfg.run.prompts_per_cycle + p, split="train",
                 prompt_token_ids=rng.integers(3, vocab, prompt_tokens).astype(np.uint32), prompt_text="",
                 ground_truth="1", metadata={}, generator_id="bench", samples=samples,
             )  # fmt: skip
@@ -180,24 +183,6 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"cuda: {torch.cuda.get_device_name(0)}"
-    return f"cpu: {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-
-
-def _param_count(model_dir: str) -> int:
-    """Parameters of the model (tied weights once), counted on the meta device: nothing loaded."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    return sum(p.numel() for p in model.parameters())
-
-
 def run_learner_bench(
     *,
     cycles: int = 4,
@@ -216,6 +201,7 @@ def run_learner_bench(
     packing: bool = True,
     service_vs_bare: bool = True,
     out_path: str | Path | None = None,
+    work_dir: str | Path | None = None,
 ) -> dict:
     """Service vs bare loop on the same cycles; ``repeats`` = 2 runs them A-B-B-A (1: A-B).
     ``packing``: then packed vs padded training steps on lengths that spread
@@ -227,17 +213,51 @@ def run_learner_bench(
     real tokenizer's size); ``overrides`` are extra ``key=value`` config settings for both paths,
     e.g. ``learner.micro_batch_size=1`` or ``learner.gradient_checkpointing=true`` for a large
     model on one GPU. On a CUDA machine both paths run the GPU path (NCCL group, FSDP2, bf16).
+    Its model, data and Redis live in a scratch folder under ``work_dir`` (default: the system's
+    temporary folder), removed at the end, also when the bench is interrupted.
     """
+    import shutil
     import tempfile
-
-    from common.bus.server import EmbeddedRedis
-    from common.config.load import load_config
 
     if cycles < 2:
         raise ValueError("cycles must be >= 2: the first cycle of each path is a warm-up")
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tether-bench-learner-", dir=work_dir))
+    try:
+        return _measure(
+            tmp,
+            cycles=cycles,
+            prompts=prompts,
+            per_prompt=per_prompt,
+            prompt_tokens=prompt_tokens,
+            response_tokens=response_tokens,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+            vocab=vocab,
+            overrides=overrides,
+            repeats=repeats,
+            packing=packing,
+            service_vs_bare=service_vs_bare,
+            out_path=out_path,
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _measure(
+    tmp: Path, *, cycles: int, prompts: int, per_prompt: int, prompt_tokens: int,
+    response_tokens: int, hidden: int, layers: int, heads: int | None, kv_heads: int | None,
+    intermediate: int | None, vocab: int | None, overrides: Sequence[str], repeats: int,
+    packing: bool, service_vs_bare: bool, out_path: str | Path | None,
+) -> dict:  # fmt: skip
+    from common.bus.server import EmbeddedRedis
+    from common.config.load import load_config
     from tether.demo.tiny_model import build_tiny_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="tether-bench-learner-"))
     model_dir = str(
         build_tiny_model(
             tmp / "model",
@@ -327,9 +347,9 @@ def run_learner_bench(
             "kv_heads": kv_heads,
             "intermediate": intermediate or 4 * hidden,
             "vocab": vocab,
-            "params": _param_count(model_dir),
+            "params": count_params(Path(model_dir)),
             "overrides": list(overrides),
-            "device": _device_name(),
+            "device": device_name(),
             "repeats": max(1, min(repeats, 2)),
             "timed": "cycles 1.. of each path (cycle 0 is a warm-up)",
         },

@@ -22,12 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench import child_process
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def _export(row: dict[str, Any], model_dir: Path, *, device: Any) -> dict[str, A
 
     out = Path(row["run_dir"]).parent / f"{Path(row['run_dir']).name}-export"
     cmd = [sys.executable, "-m", "tether.cli", "export", row["run_dir"], str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = child_process.run(cmd, timeout_s=600)
     if proc.returncode != 0:
         raise RuntimeError(f"tether export exited {proc.returncode}: {proc.stderr[-1500:]}")
     learner = load_policy(model_dir, device=device, fsdp=False)  # the trained policy, below

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench import child_process
 from bench import workload as wl
 
 log = logging.getLogger(__name__)
@@ -133,12 +133,8 @@ def run_trl(c: Contest, *, work: Path) -> dict[str, Any]:
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
     code = f"from bench.peer import _trl_child; _trl_child({str(spec_path)!r})"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=wl.child_env(threads),
+    proc = child_process.run(
+        [sys.executable, "-c", code], timeout_s=timeout_s, env=wl.child_env(threads)
     )
     if proc.returncode != 0:
         raise RuntimeError(

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import child_process
 from bench.workload import (
     Workload,
     child_env,
@@ -135,13 +136,13 @@ def drive_run(
     cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=child_env(threads),
-    )
+    # its output goes to a file: a pipe nobody reads until the end blocks a chatty child
+    log_path = config.with_name(f"{name}.log")
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=child_env(threads),
+            start_new_session=True,
+        )  # fmt: skip
     snaps: dict[int, dict[str, Any]] = {}
     try:
         while proc.poll() is None:
@@ -156,9 +157,8 @@ def drive_run(
                 time.sleep(2.5)  # one more heartbeat (every 2 s) so every service's doc is current
                 snaps[steps] = {"time": time.time(), "status": _status(r, name)}
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        output = proc.stdout.read() if proc.stdout else ""
+        child_process.stop(proc, grace_s=30.0)  # SIGTERM: tether train stops its services
+        output = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(
             f"tether train ({name}) exited with {proc.returncode}:\n{output[-3000:]}"

@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import child_process
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ def _tether_run(root: Path, name: str, *, cycles: int, eval_every: int, sync: bo
     if sync:
         cmd += ["--set", "run.max_staleness=1"]
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))  # fmt: skip
+    proc = child_process.run(cmd, timeout_s=timeout_s, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if proc.returncode != 0:
         raise RuntimeError(f"tether demo ({name}) failed:\n{proc.stdout[-3000:]}")
     return {**tether_curve(root / "runs" / name), "wall_s": time.monotonic() - started}
@@ -165,8 +165,9 @@ def _trl_run(root: Path, assets: Any, *, steps: int, eval_every: int, seed: int,
     (work / "spec.json").write_text(json.dumps(spec))
     started = time.monotonic()
     code = f"from bench.quality import _trl_child; _trl_child({str(work / 'spec.json')!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout_s, env=child_env(threads))  # fmt: skip
+    proc = child_process.run(
+        [sys.executable, "-c", code], timeout_s=timeout_s, env=child_env(threads)
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     out = json.loads((work / "result.json").read_text())

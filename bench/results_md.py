@@ -26,6 +26,12 @@ saturates both cores; the rows measured at a load of ~1–3 had nothing else run
 under a load of 8 or more are kept for history but their seconds are not comparable; ratios taken
 in one run are the figures to read.
 
+**Provenance and the smoke run.** Every result written by `tether bench` carries `git`: the
+commit and whether the tracked files differed from it (`bench/provenance.py`; results older than
+the stamp have none). `make bench-smoke` (`bench/smoke.py`) runs every `tether bench NAME` at its
+smallest size, each under a time limit, into `bench/work/smoke`, and must pass before a figure
+is claimed. SMOKE_TIMING
+
 ## Workload preset (`pipeline`, `peer`)
 
 `bench/workload.py`: a Qwen2-architecture model built locally by
@@ -216,6 +222,7 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
 def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
     from bench.learner_packing import row_packing
     from bench.peer import row_variable
+    from bench.reproducibility import readme_row as row_reproducibility
 
     rows = []
     for f in sorted(Path(results_dir).glob("*.json")):
@@ -234,6 +241,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += _row_quality(r)
         elif kind == "staleness":
             rows += [row_staleness(r)]
+        elif kind == "reproducibility":
+            rows += [row_reproducibility(r)]
         elif kind == "models":
             rows += [bench_readme_row(r)]
         elif kind == "episodes":

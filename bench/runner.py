@@ -1,23 +1,66 @@
-"""`tether bench WHAT [--out DIR] [--quick]`: run benchmarks, write JSON, regenerate bench/README.md.
+"""`tether bench WHAT [--out DIR] [--quick]`: run benchmarks, write JSON, regenerate their README.
 
 Every benchmark measures Tether's path and a baseline in the same run; each writes
-``<out>/<what>[_quick].json``. ``all`` runs every benchmark whose module exists and then rewrites
-``bench/README.md`` from every JSON file in ``<out>``.
+``<out>/<what>[_quick].json``, stamped with the clone's git commit and dirty flag
+(``bench.provenance``). ``all`` runs every benchmark whose module exists. Then the README of
+every JSON file in ``<out>`` is written: ``bench/README.md`` for the clone's own
+``bench/results``, ``<out>/README.md`` for any other folder (never a file outside the folder
+the user named). SIGTERM, SIGHUP and Ctrl-C stop a benchmark the way an error does: what it
+started (servers, services, worker processes) is stopped on the way out.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import CLONE, git_state, stamp
+
 log = logging.getLogger(__name__)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A benchmark was told to stop (SIGTERM, SIGHUP): raised where it runs, so every
+    ``finally`` and ``with`` on the way out stops what it started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into ``Interrupted`` while benchmarks run (Ctrl-C already raises
+    KeyboardInterrupt); the previous handlers come back afterwards."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def readme_for(out_dir: Path) -> Path:
+    """Where the README of the results in ``out_dir`` goes: the clone's bench/README.md for its
+    own bench/results, else ``out_dir/README.md`` (inside the folder the user named)."""
+    if out_dir.resolve() == (CLONE / "bench" / "results").resolve():
+        return CLONE / "bench" / "README.md"
+    return out_dir / "README.md"
+
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "models",
+    "staleness", "reproducibility", "models",
 )  # fmt: skip
 
 
@@ -41,7 +84,8 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "pipeline": {"quick": True},
         "peer": {"quick": True},
         "quality": {"quick": True},
-        "staleness": {"quick": True},
+        "staleness": {"size": "smoke"},
+        "reproducibility": {"quick": True},
         "models": {"quick": True},
     }
     return presets[what]
@@ -79,8 +123,10 @@ def run_one(
             what,
         )
         return None
-    e2e = what in ("pipeline", "peer", "quality", "staleness")
+    e2e = what in ("pipeline", "peer", "quality", "staleness", "reproducibility")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
+    if what == "staleness":  # the pre-registered study is staleness.json, a smaller one _smoke
+        suffix = "" if size in (None, "full") and not quick else f"_{size or 'smoke'}"
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
@@ -89,7 +135,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "episodes"):
+    if what in ("models", "learner", "episodes"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
@@ -97,7 +143,13 @@ def run_one(
         kwargs["generators"] = generators
     if what == "staleness" and lr is not None:
         kwargs["lr"] = lr
-    return fn(out_path=out, **kwargs)
+    if what == "staleness" and size is None and quick:
+        kwargs["size"] = "smoke"
+    result = fn(out_path=out, **kwargs)
+    stamp(out, git_state())
+    if isinstance(result, dict):
+        result.setdefault("git", git_state())
+    return result
 
 
 def _generators(text: str) -> tuple[int, ...]:
@@ -128,31 +180,39 @@ def run_bench(args: Any) -> int:
     size = getattr(args, "size", None)
     generators = _generators(getattr(args, "generators", None) or ("1,2" if quick else "1,2,4"))
     lr = getattr(args, "lr", None)
+    try:
+        with stop_on_signals():
+            _run(what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
+                 generators=generators, lr=lr)  # fmt: skip
+    except Interrupted as exc:
+        print(f"tether bench {what}: {exc}; what it had started is stopped", file=sys.stderr)
+        return 128 + exc.signum
+    except LookupError as exc:  # a benchmark module missing from this checkout
+        print(f"bench {what}: {exc}")
+        return 1
+    readme = write_readme(out_dir, readme_for(out_dir))
+    print(f"wrote {readme}")
+    return 0
+
+
+def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int | None,
+         size: str | None, generators: tuple[int, ...], lr: float | None) -> None:  # fmt: skip
+    """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout."""
     if what != "all":
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
             generators=generators, lr=lr,
         )  # fmt: skip
         if result is None:
-            print(f"bench {what}: its module is not available in this checkout")
-            return 1
-    else:
-        pipeline = None
-        for name in ORDER:
-            # peer reuses the pipeline bench's async run of the same workload (same process, minutes saved)
-            reuse = pipeline["async"] if name == "peer" and pipeline else None
-            result = run_one(
-                name,
-                out_dir=out_dir,
-                quick=quick,
-                work_dir=work_dir,
-                reuse=reuse,
-                threads=threads,
-                size=size,
-                generators=generators,
-            )
-            if name == "pipeline":
-                pipeline = result
-    readme = write_readme(out_dir, out_dir.parent / "README.md")
-    print(f"wrote {readme}")
-    return 0
+            raise LookupError("its module is not available in this checkout")
+        return
+    pipeline = None
+    for name in ORDER:
+        # peer reuses the pipeline bench's async run of the same workload (minutes saved)
+        reuse = pipeline["async"] if name == "peer" and pipeline else None
+        result = run_one(
+            name, out_dir=out_dir, quick=quick, work_dir=work_dir, reuse=reuse, threads=threads,
+            size=size, generators=generators,
+        )  # fmt: skip
+        if name == "pipeline":
+            pipeline = result

@@ -1,100 +1,155 @@
-"""The staleness study's figures (``bench.staleness``): one run's summary from its
-``metrics.jsonl`` records, and one configuration's aggregate over its seeds. Staleness
-histograms are lists indexed by optimizer steps behind, holding numbers of responses."""
+"""The staleness study's statistics (``bench.staleness_design.PREREGISTERED``): the area under a
+run's held-out curve, paired comparisons over seeds (Student-t interval, exact sign-flip
+permutation p-value), the non-inferiority test with its margin, the A/A control, and per-arm
+means of the per-step diagnostics. Pure functions of the runs' records."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench.staleness import Arm
+# two-sided 95 % Student-t quantiles t(0.975, df) for df = 1..30 (normal beyond)
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+    2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+    2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 
 
-def pool_counts(histograms: Iterable[list[int]]) -> list[int]:
-    """Sum histograms (index = staleness in optimizer steps, value = responses)."""
-    out: list[int] = []
-    for h in histograms:
-        out += [0] * (len(h) - len(out))
-        for k, n in enumerate(h):
-            out[k] += n
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError("an interval needs at least two paired seeds")
+    return _T975[df - 1] if df <= len(_T975) else 1.960 + 2.4 / df
+
+
+def auc(evals: list[list[float]]) -> float:
+    """Mean held-out accuracy over steps ``[first, last]`` of ``[[step, accuracy], …]``
+    (trapezoids, ÷ the span)."""
+    pts = sorted(evals)
+    span = pts[-1][0] - pts[0][0]
+    if span <= 0:
+        raise ValueError("an area needs evaluations at two different steps")
+    area = sum((b[0] - a[0]) * (a[1] + b[1]) / 2 for a, b in itertools.pairwise(pts))
+    return area / span
+
+
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided permutation p-value of mean(diffs) = 0 (every sign pattern; ≤ 16 seeds)."""
+    n = len(diffs)
+    if n > 16:
+        raise ValueError("the exact test enumerates 2^n sign patterns: at most 16 seeds")
+    observed = abs(sum(diffs)) - 1e-12
+    hits = sum(
+        abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= observed
+        for signs in itertools.product((1, -1), repeat=n)
+    )
+    return hits / 2**n
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
+    """``a − b`` over the seeds both have: mean, 95 % interval, relative to mean(b), p-value."""
+    seeds = sorted(set(a) & set(b))
+    d = [a[s] - b[s] for s in seeds]
+    n = len(d)
+    base = statistics.fmean(b[s] for s in seeds)
+    mean = statistics.fmean(d)
+    half = t975(n - 1) * statistics.stdev(d) / math.sqrt(n) if n > 1 else math.inf
+    return {
+        "seeds": seeds,
+        "mean_a": statistics.fmean(a[s] for s in seeds),
+        "mean_b": base,
+        "diff": mean,
+        "ci": [mean - half, mean + half],
+        "relative": mean / base,
+        "relative_ci": [(mean - half) / base, (mean + half) / base],
+        "p_sign_flip": sign_flip_p(d) if 1 < n <= 16 else None,
+    }
+
+
+def non_inferiority(arm: dict[int, float], sync: dict[int, float], *, margin: float) -> dict:
+    """Holds when the interval's lower end of the relative difference lies above −margin."""
+    got = paired(arm, sync)
+    low = got["relative_ci"][0]
+    verdict = "holds" if low > -margin else "fails" if got["relative_ci"][1] < -margin else "open"
+    return {**got, "margin": margin, "verdict": verdict}
+
+
+def aa_control(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
+    got = paired(a, b)
+    return {**got, "equal_within_interval": got["ci"][0] <= 0.0 <= got["ci"][1]}
+
+
+def per_arm(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm: AUC and final accuracy per seed, their means and spreads, the mean held-out
+    curve and the mean of every per-step diagnostic, step by step."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({r["arm"] for r in runs}):
+        mine = sorted((r for r in runs if r["arm"] == name), key=lambda r: r["seed"])
+        aucs = {r["seed"]: auc(r["evals"]) for r in mine}
+        finals = {r["seed"]: r["evals"][-1][1] for r in mine}
+        keys = list(mine[0]["steps"][0]) if mine[0]["steps"] else []
+        head = mine[0]
+        out[name] = {
+            **{k: head[k] for k in ("label", "correction", "eta", "steps_per_cycle", "replicate")},
+            "auc": aucs,
+            "final": finals,
+            "auc_mean": statistics.fmean(aucs.values()),
+            "auc_sd": statistics.stdev(aucs.values()) if len(aucs) > 1 else 0.0,
+            "final_mean": statistics.fmean(finals.values()),
+            "final_sd": statistics.stdev(finals.values()) if len(finals) > 1 else 0.0,
+            "curve": [
+                [pt[0], statistics.fmean(r["evals"][i][1] for r in mine)]
+                for i, pt in enumerate(head["evals"])
+            ],
+            "diagnostics": {
+                k: [
+                    statistics.fmean(r["steps"][i][k] for r in mine)
+                    for i in range(len(head["steps"]))
+                ]
+                for k in keys
+            },
+            "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+            "cpu_seconds_mean": statistics.fmean(r.get("cpu_seconds", r["seconds"]) for r in mine),
+        }
     return out
 
 
-def histogram_mean(counts: list[int]) -> float:
-    return sum(k * n for k, n in enumerate(counts)) / max(1, sum(counts))
+def _arm(arms: dict[str, Any], *, s: int, eta: int, label: str) -> dict[str, Any] | None:
+    name = f"S{s}-eta{eta}-{label}"
+    return arms.get(name)
 
 
-def summarize_run(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run's figures from its ``metrics.jsonl`` records (kind step / eval)."""
-    steps = sorted((r for r in rows if r["kind"] == "step"), key=lambda r: r["step"])
-    evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["eval_round"])
-    if not steps or not evals:
-        raise ValueError("the run recorded no optimizer step or no held-out evaluation")
-    # older step records carry only each step's largest staleness: counted once
-    counts = pool_counts(r.get("staleness_counts") or [0] * r["staleness_max"] + [1] for r in steps)
-
-    def mean_of(key: str) -> float:
-        vals = [r[key] for r in steps if r.get(key) is not None and r[key] == r[key]]
-        return sum(vals) / len(vals) if vals else 0.0
-
-    return {
-        "final_accuracy": evals[-1]["accuracy"],
-        # [policy version that answered (mean of the versions the record lists), accuracy]
-        "accuracy_curve": [
-            [statistics.fmean(e.get("policy_versions") or [e["eval_round"]]), e["accuracy"]]
-            for e in evals
-        ],
-        "reward_curve": [r["reward_mean"] for r in steps],
-        "staleness_counts": counts,
-        "staleness_mean": histogram_mean(counts),
-        "staleness_max": len(counts) - 1,
-        "clipped_frac": mean_of("clip_frac_low") + mean_of("clip_frac_high"),
-        "is_capped_frac": mean_of("is_over_cap_frac"),
-        "dropped_stale": sum(r.get("dropped_stale", 0) for r in steps),
-        # RL time: from the end of the v0 evaluation (the generator's first work, once it is up)
-        # to the last optimizer step; the run's wall time adds start-up and the last evaluation
-        "rl_seconds": steps[-1]["time"] - evals[0]["time"],
-    }
+def verdicts(arms: dict[str, dict[str, Any]], prereg: dict[str, Any]) -> dict[str, Any]:
+    """The pre-registered tests: per S, non-inferiority and decoupled vs uncorrected; once, the
+    A/A control (``resolvable``: its interval contains 0)."""
+    ni, cmp_, aa = prereg["non_inferiority"], prereg["comparison"], prereg["aa_control"]
+    out: dict[str, Any] = {}
+    a = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][0])
+    b = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][1])
+    if a and b and len(set(a["auc"]) & set(b["auc"])) > 1:
+        out["aa_control"] = aa_control(a["auc"], b["auc"])
+    out["resolvable"] = out.get("aa_control", {}).get("equal_within_interval")
+    for s in ni["steps_per_cycle"]:
+        sync = _arm(arms, s=s, eta=0, label="sync")
+        dec = _arm(arms, s=s, eta=ni["eta"], label=ni["arm"])
+        none = _arm(arms, s=s, eta=cmp_["eta"], label=cmp_["against"])
+        got: dict[str, Any] = {}
+        if sync and dec and len(dec["auc"]) > 1:
+            got["non_inferiority"] = non_inferiority(dec["auc"], sync["auc"], margin=ni["margin"])
+        if dec and none and len(dec["auc"]) > 1:
+            got["decoupled_vs_none"] = paired(dec["auc"], none["auc"])
+        out[f"S{s}"] = got
+    return out
 
 
-# ---------------------------------------------------------------------------- over seeds
-def _mean_curve(curves: list[list[Any]]) -> list[Any]:
-    return [sum(c[i] for c in curves) / len(curves) for i in range(min(map(len, curves)))]
-
-
-def aggregate(arm: Arm, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One configuration over its seeds: mean and spread of the final accuracy, mean curves,
-    the pooled measured staleness distribution, mean clipped / IS-capped fractions, wall time."""
-    accs = [r["final_accuracy"] for r in runs]
-    counts = pool_counts(r["staleness_counts"] for r in runs)
-    total = sum(counts)
-    acc_steps = _mean_curve([[p[0] for p in r["accuracy_curve"]] for r in runs])
-    acc_curve = _mean_curve([[p[1] for p in r["accuracy_curve"]] for r in runs])
-    return {
-        "name": arm.name,
-        "steps_per_cycle": arm.steps_per_cycle,
-        "depth": arm.depth,
-        "max_staleness": arm.max_staleness,
-        "correction": arm.correction,
-        "seeds": [r["seed"] for r in runs],
-        "final_accuracy_mean": statistics.fmean(accs),
-        "final_accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-        "final_accuracy_min": min(accs),
-        "final_accuracy_max": max(accs),
-        "accuracy_curve": [[s, a] for s, a in zip(acc_steps, acc_curve, strict=False)],
-        "reward_curve": _mean_curve([r["reward_curve"] for r in runs]),
-        "staleness_counts": counts,
-        "staleness_mean": histogram_mean(counts),
-        "staleness_max": len(counts) - 1,
-        "at_bound_frac": counts[arm.max_staleness] / total
-        if len(counts) > arm.max_staleness and total
-        else 0.0,
-        "clipped_frac": statistics.fmean(r["clipped_frac"] for r in runs),
-        "is_capped_frac": statistics.fmean(r["is_capped_frac"] for r in runs),
-        "dropped_stale": sum(r["dropped_stale"] for r in runs),
-        "wall_s_mean": statistics.fmean(r["wall_s"] for r in runs),
-        "rl_seconds_mean": statistics.fmean(r["rl_seconds"] for r in runs),
-        "runs": runs,
-    }
+def exploratory(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every lagged arm against the synchronous arm of its S (AUC, paired), not pre-registered."""
+    rows = []
+    for name, a in arms.items():
+        sync = _arm(arms, s=a["steps_per_cycle"], eta=0, label="sync")
+        if a["eta"] == 0 or sync is None or len(a["auc"]) < 2:
+            continue
+        rows.append({"arm": name, **paired(a["auc"], sync["auc"])})
+    return rows

@@ -245,6 +245,13 @@ class GenerationEngine:
                 extra["kv_cache_memory_bytes"] = int(s.kv_cache_gib * 2**30)
         if s.worker_extension_cls:
             extra["worker_extension_cls"] = s.worker_extension_cls
+        if current_platform.is_cpu():
+            # vLLM 0.32 on CPU: when a prefill is split over steps, the worker rewinds the
+            # request's generator (``gen.set_offset``), which a CPU generator does not have: a
+            # seeded request (every generator request, ``services.generator.seeds``) kills the
+            # worker with "CPU Generator does not use offset". Unsplit prefills avoid it.
+            extra["enable_chunked_prefill"] = False
+            extra["max_num_batched_tokens"] = max(2048, s.max_model_len)
         args = AsyncEngineArgs(
             model=s.model,
             tokenizer=s.tokenizer or s.model,

@@ -10,6 +10,15 @@ from common.config.shared import DERIVED, Section
 
 Tracker = Literal["tensorboard", "wandb"]
 
+# Each correction's own cap and over-cap rule, as its sources define them (``learner.is_cap`` and
+# ``learner.is_over_cap`` default to these): AReaL's decoupled PPO drops a token whose behaviour
+# weight exceeds ``behav_imp_weight_cap`` (5 in every AReaL example config); truncated IS clips
+# the weight at C (2 in the TIS write-up, verl's ``rollout_is_threshold`` and slime's ``tis_clip``).
+OFF_POLICY_DEFAULTS: dict[str, tuple[float, Literal["truncate", "mask"]]] = {
+    "decoupled": (5.0, "mask"),
+    "tis": (2.0, "truncate"),
+}
+
 
 def _default_trackers() -> list[Tracker]:
     return ["tensorboard"]
@@ -131,8 +140,18 @@ class LearnerConfig(Section):
         "decoupled",
         description="correction for stale behaviour policies (decoupled PPO, truncated IS, none)",
     )
-    is_cap: float = Field(
-        2.0, gt=0.0, description="cap of the behaviour importance weight (tis / decoupled)"
+    is_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="cap C of the behaviour importance weight π_prox / π_behav (tis / decoupled); "
+        "default 5 for decoupled (AReaL's examples: behav_imp_weight_cap = 5), 2 for tis (the TIS "
+        "write-up's C = 2, verl's rollout_is_threshold and slime's tis_clip defaults)",
+    )
+    is_over_cap: Literal["truncate", "mask"] | None = Field(
+        None,
+        description="what a token whose behaviour weight exceeds is_cap gets: truncate = weight C "
+        "(TIS); mask = weight 0, kept in the loss denominator (AReaL's decoupled PPO); default mask "
+        "for decoupled, truncate for tis",
     )
     mismatch_mask_token: list[float] | None = Field(
         None,

@@ -331,6 +331,37 @@ def _check_policy_loss(cfg: TetherConfig) -> None:
             )
 
 
+def _resolve_off_policy(cfg: TetherConfig, derived: set[str]) -> None:
+    """``is_cap`` and ``is_over_cap`` from the correction's own definition when unset
+    (``OFF_POLICY_DEFAULTS``); refused where they would do nothing or drop nearly every token."""
+    from common.config.learner import OFF_POLICY_DEFAULTS
+
+    ln = cfg.learner
+    if ln.off_policy == "none":
+        given = [k for k in ("is_cap", "is_over_cap") if getattr(ln, k) is not None]
+        if given:
+            raise ConfigError(
+                f"learner.{' and learner.'.join(given)} has no effect while learner.off_policy = "
+                '"none" (no behaviour importance weight is computed). Fix: remove it, or choose '
+                'off_policy = "decoupled" or "tis".'
+            )
+        return
+    cap, over = OFF_POLICY_DEFAULTS[ln.off_policy]
+    if ln.is_cap is None:
+        ln.is_cap = cap
+        derived.add("learner.is_cap")
+    if ln.is_over_cap is None:
+        ln.is_over_cap = over
+        derived.add("learner.is_over_cap")
+    if ln.is_over_cap == "mask" and ln.is_cap <= 1.0:
+        raise ConfigError(
+            f'learner.is_cap = {ln.is_cap} with is_over_cap = "mask" drops every token whose '
+            "behaviour weight π_prox / π_behav is above it, and on fresh data half the tokens sit "
+            "above 1. AReaL requires behav_imp_weight_cap > 1. Fix: set is_cap > 1 (AReaL's "
+            'examples use 5), or is_over_cap = "truncate".'
+        )
+
+
 def _resolve_dynamic_sampling(cfg: TetherConfig, derived: set[str]) -> None:
     ln = cfg.learner
     if not ln.dynamic_sampling:
@@ -436,6 +467,7 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _check_health(cfg)
     _check_algorithm(cfg)
     _check_policy_loss(cfg)
+    _resolve_off_policy(cfg, derived)
     _resolve_dynamic_sampling(cfg, derived)
     _check_episodes(cfg)
     _resolve_lora(cfg, derived)

@@ -29,6 +29,7 @@ from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
 from common.chat.turns import TurnEncoder, rerender_mismatch
 from common.telemetry.metrics import metric
 from services.generator.recorder import EpisodeRecorder
+from services.generator.seeds import episode_seed
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,17 @@ class EpisodeRunner:
         sampling: Any,
         request_id: str,
         version: int,
+        response: int = 0,
     ) -> EpisodeRecorder:
-        """One episode from ``prompt_ids``; ``version``: the engine's version at the start."""
+        """One episode from ``prompt_ids``; ``version``: the engine's version at the start;
+        ``response``: its index in the group (each turn samples with its own seed,
+        ``seeds.episode_seed``)."""
         rec = EpisodeRecorder(prompt_ids, prompt_messages)
         parsed = ParsedTurn(content="")
         for turn in range(self.s.max_turns):
-            sample, ids = await self._turn(rec, sampling, f"{request_id}/t{turn}", version)
+            seed = episode_seed(sampling.seed, response=response, turn=turn)
+            turn_sampling = dataclasses.replace(sampling, n=1, seed=seed)
+            sample, ids = await self._turn(rec, turn_sampling, f"{request_id}/t{turn}", version)
             version = max(versions_of(sample, len(ids), version) or [version])
             parsed = self.format.parse(self._text(ids))
             rec.messages.append(parsed.message())
@@ -183,9 +189,8 @@ class EpisodeRunner:
 
         prompt = prompt_of(msg)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        one = dataclasses.replace(sampling, n=1)
         records = await asyncio.gather(*(
-            self.run(prompt_ids=ids, prompt_messages=messages, sampling=one,
+            self.run(prompt_ids=ids, prompt_messages=messages, sampling=sampling, response=i,
                      request_id=f"{request_id}/s{i}", version=version)
             for i in range(sampling.n)
         ))  # fmt: skip

@@ -180,16 +180,20 @@ class GeneratorService:
             tools=self.tool_schemas,
         )
 
-    def _sampling(self, split: str):
+    def _sampling(self, msg: wire.PromptMsg):
+        """The prompt's sampling settings, with its own seed (``seeds.request_seed``)."""
         from common.engine import SamplingSettings
+        from services.generator.seeds import request_seed
 
         g, run = self.cfg.generator, self.cfg.run
-        if split == "eval":
+        seed = request_seed(run_seed=run.seed, split=msg.split, cycle=msg.cycle, index=msg.index)
+        if msg.split == "eval":
             return SamplingSettings(
                 n=1,
                 temperature=g.eval_temperature,
                 max_tokens=run.max_response_tokens,
                 stop=tuple(g.stop),
+                seed=seed,
             )
         return SamplingSettings(
             n=run.responses_per_prompt,
@@ -199,6 +203,7 @@ class GeneratorService:
             max_tokens=run.max_response_tokens,
             stop=tuple(g.stop),
             ignore_eos=g.ignore_eos,
+            seed=seed,
         )
 
     async def _gate(self, need: int) -> None:
@@ -215,29 +220,34 @@ class GeneratorService:
             self._waiting_staleness -= 1
             self.metrics.staleness_wait.inc(time.monotonic() - t0)
 
+    async def _sample(
+        self, msg: wire.PromptMsg, ids: list[int], *, request_id: str
+    ) -> list[wire.Trajectory]:
+        """The prompt's responses: multi-turn episodes (``episodes.py``, with
+        ``generator.tools``) or one turn each. A response the engine reports no version spans
+        for is labelled with the version the engine ran when the request was submitted: the
+        oldest that can have sampled any of its tokens (read after generation, an in-flight
+        update would make it look newer than it is). Versions that go backwards inside a
+        response raise ``RolledBack``."""
+        started, version = time.time(), self.version
+        sampling = self._sampling(msg)
+        if self.episodes is not None:
+            episodes = await self.episodes.run_prompt(
+                msg, ids, sampling, request_id=request_id, version=int(version or 0),
+                started=started,
+            )  # fmt: skip
+            check_episodes_order(episodes)
+            return episodes
+        samples = await self.engine.generate_group(ids, sampling, request_id=request_id)
+        check_samples_order(samples)
+        return single_turn_trajectories(msg, samples, started=started, version=version)
+
     async def _handle(self, consumer, d) -> None:
         self._held.add(d.entry_id)
         try:
             await self._generate_and_commit(consumer, d)
         finally:
             self._held.discard(d.entry_id)
-
-    async def _sample(
-        self, msg: wire.PromptMsg, ids: list[int], *, request_id: str, started: float
-    ) -> list[wire.Trajectory]:
-        """The prompt's episodes: multi-turn ones (``episodes.py``) or one turn each."""
-        if self.episodes is not None:
-            episodes = await self.episodes.run_prompt(
-                msg, ids, self._sampling(msg.split), request_id=request_id,
-                version=int(self.version or 0), started=started,
-            )  # fmt: skip
-            check_episodes_order(episodes)
-            return episodes
-        samples = await self.engine.generate_group(
-            ids, self._sampling(msg.split), request_id=request_id
-        )
-        check_samples_order(samples)
-        return single_turn_trajectories(msg, samples, started=started, version=self.version)
 
     async def _generate_and_commit(self, consumer, d) -> None:
         msg: wire.PromptMsg = d.msg
@@ -248,12 +258,11 @@ class GeneratorService:
             return
         for attempt in range(MAX_REGENERATIONS + 1):
             await self._gate(msg.min_policy_version)  # again after a roll-back
-            started = time.time()
             request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}" + f".{attempt}" * bool(
                 attempt
             )
             try:
-                trajectories = await self._sample(msg, ids, request_id=request_id, started=started)
+                trajectories = await self._sample(msg, ids, request_id=request_id)
                 break
             except RolledBack as back:
                 if attempt == MAX_REGENERATIONS:

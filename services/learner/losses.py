@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from common.config.learner import OFF_POLICY_DEFAULTS
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,6 +31,9 @@ IS_OVER_CAP = ("truncate", "mask")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # exp() of a log-ratio above this overflows float32 soon after; clamping keeps loss finite.
 MAX_LOG_RATIO = 20.0
+# GSPO's sequence log-ratio is clamped above at 10, as verl does (its loss and gradient there:
+# |A|·e^10 and 0 for a negative advantage); no lower clamp (exp of a large negative is 0).
+GSPO_MAX_LOG_RATIO = 10.0
 
 
 def kl_penalty(
@@ -108,7 +113,7 @@ def _check_policy_args(
         raise ValueError(f"off_policy={off_policy!r} needs behaviour_logp (the generator's)")
     if is_cap is not None and is_cap <= 0:
         raise ValueError(f"is_cap must be > 0 (or None for no cap), got {is_cap}")
-    if is_over_cap not in IS_OVER_CAP:
+    if is_over_cap is not None and is_over_cap not in IS_OVER_CAP:
         raise ValueError(f"unknown is_over_cap {is_over_cap!r}; valid ones: {IS_OVER_CAP}")
     # CISPO may drop its lower bound (clip_low = 1: the weight is only capped above).
     low_ok = clip_low <= 1.0 if loss_type == "cispo" else clip_low < 1.0
@@ -132,7 +137,7 @@ def policy_loss(
     behaviour_logp: torch.Tensor | None = None,
     off_policy: str = "none",
     is_cap: float | None = 2.0,
-    is_over_cap: str = "truncate",
+    is_over_cap: str | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
@@ -152,7 +157,8 @@ def policy_loss(
         L = max(-A * s', -A * clamp(s', 1 - clip_low, 1 + clip_high))
       so a whole sequence is clipped or not. With loss_agg = seq-mean-token-mean this is the
       paper's objective (and verl's, which always aggregates GSPO that way); the paper's clip
-      range is small (clip_low 3e-4, clip_high 4e-4).
+      range is small (clip_low 3e-4, clip_high 4e-4). log s' is clamped above at 10, as verl
+      clamps it (`GSPO_MAX_LOG_RATIO`): beyond it the loss is |A|·e^10 with no gradient.
     ``cispo`` (CISPO, MiniMax-M1): a clipped, detached IS weight on a policy gradient through
     every token, so clipped tokens still get a gradient:
         L = -sg(clamp(r, 1 - clip_low, 1 + clip_high)) * A * logp
@@ -165,11 +171,11 @@ def policy_loss(
       recomputed at the start of the cycle) and w = min(exp(old_logp - behaviour_logp), is_cap).
     - ``tis`` (truncated importance sampling): the ratio is anchored to old_logp (the learner's
       recomputed log-probs) as in PPO and w = min(exp(old_logp - behaviour_logp), is_cap).
-    The two share one formula; they differ in intent (decoupled: a stale behaviour policy; tis:
-    the generator-vs-learner numerical mismatch of the same weights). `is_over_cap="mask"`
-    drops tokens whose weight exceeds `is_cap` (w = 0) instead of truncating to it, which is
-    what AReaL does with `behav_imp_weight_cap`. `is_cap=None` means no cap. Log-ratios are
-    clamped to [-20, 20] so exp stays finite.
+    They differ in what a token whose weight exceeds `is_cap` gets (`is_over_cap`; None = the
+    mode's own, ``OFF_POLICY_DEFAULTS``): decoupled drops it (w = 0, "mask"), as AReaL does
+    with `behav_imp_weight_cap`, the token staying in the loss denominator as in AReaL; tis
+    truncates it (w = is_cap, "truncate"), as the TIS papers do. `is_cap=None` means no cap.
+    Log-ratios are clamped to [-20, 20] (GSPO: above at 10) so exp stays finite.
 
     Stats (python floats over valid tokens; NaN when there are none; `tokens` = their count):
     clip_frac_low and clip_frac_high (ppo and gspo: A < 0 with r < 1 - clip_low, A > 0 with
@@ -198,10 +204,12 @@ def policy_loss(
         if loss_type == "gspo":
             m = valid.to(logp.dtype)
             seq = ((logp.detach() - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-            log_ratio = logp - logp.detach() + seq.unsqueeze(-1)
+            log_ratio = torch.clamp(
+                logp - logp.detach() + seq.unsqueeze(-1), max=GSPO_MAX_LOG_RATIO
+            )
         else:
-            log_ratio = logp - old
-        ratio = torch.exp(torch.clamp(log_ratio, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO))
+            log_ratio = torch.clamp(logp - old, min=-MAX_LOG_RATIO, max=MAX_LOG_RATIO)
+        ratio = torch.exp(log_ratio)
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
         loss = torch.maximum(unclipped, clipped)
@@ -214,9 +222,8 @@ def policy_loss(
     weights = over = None
     if off_policy != "none":
         assert behaviour_logp is not None
-        weights, over = _is_weights(
-            old, behaviour_logp.detach(), is_cap=is_cap, over_cap=is_over_cap
-        )
+        over_cap = is_over_cap or OFF_POLICY_DEFAULTS[off_policy][1]
+        weights, over = _is_weights(old, behaviour_logp.detach(), is_cap=is_cap, over_cap=over_cap)
         loss = loss * weights
     loss = torch.where(valid, loss, torch.zeros_like(loss))
 

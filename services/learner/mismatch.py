@@ -40,17 +40,23 @@ def mismatch_mask(
 
     With rho_t = exp(learner_logp - behaviour_logp), the learner's over the generator's
     probability of the sampled token (log-ratios clamped to [-20, 20]), and each bound a pair
-    [low, high]:
+    [low, high] that keeps rho (or the sequence's ratio) in [low, high]:
     - ``token`` (ICEPOP; verl ``token_k1``; OpenRLHF ``icepop``): token t is masked when rho_t
       leaves [low, high];
     - ``sequence`` (sequence-level MIS; verl ``seq_sum_k1``): every token of a sequence is
       masked when its product ratio prod_t rho_t leaves [low, high];
     - ``geometric`` (verl ``seq_mean_k1``; OpenRLHF ``seq-mask-tis``): the same with the
       length-normalised ratio exp(mean_t log rho_t).
+    verl's bounds mean something else: its ``"low_high"`` for a ``*_k1`` option tests
+    -log rho against [log low, log high], so it keeps rho in [1/high, 1/low] (the same range
+    only when low = 1/high); ``tether config import`` turns verl's pair into [1/high, 1/low].
     Criteria combine (a token survives only if every one set keeps it). A masked token is
     zeroed in the loss but stays in the step's denominator (as OpenRLHF does; verl drops it
-    from the denominator), so a step with many masked tokens is a smaller step, not a
-    re-weighted one. Rows are sequences: each row of [B, T] holds one response.
+    from the denominator). Under ``token-mean`` and ``seq-mean-token-sum`` that makes a step
+    with masked tokens a smaller step, not a re-weighted one. Under ``seq-mean-token-mean`` a
+    sequence is averaged over its own kept tokens, so the kept tokens of a partly masked
+    sequence share its whole weight (they are re-weighted); only a fully masked sequence makes
+    the step smaller. Rows are sequences: each row of [B, T] holds one response.
 
     Stats (summed by `merge_stats`): mismatch_masked_tokens_count / mismatch_tokens_count (valid
     tokens masked / valid tokens) and mismatch_masked_seqs_count / mismatch_seqs_count

@@ -137,6 +137,7 @@ def make_loss_fn(
             behaviour_logp=mb["behaviour_logp"] if off != "none" else None,
             off_policy=off,
             is_cap=ln.is_cap,
+            is_over_cap=ln.is_over_cap,
             clip_low=ln.clip_low,
             clip_high=ln.clip_high,
             dual_clip=ln.dual_clip,

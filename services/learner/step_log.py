@@ -57,8 +57,7 @@ def step_record(
         "response_tokens": sum(len(samples[i].response_ids) for i in idx),
         "batch_digest": batch_digest(samples[i].sample_id for i in idx),
         "staleness_max": max(lags),
-        # responses per staleness (index = optimizer steps behind): the measured distribution,
-        # as `tether bench staleness` reports it
+        # responses per staleness (index = optimizer steps behind): the measured distribution
         "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
         **episode_record([samples[i] for i in idx]),
         **{k: v for k, v in losses.merge_stats(stats).items() if k != "tokens"},

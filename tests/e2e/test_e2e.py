@@ -65,15 +65,6 @@ def test_staleness_stays_within_the_bound(short_run):
         assert len(s["staleness_counts"]) == s["staleness_max"] + 1 and s["staleness_counts"][-1]
 
 
-def test_staleness_bench_reads_a_real_run(short_run):
-    from bench.staleness import summarize_run
-
-    got = summarize_run(short_run.steps + short_run.evals)
-    assert sum(got["staleness_counts"]) == CYCLES * PROMPTS * RESPONSES
-    assert got["staleness_max"] <= 1 and 0.0 <= got["final_accuracy"] <= 1.0
-    assert len(got["reward_curve"]) == CYCLES and 0.0 <= got["clipped_frac"] <= 1.0
-
-
 def test_held_out_accuracy_measured_before_and_after(short_run):
     rounds = [e["eval_round"] for e in short_run.evals]
     assert rounds[0] == 0 and rounds[-1] == CYCLES * STEPS_PER_CYCLE

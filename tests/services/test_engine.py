@@ -156,6 +156,32 @@ def test_concurrent_groups_all_complete_in_one_engine(engine, tokenizer):
     assert max_in_flight > 1, "groups ran one at a time instead of concurrently"
 
 
+def test_a_seeded_response_does_not_depend_on_what_shares_its_batch(engine, tokenizer):
+    """A request's seed (``services.generator.seeds``) fixes its responses: the same group alone,
+    then beside 16 groups whose ~300-token prompts overflow one step's prefill budget, gives the
+    same tokens. Before unsplit prefills on CPU, a seeded request whose prefill was split killed
+    vLLM's worker ("CPU Generator does not use offset")."""
+    probe = encode_prompt(tokenizer, PROMPTS[0])
+    sampling = SamplingSettings(n=4, temperature=1.0, max_tokens=24, seed=12345)
+    alone = engine.run(engine.generate_group(probe, sampling, "seeded-alone"))
+    crowd = [encode_prompt(tokenizer, "x" * 300 + str(i)) for i in range(16)]
+
+    async def beside_others():
+        others = (
+            engine.generate_group(p, SamplingSettings(n=3, max_tokens=24, seed=i), f"crowd-{i}")
+            for i, p in enumerate(crowd)
+        )
+        return await asyncio.gather(
+            engine.generate_group(probe, sampling, "seeded-crowded"), *others
+        )
+
+    together = engine.run(beside_others())[0]
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone]
+    for a, b in zip(alone, together, strict=True):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    assert len({tuple(s.token_ids) for s in alone}) > 1  # response i is drawn with seed + i
+
+
 def test_max_tokens_and_stop_strings(engine, tokenizer):
     prompt_ids = encode_prompt(tokenizer, PROMPTS[1])
     fixed = SamplingSettings(n=2, temperature=1.0, max_tokens=7, ignore_eos=True)

@@ -326,6 +326,25 @@ def test_dynamic_sampling_cap_is_derived_and_cispo_may_drop_its_lower_clip():
     assert "learner.max_extra_prompts_per_cycle" in res.config._derived
 
 
+def test_each_correction_gets_its_sources_cap_and_over_cap_rule():
+    """decoupled: AReaL's behav_imp_weight_cap = 5, tokens above it dropped; tis: the TIS
+    write-up's C = 2, truncated; either rule with either name through learner.is_over_cap."""
+    ln = load_config(env={}).config.learner
+    assert (ln.off_policy, ln.is_cap, ln.is_over_cap) == ("decoupled", 5.0, "mask")
+    ln = load_config(overrides=['learner.off_policy="tis"'], env={}).config.learner
+    assert (ln.is_cap, ln.is_over_cap) == (2.0, "truncate")
+    ln = load_config(
+        overrides=['learner.off_policy="tis"', 'learner.is_over_cap="mask"'], env={}
+    ).config.learner
+    assert (ln.is_cap, ln.is_over_cap) == (2.0, "mask")
+    ln = load_config(overrides=['learner.is_over_cap="truncate"'], env={}).config.learner
+    assert (ln.is_cap, ln.is_over_cap) == (5.0, "truncate")
+    with pytest.raises(ConfigError, match="no effect while learner.off_policy"):
+        load_config(overrides=['learner.off_policy="none"', "learner.is_cap=2.0"], env={})
+    with pytest.raises(ConfigError, match="behav_imp_weight_cap > 1"):
+        load_config(overrides=["learner.is_cap=1.0"], env={})
+
+
 def test_auto_settings_and_derived_values_are_settled_at_load():
     """ "auto" that the config alone decides, and every derived value, hold their final value in
     a loaded config: no service decides them again."""

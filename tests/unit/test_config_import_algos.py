@@ -54,8 +54,12 @@ def test_verl_filter_groups_gspo_and_rollout_correction(tmp_path):
         "gspo", "seq-mean-token-mean", 0.0003, 0.0004,
     )  # fmt: skip
     assert (ln.off_policy, ln.is_cap) == ("tis", 3.0)
-    assert ln.mismatch_mask_token == [0.5, 2.0] and ln.mismatch_mask_geometric == [0.9, 1.1]
+    # verl's "low_high" of a *_k1 option keeps r in [1/high, 1/low]: imported as that range
+    assert ln.mismatch_mask_token == [0.5, 2.0]
+    assert ln.mismatch_mask_geometric == [1 / 1.1, 1 / 0.9]
     assert "denominator" in _note(r, "learner.mismatch_mask_token")
+    assert "[1/1.1, 1/0.9]" in _note(r, "learner.mismatch_mask_geometric")
+    assert (ln.is_over_cap, ln.is_cap) == ("truncate", 3.0)  # tis truncates, as verl does
     assert (cfg.scorer.overlong_buffer_tokens, cfg.scorer.overlong_penalty) == (64, 1.0)
 
 
@@ -111,3 +115,29 @@ def test_slime_dynamic_sampling_cispo_and_tis(tmp_path):
     assert (ln.policy_loss, ln.clip_low, ln.clip_high) == ("cispo", 1.0, 4.0)
     assert (ln.off_policy, ln.is_cap) == ("tis", 3.0)
     assert "--over-sampling-batch-size" in {key for key, _, _ in r.unmapped}
+
+
+def test_verl_cispo_example_clip_ratio_low_10_means_no_lower_bound(tmp_path):
+    """verl's own CISPO example sets clip_ratio_low=10: its clamp's lower bound 1 − 10 is below
+    any ratio, so there is none. Tether's schema writes that as clip_low = 1."""
+    r, cfg = _import(
+        tmp_path,
+        "verl",
+        VERL + "actor_rollout_ref.actor.policy_loss.loss_mode=cispo "
+        "actor_rollout_ref.actor.clip_ratio_low=10 actor_rollout_ref.actor.clip_ratio_high=0.2",
+    )
+    assert (cfg.learner.policy_loss, cfg.learner.clip_low, cfg.learner.clip_high) == (
+        "cispo", 1.0, 0.2,
+    )  # fmt: skip
+    assert "≤ 0: none" in _note(r, "learner.clip_low")
+
+
+def test_verl_bypass_mode_leaves_no_cap_behind(tmp_path):
+    _, cfg = _import(
+        tmp_path,
+        "verl",
+        VERL + "algorithm.rollout_correction.rollout_is=token "
+        "algorithm.rollout_correction.rollout_is_threshold=2.0 "
+        "algorithm.rollout_correction.bypass_mode=True",
+    )
+    assert (cfg.learner.off_policy, cfg.learner.is_cap) == ("none", None)

@@ -39,14 +39,16 @@ def test_mismatch_masking_takes_a_stray_response_out_of_the_update(tmp_path):
     """Response 1 (rewarded) claims the generator gave its tokens e^-3 of the learner's
     probability: a ratio of 20, outside [0.1, 10]. Masked, it gets no push of its own (it still
     moves with the shared weights) and the masked fraction is exactly its share of tokens;
-    unmasked, the truncated IS weight (2) pushes it up harder than the others."""
+    unmasked, the truncated IS weight (2) pushes it up harder than the others. (Truncation is
+    chosen explicitly: decoupled PPO's own rule would drop that response at its cap of 5.)"""
 
     def stray(samples):
         samples[1].behaviour_logp = [x - 3.0 for x in samples[1].behaviour_logp]
 
-    free_samples, free, free_stats = train_three_cycles(tmp_path / "a", edit=stray)
+    truncate = ("learner.is_cap=2.0", 'learner.is_over_cap="truncate"')
+    free_samples, free, free_stats = train_three_cycles(tmp_path / "a", *truncate, edit=stray)
     samples, masked, stats = train_three_cycles(
-        tmp_path / "b", "learner.mismatch_mask_token=[0.1, 10.0]", edit=stray
+        tmp_path / "b", "learner.mismatch_mask_token=[0.1, 10.0]", *truncate, edit=stray
     )
     up, down = _up_and_down(samples, masked, skip=(1,))
     assert min(up) > 0 and max(down) < 0, (up, down)
@@ -59,6 +61,27 @@ def test_mismatch_masking_takes_a_stray_response_out_of_the_update(tmp_path):
         tmp_path / "c", "learner.mismatch_mask_sequence=[0.01, 100.0]", edit=stray
     )
     assert seq_stats["mismatch_masked_frac"] == pytest.approx(5 / 40)
+
+
+def test_decoupled_drops_an_over_cap_token_and_the_setting_reaches_the_loss(tmp_path):
+    """Response 1's behaviour weight π_prox / μ is e^3 ≈ 20. Decoupled PPO's own rule (AReaL:
+    above behav_imp_weight_cap, here 5) drops its tokens: they carry no loss and are counted
+    in is_over_cap_frac. ``learner.is_over_cap = "truncate"`` (TIS's rule) keeps them at
+    weight 5, which pushes the rewarded response up harder than the others."""
+
+    def stray(samples):
+        samples[1].behaviour_logp = [x - 3.0 for x in samples[1].behaviour_logp]
+
+    samples, dropped, stats = train_three_cycles(tmp_path / "a", edit=stray)
+    _, truncated, t_stats = train_three_cycles(
+        tmp_path / "b", 'learner.is_over_cap="truncate"', edit=stray
+    )
+    up, down = _up_and_down(samples, dropped, skip=(1,))
+    assert min(up) > 0 and max(down) < 0, (up, down)
+    assert stats["is_over_cap_frac"] == pytest.approx(5 / 40)  # its 5 of 40 tokens per step
+    assert stats["is_weight_max"] < 5.0  # the dropped tokens' weight is 0, not 5
+    assert t_stats["is_weight_max"] == pytest.approx(5.0)
+    assert dropped[1] < truncated[1] - 0.05, (dropped[1], truncated[1])
 
 
 def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):

@@ -146,6 +146,7 @@ def test_decoupled_ppo_anchors_the_clip_to_the_proximal_policy():
         behaviour_logp=behav,
         off_policy="decoupled",
         is_cap=2.0,
+        is_over_cap="truncate",  # TIS's rule, chosen explicitly
         advantages=DEC_ADV,
         mask=torch.ones(1, 2),
     )
@@ -157,14 +158,13 @@ def test_decoupled_ppo_anchors_the_clip_to_the_proximal_policy():
     assert (stats["is_weight_min"], stats["is_weight_max"]) == pytest.approx((1.25, 2.0))
     assert stats["is_over_cap_frac"] == pytest.approx(0.5)
     assert stats["clip_frac_low"] == pytest.approx(0.5)
-    # AReaL's variant drops the over-cap token instead of truncating its weight.
+    # Decoupled PPO's own rule (AReaL's): the over-cap token is dropped, not truncated.
     masked, _ = policy_loss(
         logp=logp.detach(),
         old_logp=prox,
         behaviour_logp=behav,
         off_policy="decoupled",
         is_cap=2.0,
-        is_over_cap="mask",
         advantages=DEC_ADV,
         mask=torch.ones(1, 2),
     )

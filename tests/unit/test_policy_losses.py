@@ -163,3 +163,51 @@ def test_merge_stats_sums_counts_over_every_micro_batch_and_derives_fractions():
     assert out["tokens"] == 4.0 and out["ratio_mean"] == 1.0
     assert out["mismatch_masked_frac"] == pytest.approx(4 / 8)
     assert out["mismatch_masked_seq_frac"] == pytest.approx(2 / 3)
+
+
+def test_gspo_clamps_the_sequence_log_ratio_at_10_as_verl_does():
+    # One token, A = -1, log-ratio 12: verl's loss is |A|·e^10 = 22026.47 with no gradient
+    # (its clamp is flat there); unclamped it would be e^12 = 162754.79 with a full gradient.
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    logp = torch.full((1, 1), 12.0, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(
+        logp=logp,
+        old_logp=old,
+        advantages=torch.tensor([-1.0], dtype=torch.float64),
+        mask=torch.ones(1, 1),
+        loss_type="gspo",
+    )
+    assert loss.item() == pytest.approx(math.exp(10.0))
+    loss.sum().backward()
+    assert logp.grad is not None and logp.grad.item() == 0.0
+
+
+# One stale batch, three tokens, A = +1, clip 0.2, learner = proximal (ratio 1, no clipping):
+#  tok  prox  behav  w = prox/behav   decoupled (mask > 5)   tis (truncate at 2)   none (ratio
+#  0    0.5   0.4    1.25             -1.25                  -1.25                 to behav, clip)
+#  1    0.6   0.2    3                -3                     -2                    -1.2
+#  2    0.6   0.1    6                 0 (dropped)           -2                    -1.2
+# "none" anchors the ratio to the behaviour policy: 1.25, 3, 6 clipped at 1.2 -> -1.2 each.
+STALE = {"prox": (0.5, 0.6, 0.6), "behav": (0.4, 0.2, 0.1)}
+
+
+def test_the_corrections_compute_different_losses_on_stale_data():
+    from common.config.learner import OFF_POLICY_DEFAULTS
+
+    prox, behav = lp(STALE["prox"]), lp(STALE["behav"])
+    adv, mask = torch.ones(1, dtype=torch.float64), torch.ones(1, 3)
+    got = {}
+    for mode in ("decoupled", "tis"):
+        cap, _ = OFF_POLICY_DEFAULTS[mode]
+        got[mode], stats = policy_loss(
+            logp=prox, old_logp=prox, behaviour_logp=behav, off_policy=mode, is_cap=cap,
+            advantages=adv, mask=mask,
+        )  # fmt: skip
+        assert stats["is_over_cap_frac"] == pytest.approx(1 / 3 if mode == "decoupled" else 2 / 3)
+    got["none"], _ = policy_loss(logp=prox, old_logp=behav, advantages=adv, mask=mask)
+    torch.testing.assert_close(got["decoupled"], torch.tensor([[-1.25, -3.0, 0.0]]).double())
+    torch.testing.assert_close(got["tis"], torch.tensor([[-1.25, -2.0, -2.0]]).double())
+    torch.testing.assert_close(got["none"], torch.tensor([[-1.2, -1.2, -1.2]]).double())
+    # the dropped token stays in the denominator (AReaL's loss_mask_count): 4.25 / 3, not / 2
+    agg = aggregate_loss(got["decoupled"], mask, mode="token-mean", global_denominator=3)
+    assert agg.item() == pytest.approx(-4.25 / 3)

@@ -12,7 +12,7 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "models",
+    "staleness", "reproducibility", "models",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
@@ -113,9 +113,12 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("what", choices=[*BENCHMARKS, "all"], help="which benchmark")
     bench.add_argument(
         "--size",
-        choices=["quick", "medium", "full"],
+        choices=["quick", "medium", "full", "smoke", "slice"],
         default=None,
-        help="workload preset for pipeline/peer; for staleness the grid (quick: 3 configurations, medium: 9, full: 14) (default: full, or quick with --quick)",
+        help="workload preset for pipeline/peer (quick, medium, full); staleness: full (the "
+        "pre-registered study, 21 arms × 8 seeds), slice (4 of its arms × 2 seeds, to time it) or "
+        "smoke (every arm kind once, a few minutes) "
+        "(default: full, or the smallest with --quick)",
     )
     bench.add_argument(
         "--threads", type=int, default=None, help="OpenMP threads per benchmarked process"
@@ -134,8 +137,8 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "--lr",
         type=float,
         default=None,
-        help="staleness: the study's learning rate (default 2e-4, 4x the demo's; results "
-        "go to staleness[_SIZE]_lrLR.json)",
+        help="staleness: replace the design's learning rate (a different study, with its own "
+        "runs; results go to staleness[_smoke]_lrLR.json)",
     )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")

@@ -121,6 +121,11 @@ def _verl_rollout_correction(m: Mapper) -> None:
             _RC + "bypass_mode",
             "bypass: the ratio is anchored to the rollout log-probs",
         )
+        if m.res.tether.get("learner", {}).pop("is_cap", None) is not None:
+            m.res.mapping = [k for k in m.res.mapping if k.tether_key != "learner.is_cap"]
+            m.res.unmapped.append(
+                (m.name(_RC + "rollout_is_threshold"), thr, "no weight to cap in bypass mode")
+            )
     rs = m.get(_RC + "rollout_rs")
     if rs is None:
         return
@@ -140,13 +145,19 @@ def _verl_rollout_correction(m: Mapper) -> None:
             continue
         if lower is not None:
             bounds[0] = float(lower)
+        low, high = bounds
+        note = "masked tokens leave verl's loss denominator but stay in Tether's"
+        if option.endswith("_k1"):  # older verl's token / sequence / geometric bound r itself
+            bounds = [1.0 / high, 1.0 / low]
+            note = (
+                f"verl tests −log r against [log {low:g}, log {high:g}] for *_k1 (its code, Jan "
+                f"2026), i.e. keeps r in [1/{high:g}, 1/{low:g}], written so here; " + note
+            )
         m.put(
             f"learner.mismatch_mask_{level_name}",
             bounds,
             (_RC + "rollout_rs", _RC + "rollout_rs_threshold"),
-            "masked tokens leave verl's loss denominator but stay in Tether's; verl's code (Jan "
-            "2026) tests −log r against the bounds, i.e. keeps r in [1/high, 1/low]: the same as "
-            "Tether's [low, high] when low = 1/high",
+            note,
         )
 
 

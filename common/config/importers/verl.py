@@ -185,10 +185,17 @@ def _verl_algorithm(m: Mapper) -> None:
             )
         m.put("learner.std_estimator", "unbiased", ek, why)
     low, high, base = _A + "clip_ratio_low", _A + "clip_ratio_high", _A + "clip_ratio"
+    cispo = m.get(_A + "policy_loss.loss_mode", "vanilla") == "cispo"
     for key, tkey in ((low, "learner.clip_low"), (high, "learner.clip_high")):
         src = key if m.given(key) else base
-        if m.given(src):
-            m.put(tkey, m.get(src), src)
+        if not m.given(src):
+            continue
+        value, note = m.get(src), ""
+        if tkey == "learner.clip_low" and cispo and value >= 1.0:
+            # verl clamps CISPO's weight at 1 − clip_ratio_low ≤ 0: no lower bound at all (its
+            # own CISPO example sets 10). Tether writes "no lower bound" as clip_low = 1.
+            value, note = 1.0, f"verl's {value:g} puts the lower bound at {1 - value:g} ≤ 0: none"
+        m.put(tkey, value, src, note)
     m.simple(
         [
             (

@@ -1,0 +1,52 @@
+"""Where a benchmark result came from: the clone's git commit and whether its tracked files
+differed from it (``dirty``; the runner stamps every result JSON with it, ``stamp``), and the
+device it ran on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+CLONE = Path(__file__).resolve().parents[1]
+
+
+def git_state(clone: Path = CLONE) -> dict[str, Any]:
+    """``{"commit": sha or None, "dirty": bool or None}`` (None outside a git checkout)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(clone), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": dirty}
+
+
+def stamp(path: Path, state: dict[str, Any]) -> None:
+    """Add ``"git": state`` to the result JSON at ``path`` (a dict), unless it has one."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(result, dict) and "git" not in result:
+        result["git"] = state
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+
+
+def device_name() -> str:
+    """The device torch computes on: the GPU's name, or the CPU's cores and threads."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {os.cpu_count()} cores, {torch.get_num_threads()} threads"

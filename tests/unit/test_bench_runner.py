@@ -1,0 +1,80 @@
+"""`tether bench`'s plumbing without running a benchmark: where a result's README goes, the git
+stamp on every result, and a child process stopped with its group when the parent is
+interrupted (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench import child_process
+from bench.provenance import CLONE, git_state, stamp
+from bench.runner import Interrupted, readme_for, stop_on_signals
+
+
+def test_a_readme_goes_beside_the_results_never_above_them(tmp_path):
+    assert readme_for(CLONE / "bench" / "results") == CLONE / "bench" / "README.md"
+    scratch = tmp_path / "scratch"
+    assert readme_for(scratch) == scratch / "README.md"  # not tmp_path / "README.md"
+
+
+def test_every_result_is_stamped_with_the_commit_and_the_dirty_flag(tmp_path):
+    state = git_state()
+    assert len(state["commit"]) == 40 and isinstance(state["dirty"], bool)
+    result = tmp_path / "x.json"
+    result.write_text(json.dumps({"bench": "x"}))
+    stamp(result, state)
+    assert json.loads(result.read_text())["git"] == state
+    assert git_state(tmp_path) == {"commit": None, "dirty": None}  # not a checkout
+
+
+def test_sigterm_becomes_an_exception_that_runs_the_cleanups():
+    cleaned = []
+    with pytest.raises(Interrupted, match="SIGTERM") as info, stop_on_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            cleaned.append(True)
+    assert cleaned == [True] and info.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+CHILD = """
+import signal, subprocess, sys, time
+grand = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[1], "w").write(str(grand.pid))
+signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[2], "w").write("asked"), sys.exit(0)))
+time.sleep(60)
+"""
+
+
+def test_an_interrupted_child_is_asked_to_stop_then_its_group_is_killed(tmp_path):
+    pid_file, asked = tmp_path / "grandchild", tmp_path / "asked"
+    cmd = [sys.executable, "-c", CHILD, str(pid_file), str(asked)]
+    with pytest.raises(subprocess.TimeoutExpired):
+        child_process.run(cmd, timeout_s=3.0, grace_s=5.0)
+    assert asked.read_text() == "asked"  # SIGTERM first: it could clean up
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the child's own child outlived it: the process group was not killed")
+
+
+def test_make_bench_smoke_covers_every_benchmark_with_a_limit():
+    from bench.runner import ORDER
+    from bench.smoke import LIMITS
+
+    assert set(LIMITS) == set(ORDER)
