@@ -110,9 +110,10 @@ def readme_row(r: dict[str, Any]) -> str:
     load = r["machine"]["load_average"][0]
     return (
         f"| reproducibility | demo (0.56 M) | two runs of seed 0, {s['steps']} steps each: "
-        f"synchronous {s['reward_steps_equal']}/{s['steps']} steps with equal rewards (max |Δ| "
-        f"{s['reward_abs_diff_max']:.3f}); asynchronous {a['reward_steps_equal']}/{a['steps']} "
-        f"(max |Δ| {a['reward_abs_diff_max']:.3f}, mean {a['reward_abs_diff_mean']:.3f}) | | "
+        f"synchronous {s['reward_steps_equal']}/{s['steps']} steps with equal rewards (largest "
+        f"difference {s['reward_abs_diff_max']:.3f}); asynchronous "
+        f"{a['reward_steps_equal']}/{a['steps']} (largest {a['reward_abs_diff_max']:.3f}, mean "
+        f"{a['reward_abs_diff_mean']:.3f}) | | "
         f"asynchronous: staleness equal at {a['staleness_counts_equal']}/{a['steps']} steps | "
         f"{load:.1f} | `tether bench reproducibility` |"
     )
