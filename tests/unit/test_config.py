@@ -324,3 +324,24 @@ def test_dynamic_sampling_cap_is_derived_and_cispo_may_drop_its_lower_clip():
     )
     assert res.config.learner.max_extra_prompts_per_cycle == 2 * res.config.run.prompts_per_cycle
     assert "learner.max_extra_prompts_per_cycle" in res.config._derived
+
+
+def test_episode_settings_that_cannot_work_are_refused_at_load():
+    import pytest
+
+    from common.config.errors import ConfigError
+    from common.config.load import load_config
+
+    def load(*sets: str):
+        return load_config(flags={}, overrides=list(sets), env={}).config
+
+    for sets, words in [
+        (['generator.tools=["calculator"]'], "could call a tool but never read its answer"),
+        (["generator.max_turns=3"], "nothing answers the model between its turns"),
+        (["generator.max_turns=3", 'generator.tools=["calculator"]',
+          "data.apply_chat_template=false"], "needs the chat template"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            load(*sets)
+    cfg = load("generator.max_turns=3", 'generator.tools=["calculator", "python"]')
+    assert (cfg.generator.max_turns, cfg.generator.template_check) == (3, "warn")
