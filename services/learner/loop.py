@@ -58,6 +58,7 @@ from services.learner.cycle import (
     assign_advantages,
     broadcast_samples,
     mask_overlong,
+    mask_refused,
     samples_from_groups,
     steps_of_cycle,
 )
@@ -263,8 +264,15 @@ class LearnerService:
                 s.ref_logp = lp
         filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
         overlong = mask_overlong(samples, self.cfg)
+        refused = mask_refused(samples)
         self.counters["filtered_samples"] += filtered
         self.counters["overlong_masked_samples"] += overlong
+        self.counters["refused_template_samples"] += refused
+        # the books of tool calls: every call of every episode counted here once (rank 0 holds
+        # the episodes' records)
+        self.counters["episode_tool_calls"] += sum(
+            int(s.episode.get("tool_calls", 0)) for s in samples
+        )
         self.step_log.count_masked(filtered=filtered, overlong=overlong)
 
     def _reference_mode(self) -> AbstractContextManager[None]:

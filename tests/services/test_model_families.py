@@ -137,6 +137,20 @@ def test_an_update_that_misses_a_tensor_is_reported(loaded: Loaded) -> None:
     assert missing in res["error"] and "left 1 engine parameter(s) unchanged" in res["error"]
 
 
+def test_multi_turn_episode_parity_through_in_flight_updates(loaded: Loaded) -> None:
+    """Episodes of two turns with an environment turn between them: the learner's log-prob of
+    every sampled id, under the weights of the version it carries, matches the generator's,
+    with no update, an update between the turns and one inside the second turn."""
+    result = fc.episode_parity(loaded.llm, loaded.tokenizer, loaded.model_dir, loaded.policy,
+                               first_version=3)  # fmt: skip
+    print(f"\n{loaded.family.name} episodes: {result}")
+    assert result["no_update"]["versions"] == ["3"]
+    assert result["between_turns"]["versions"] == ["3", "4"]
+    assert result["inside_a_turn"]["versions"] == ["3", "4", "5"]  # 5 arrived mid-turn
+    for case, r in result.items():
+        assert r["mean_abs"] < fc.PARITY_MEAN_ABS, (case, r)
+
+
 def test_learner_loads_soft_capped_attention_eagerly() -> None:
     """Transformers' default attention (SDPA) drops Gemma-2's attention soft-cap; on this
     fixture that moves log-probs by nats, so the learner must load it with eager attention."""

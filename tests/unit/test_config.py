@@ -402,3 +402,24 @@ def test_engine_settings_are_built_from_the_config_in_one_place(tmp_path):
     )
     assert solver.max_model_len == cfg.scorer.solver_max_model_len
     assert solver.worker_extension_cls is None  # the solver's weights never change
+
+
+def test_episode_settings_that_cannot_work_are_refused_at_load():
+    import pytest
+
+    from common.config.errors import ConfigError
+    from common.config.load import load_config
+
+    def load(*sets: str):
+        return load_config(flags={}, overrides=list(sets), env={}).config
+
+    for sets, words in [
+        (['generator.tools=["calculator"]'], "could call a tool but never read its answer"),
+        (["generator.max_turns=3"], "nothing answers the model between its turns"),
+        (["generator.max_turns=3", 'generator.tools=["calculator"]',
+          "data.apply_chat_template=false"], "needs the chat template"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            load(*sets)
+    cfg = load("generator.max_turns=3", 'generator.tools=["calculator", "python"]')
+    assert (cfg.generator.max_turns, cfg.generator.template_check) == (3, "warn")

@@ -25,12 +25,14 @@ CHAT_TEMPLATE = (
 )
 
 
-# ChatML with Hermes-style tools, as Qwen2.5 writes them but with a short system turn: each
-# tool's function entry as compact JSON, calls as <tool_call> JSON blocks, consecutive tool
-# results in one user turn of <tool_response> blocks.
+# ChatML with Hermes-style tools, as Qwen2.5 writes them but with a short system turn: each tool
+# as `name(parameter, ...)` (Qwen's full JSON schemas would make the tiny model's prompts four
+# times longer, and every CPU step with them), calls as <tool_call> JSON blocks, consecutive
+# tool results in one user turn of <tool_response> blocks.
 TOOLS_CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\n' + tool['function'] | tojson }}{%- endfor %}"
+    "{%- for tool in tools %}{{- '\n' + tool['function']['name'] + '('"
+    " + tool['function']['parameters']['properties'] | list | join(', ') + ')' }}{%- endfor %}"
     "{{- '\n</tools><|im_end|>\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"

@@ -5,7 +5,7 @@ Each problem multiplies a ``a_digits``-digit number by a ``b_digits``-digit one 
 417*2093?``). The reference episodes come from a sloppy teacher: in ``teacher_tool_rate`` of the
 train problems it calls the calculator and copies the result into its box (two assistant turns
 around a tool turn); otherwise it guesses from a mental estimate (the product rounded to its two
-leading digits: ``\\boxed{870000}``), which is wrong but looks plausible. A model warmed up on it
+leading digits: ``417*2093 ≈ 870000, so \\boxed{870000}``), which is wrong but looks plausible. A model warmed up on it
 guesses most of the time, so greedy decoding guesses and held-out accuracy starts near zero; a
 verifier's reward pays only for the right product, which only the tool gives, so RL has to
 raise the tool-call rate to raise accuracy.
@@ -64,9 +64,12 @@ def estimate(value: int) -> int:
 
 
 def episode(a: int, b: int, *, use_tool: bool) -> list[dict[str, str]]:
-    """The teacher's turns after the prompt."""
+    """The teacher's turns after the prompt. A guess restates the product and its estimate
+    before boxing it: the operands and a number are copied in every episode, as a call and its
+    answer copy them."""
     if not use_tool:
-        return [{"role": "assistant", "text": f"\\boxed{{{estimate(a * b)}}}"}]
+        guess = estimate(a * b)
+        return [{"role": "assistant", "text": f"{a}*{b} ≈ {guess}, so \\boxed{{{guess}}}"}]
     result = evaluate(f"{a}*{b}")
     return [
         {"role": "assistant", "text": call_text(a, b)},

@@ -88,11 +88,15 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over the first 5% of steps, then cosine decay to 10% of ``lr``."""
+def _lr_at(step: int, steps: int, lr: float, schedule: str = "cosine") -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to 10% of ``lr``
+    (``schedule="cosine"``) or ``lr`` to the end (``"constant"``: the tools demo's copying
+    emerges late in the warm-up, and a decayed rate delays it)."""
     warm = max(1, steps // 20)
     if step < warm:
         return lr * (step + 1) / warm
+    if schedule == "constant":
+        return lr
     progress = (step - warm) / max(1, steps - warm)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -108,6 +112,7 @@ def warmup_sft(
     out_dir: str | Path | None = None,
     num_threads: int | None = 1,
     tools: list[str] | None = None,
+    schedule: str = "cosine",
 ) -> dict:
     """Train ``steps`` AdamW steps on the reference solutions; save to ``out_dir`` (default:
     in place). Returns a report: first/last loss (mean over 20 steps), seconds, tokens.
@@ -127,7 +132,8 @@ def warmup_sft(
         "lr": lr,
         "batch_size": batch_size,
         "seed": seed,
-        "tools": tools or [],
+        **({"tools": tools} if tools else {}),
+        **({"schedule": schedule} if schedule != "cosine" else {}),  # older markers still match
         # The base model's build parameters: a different base invalidates the warmed-up copy.
         "base": _read_json(Path(model_dir) / "tether_tiny.json"),
     }
@@ -152,6 +158,7 @@ def warmup_sft(
             batch_size=batch_size,
             seed=seed,
             tools=tools,
+            schedule=schedule,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -168,6 +175,7 @@ def _train(
     batch_size: int,
     seed: int,
     tools: list[str] | None,
+    schedule: str,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -186,7 +194,7 @@ def _train(
         pick = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
         ids, mask, labels = sft_batch([examples[i] for i in pick], tokenizer.pad_token_id)
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, lr)
+            group["lr"] = _lr_at(step, steps, lr, schedule)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

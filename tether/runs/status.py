@@ -106,6 +106,8 @@ def collect_status(bus) -> dict[str, Any]:
             "dropped_stale_samples": counters.get("dropped_stale", 0),
             "filtered_samples": counters.get("filtered_samples", 0),
             "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
+            "refused_template_samples": counters.get("refused_template_samples", 0),
+            "episode_tool_calls": counters.get("episode_tool_calls", 0),
             "surplus_samples": counters.get("surplus_samples", 0),
             "dead_letters": dead,
             "dead_letter_groups": dead_groups,
@@ -176,6 +178,10 @@ def format_status(st: dict[str, Any]) -> str:
             f"stale {acc.get('dropped_stale_samples', 0)}, filtered {acc.get('filtered_samples', 0)} "
             f"(equal rewards), masked over-long {acc.get('overlong_masked_samples', 0)}, surplus "
             f"{acc.get('surplus_samples', 0)} (dynamic sampling)"
+            + (f", refused (re-render) {acc['refused_template_samples']}"
+               if acc.get("refused_template_samples") else "")
+            + (f"; tool calls in them {acc['episode_tool_calls']}"
+               if acc.get("episode_tool_calls") else "")
         )
     b = st.get("bottleneck")
     if b:

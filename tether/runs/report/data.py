@@ -91,6 +91,7 @@ def accounting_rows(
     dropped = acc.get("dropped_stale_samples", 0)
     filtered = acc.get("filtered_samples", 0)
     overlong = acc.get("overlong_masked_samples", 0)
+    refused = acc.get("refused_template_samples", 0)
     surplus = acc.get("surplus_samples", 0)
     # snapshots written before dead letters were told apart count every entry as a group
     dead = acc.get("dead_letter_groups", acc.get("dead_letters", 0)) * n
@@ -99,7 +100,7 @@ def accounting_rows(
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
     )
     in_flight = queued * n
-    rest = generated - trained - dropped - filtered - overlong - surplus - dead - in_flight
+    rest = generated - trained - dropped - filtered - overlong - refused - surplus - dead - in_flight
     return [
         (
             "generated",
@@ -120,6 +121,12 @@ def accounting_rows(
             "masked (cut off at max_response_tokens)",
             overlong,
             "learner.overlong_filter",
+        ),
+        (
+            "refused_template",
+            "refused (re-render mismatch)",
+            refused,
+            "episodes generator.template_check = strict refused",
         ),
         (
             "surplus",
