@@ -110,6 +110,10 @@ class BusUnavailable(ConnectionError):
     """Redis stayed unreachable for longer than ``reconnect_max_s``."""
 
 
+class BusStopping(RuntimeError):
+    """The service is stopping (``Bus.stopping``): a wait for room downstream was given up."""
+
+
 def is_nogroup(e: Exception) -> bool:
     return isinstance(e, redis.ResponseError) and str(e).startswith("NOGROUP")
 

@@ -13,7 +13,9 @@ weight chain's membership epoch after the last publish: it moves whenever a gene
 or was dropped; the learner's weight store holds the chain itself, which the process groups need
 for their rendezvous), ``status`` (a hash with one
 field ``<service>:<id>`` per replica: phase seconds, counters, heartbeat; read by ``tether
-status``) and ``done:<group>`` (a consumer group's dedupe ids, scored by commit time).
+status``), ``done:<group>`` (a consumer group's dedupe ids, scored by commit time) and
+``run:finished`` (written by the learner when the run is over: every service then stops,
+``common.service.run_end``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ STATUS = "status"
 # Hash: generator id -> groups it has published over the run (all its processes): the status
 # accounting's "generated", which must not restart at 0 when a generator restarts.
 GENERATED_GROUPS = "generated:groups"
+# JSON {num_cycles, version, at}: the learner finished the run (``common.service.run_end``).
+RUN_FINISHED = "run:finished"
 
 
 def generator_version(sid: str) -> str:

@@ -8,6 +8,8 @@ Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the stal
           never samples a trajectory the learner would have to drop); for room in the scorers'
           backlog (back-pressure); for the learner's weight store before its first sample.
 Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
+Stops when the learner's run-finished record appears (exit code 0, ``common.service.run_end``,
+          watched by ``serve_async``), or on SIGTERM/SIGINT (exit code 75).
 
 Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
 ``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a

@@ -5,7 +5,9 @@ Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consu
           ``learner-0``): whole scored groups, buffered per cycle.
 Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py``), policy
           weights to every generator (versioned broadcast with a deadline, ``common.weights``),
-          checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
+          checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``,
+          and at the end of the run (final checkpoint and held-out round done) the run-finished
+          record ``<run>:run:finished`` that stops generators and scorers (``Rank0.finish_run``).
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
           ``waiting_input``; with dynamic sampling, for every group dispatched for that cycle
           and for top-up rounds until ``prompts_per_cycle`` informative groups are in, see
@@ -351,8 +353,7 @@ class LearnerService:
         self.publish()
         run = self.cfg.run
         if self.rank0 is not None:
-            self.rank0.start_eval(self.version)  # held-out accuracy before (or at resume)
-            self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
+            self.rank0.begin(self.version, self.next_cycle)
         self.ready = True
         self.live.beat()
         while self.next_cycle < run.num_cycles:
@@ -379,9 +380,8 @@ class LearnerService:
                 self.checkpoint()
         self.checkpoint()
         if self.rank0 is not None:
-            if self.next_cycle >= run.num_cycles:
-                self.rank0.start_eval(self.version)
-                self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
+            if self.next_cycle >= run.num_cycles:  # the last held-out round, then the record
+                self.rank0.finish_run(self.version, stop=lambda: self._stop)
             self.rank0.housekeep(every_s=0.0)
             self.rank0.close()
         if self.fatal is not None:

@@ -19,6 +19,7 @@ from common.config.schema import TetherConfig
 from common.ports import free_port
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
+from common.service import run_end
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut, append_jsonl
@@ -291,6 +292,23 @@ class Rank0:
         self.dispatcher.forget(cycle)
         self.trained_deliveries += list(self.buffer.pop(cycle).values())
         return sel.chosen
+
+    # ------------------------------------------------------------------ the run's start and end
+    def begin(self, version: int, next_cycle: int) -> None:
+        """Held-out accuracy before training (or at resume), then dispatch from
+        ``next_cycle``. A run resumed below its end voids an earlier end (``num_cycles`` raised
+        under the same run name)."""
+        if next_cycle < self.cfg.run.num_cycles:
+            run_end.clear(self.bus)
+        self.start_eval(version)
+        self.dispatch(version, first_cycle=next_cycle)
+
+    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+        """Every cycle is trained and checkpointed: the last held-out round, then the
+        run-finished record, on which generators and scorers stop by themselves (exit 0)."""
+        self.start_eval(version)
+        self.finish_evals(timeout_s=300.0, stop=stop)
+        run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
 
     # ------------------------------------------------------------------ evaluation
     @property

@@ -14,4 +14,4 @@ def main(cfg: TetherConfig, args) -> int:
 
     sid = service_id("scorer", getattr(args, "service_id", None))
     svc = ScorerService(cfg, sid=sid)
-    return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port)
+    return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port, num_cycles=cfg.run.num_cycles)
