@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from common.config.schema import TetherConfig
 from common.protocol.run_dir import RunDir
 from common.service.supervision import SUPERVISOR_ENV
+from common.weights import handshake
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ class Supervisor:
         self.progress = progress
         env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
         env[SUPERVISOR_ENV] = str(os.getpid())  # services stop if the launcher dies
+        # only this run's processes join the learner's weight group (common.weights.handshake)
+        env.setdefault(handshake.SECRET_ENV, secrets.token_hex(32))
         env.update(cpu_thread_env(cfg, env))
         cli = tether_command()
         conf = ["--config", str(config_path)]

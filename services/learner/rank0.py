@@ -71,6 +71,7 @@ class Rank0:
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
     def _start_publisher(self):
+        from common.weights.handshake import secret_from_env
         from common.weights.publisher import WeightPublisher
 
         w = self.cfg.weights
@@ -85,6 +86,7 @@ class Rank0:
             bucket_bytes=int(w.bucket_mb * 2**20),
             fanout=w.fanout,
             chunk_bytes=int(w.chunk_mb * 2**20),
+            secret=secret_from_env(),  # only holders of the run's secret join (handshake.py)
         )
         self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{pub.port}")
         log.info("weight store on %s:%d", w.host, pub.port)
