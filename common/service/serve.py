@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
 
@@ -35,7 +36,8 @@ def serve_async(
     cleanup: Callable[[], None] | None = None,
 ) -> int:
     """Run an asyncio service (``svc.run()``, ``svc.stop()``, ``svc.ready``, ``svc.live``,
-    ``svc.status()``, ``svc.bus``, ``svc.timer``) with health/metrics endpoints, a status
+    ``svc.status()``, ``svc.bus``, ``svc.timer``, ``svc.cfg``) with health/metrics endpoints
+    (every series labelled run, kind and replica: ``exposition``), a status
     heartbeat, clean SIGTERM/SIGINT handling and the end of the run (``run_end``).
 
     Returns the exit code: 0 when the run is finished (the learner's run-finished record for a
@@ -56,7 +58,8 @@ def serve_async(
             kind, sid, watch.record.get("version") if watch.record else None,
         )  # fmt: skip
         return 0
-    health = HealthServer(port, ready=lambda: svc.ready, live=svc.live).start()
+    labels = identity(run=svc.cfg.run.name, kind=kind, replica=sid)
+    health = HealthServer(port, ready=lambda: svc.ready, live=svc.live, identity=labels).start()
     status = StatusReporter(
         svc.bus, kind, sid, svc.timer, svc.status, metrics_port=health.port
     ).start()

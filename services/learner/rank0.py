@@ -48,6 +48,9 @@ class Rank0:
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
         self.metrics = Rank0Metrics()
         self.metrics.generators_configured.set(cfg.generator.replicas)
+        steps = cfg.run.train_steps_per_cycle
+        assert steps is not None  # derived at load
+        self.metrics.final_version.set(cfg.run.num_cycles * steps)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
         self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)

@@ -11,6 +11,7 @@ import pytest
 from common.ports import free_port
 from common.protocol import streams
 from common.service.exit_codes import EXIT_STOPPED
+from tests.procs.metrics_text import samples
 from tests.procs.scorer_proc import (
     ScorerProc,
     dead,
@@ -103,6 +104,10 @@ def test_rule_mode_end_to_end_metrics_and_dead_letter(redis_server, procs):
     assert metric_value(text, "tether_scorer_reward_mean", 'component="format"') is not None
     assert metric_value(text, "tether_scorer_grade_seconds_count") >= n_correct
     assert metric_value(text, "tether_scorer_phase_seconds_total", 'phase="working"') > 0
+    # every series says which run, kind and replica it comes from (deploy/prometheus keys on them)
+    identity = {"run": run, "kind": "scorer", "replica": "scorer-0"}
+    assert all(identity.items() <= labels.items() for _, labels, _ in samples(text))
+    assert metric_value(text, "tether_service_info") == 1
     assert p.stop() == EXIT_STOPPED  # SIGTERM before the run's end
 
 
