@@ -65,8 +65,9 @@ def test_only_holders_of_the_secret_join_and_receive(tmp_path):
         member, epoch = accepted.split(":")[:2]
         prefix = torch.distributed.PrefixStore(f"wsync/{member}/{epoch}/", store)
         assert "joined already" in wait_for(
-            lambda: prefix.check([handshake.REFUSED_KEY])
-            and prefix.get(handshake.REFUSED_KEY).decode(),
+            lambda: (
+                prefix.check([handshake.REFUSED_KEY]) and prefix.get(handshake.REFUSED_KEY).decode()
+            ),
             10,
             "the replay refused",
         )
