@@ -114,7 +114,9 @@ def _data_paths(cfg: TetherConfig) -> None:
         if path and not Path(path).exists():
             raise ConfigError(
                 f"{setting} = {path!r} does not exist. Fix: point it at a JSONL/Parquet file or "
-                "a directory of them."
+                "a directory of them; in a deployment, stage it first: on Kubernetes set "
+                "dataSource in deploy/k8s/params.yaml (the tether-staging Job fetches it into "
+                "/models/data), with compose copy it under TETHER_MODELS_DIR (deploy/README.md)."
             )
     if d.overlong_prompt_policy == "error":
         try:
