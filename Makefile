@@ -34,8 +34,8 @@ compose-test: $(STAMP)
 	PYTHON=$(abspath $(BIN))/python bash deploy/compose/smoke.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check common services tests bench
-	$(BIN)/ruff format --check common services tests bench
+	$(BIN)/ruff check tether common services tests bench fixtures
+	$(BIN)/ruff format --check tether common services tests bench fixtures
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 

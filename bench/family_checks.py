@@ -77,8 +77,8 @@ def sample(
     llm: Any, tokenizer: Any, *, n: int = 8, max_tokens: int = 40, seed: int = 0
 ) -> list[Sampled]:
     """``n`` responses to each of ``PROMPTS``, sampled at temperature 1 with behaviour
-    log-probs, as ``services.generator.engine.SamplingSettings.to_vllm`` asks for them."""
-    from services.generator.engine import SamplingSettings, sample_from_completion
+    log-probs, as ``common.engine.SamplingSettings.to_vllm`` asks for them."""
+    from common.engine import SamplingSettings, sample_from_completion
 
     params = SamplingSettings(n=n, max_tokens=max_tokens, seed=seed).to_vllm()
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS]

@@ -53,7 +53,7 @@ def _prompt_texts(count: int, *, offset: int = 0) -> list[str]:
 
 
 def _bare_engine(model: str, max_tokens: int):
-    from services.generator.engine import EngineSettings, GenerationEngine
+    from common.engine import EngineSettings, GenerationEngine
 
     return GenerationEngine(
         EngineSettings(model=model, dtype="float32", max_model_len=MAX_PROMPT_TOKENS + max_tokens,
@@ -64,7 +64,7 @@ def _bare_engine(model: str, max_tokens: int):
 async def _bare_round(
     engine: Any, tokenizer: Any, texts: list[str], *, n: int, max_tokens: int
 ) -> dict:
-    from services.generator.engine import SamplingSettings
+    from common.engine import SamplingSettings
 
     sampling = SamplingSettings(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [_encode(tokenizer, t) for t in texts]
@@ -99,7 +99,7 @@ class _Service:
                 f"run.max_response_tokens={max_tokens}", "generator.ignore_eos=true",
                 "generator.kv_cache_gib=1", "generator.gpu_memory_utilization=0.2",
                 "bus.block_ms=200"]  # fmt: skip
-        args = [sys.executable, "-m", "common.cli", "generator", "--id", "bench-0"]
+        args = [sys.executable, "-m", "tether.cli", "generator", "--id", "bench-0"]
         for s in sets:
             args += ["--set", s]
         self.log_path = log_path
@@ -229,8 +229,8 @@ def run_generator_bench(
     from transformers import AutoTokenizer
 
     from common.bus.server import EmbeddedRedis
-    from common.demo.tiny_model import build_tiny_model
     from common.weights.publisher import WeightPublisher
+    from tether.demo.tiny_model import build_tiny_model
 
     model = str(
         build_tiny_model(

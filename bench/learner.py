@@ -234,7 +234,7 @@ def run_learner_bench(
 
     if cycles < 2:
         raise ValueError("cycles must be >= 2: the first cycle of each path is a warm-up")
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="tether-bench-learner-"))
     model_dir = str(

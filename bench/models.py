@@ -1,4 +1,4 @@
-"""`tether bench models`: every model family of ``common.demo.model_families`` through Tether's real
+"""`tether bench models`: every model family of ``fixtures.model_families`` through Tether's real
 parts, written to ``bench/results/models.json``; the README's "Supported model families" table
 is generated from it (``bench.models_table``).
 
@@ -185,7 +185,7 @@ def _export(row: dict[str, Any], model_dir: Path, *, device: Any) -> dict[str, A
     from services.learner.model import load_policy
 
     out = Path(row["run_dir"]).parent / f"{Path(row['run_dir']).name}-export"
-    cmd = [sys.executable, "-m", "common.cli", "export", row["run_dir"], str(out)]
+    cmd = [sys.executable, "-m", "tether.cli", "export", row["run_dir"], str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"tether export exited {proc.returncode}: {proc.stderr[-1500:]}")
@@ -238,7 +238,7 @@ def _tensors_changed(base_dir: Path, export_dir: Path) -> int:
 
 
 def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: Any, quick: bool):
-    from common.demo.model_families import build_family
+    from fixtures.model_families import build_family
 
     row = pending_row(name)
     del row["pending"]
@@ -274,9 +274,9 @@ def run_models_bench(
 
     from bench.workload import machine_info, report
     from common.bus.server import EmbeddedRedis
-    from common.demo.model_families import FAMILIES
-    from common.demo.tasks import ArithmeticTask, write_task
+    from fixtures.model_families import FAMILIES
     from services.learner.model import setup_distributed
+    from tether.demo.tasks import ArithmeticTask, write_task
 
     t0 = time.monotonic()
     root = Path(work_dir).resolve() / "models"
@@ -315,7 +315,7 @@ def run_models_bench(
 def pending_row(name: str) -> dict[str, Any]:
     """A family's row before it runs: named, with no stage, marked pending (a run that stops
     early leaves the families it did not reach in the JSON, marked, not dropped)."""
-    from common.demo.model_families import FAMILIES
+    from fixtures.model_families import FAMILIES
 
     f = FAMILIES[name]
     return {"family": name, "title": f.title, "architecture": f.architecture,

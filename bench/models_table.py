@@ -131,7 +131,7 @@ def bench_readme_row(result: dict[str, Any]) -> str:
 
 
 def load_results(root: Path | None = None) -> dict[str, Any]:
-    from common.demo.model_families import clone_root
+    from fixtures.model_families import clone_root
 
     return json.loads(((root or clone_root()) / RESULTS).read_text())
 

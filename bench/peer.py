@@ -33,7 +33,7 @@ def _trl_child(spec_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.demo.tasks import read_jsonl
+    from tether.demo.tasks import read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
     w = wl.Workload(**spec["workload"])

@@ -129,7 +129,7 @@ def drive_run(
     last step. Returns the snapshots, step records and the wall time."""
     import redis
 
-    from common.runs.supervisor import tether_command
+    from tether.runs.supervisor import tether_command
 
     cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)

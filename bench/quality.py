@@ -39,7 +39,7 @@ DEMO_BATCH, GROUP, LR, WARMUP_STEPS, TEMPERATURE, MAX_TOKENS = 64, 8, 5e-5, 5, 0
 def _tether_run(root: Path, name: str, *, cycles: int, eval_every: int, sync: bool,
                 seed: int, timeout_s: float) -> dict[str, Any]:  # fmt: skip
     cmd = [
-        sys.executable, "-m", "common.cli", "demo", "--num-cycles", str(cycles),
+        sys.executable, "-m", "tether.cli", "demo", "--num-cycles", str(cycles),
         "--set", f"run.run_dir={json.dumps(str(root / 'runs'))}",
         "--set", f'run.name="{name}"', "--set", f"run.seed={seed}",
         "--set", f"learner.eval_every_steps={eval_every}",
@@ -88,7 +88,7 @@ def _trl_child(spec_path: str) -> None:
 
     from bench.workload import trl_task
     from common.data.prompts import encode_prompt
-    from common.demo.tasks import is_correct, read_jsonl
+    from tether.demo.tasks import is_correct, read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
     torch.manual_seed(spec["seed"])
@@ -186,7 +186,7 @@ def run_quality_bench(
 ) -> dict[str, Any]:  # fmt: skip
     """Run the three and report each accuracy curve and the time to ``target``."""
     from bench.workload import machine_info
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     del size  # one size: the demo's
     if quick:

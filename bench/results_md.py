@@ -28,7 +28,7 @@ in one run are the figures to read.
 ## Workload preset (`pipeline`, `peer`)
 
 `bench/workload.py`: a Qwen2-architecture model built locally by
-`common.demo.tiny_model.build_tiny_model` (tied embeddings, byte-level tokenizer, ~259-token vocabulary),
+`tether.demo.tiny_model.build_tiny_model` (tied embeddings, byte-level tokenizer, ~259-token vocabulary),
 the seed 001 batch shape — 30 prompts × 4 responses = 120 responses per optimizer step, one
 optimizer step per cycle (S = 1) —, fixed-length responses (`generator.ignore_eos = true`), rule
 rewards (math-verify) on the demo's arithmetic task, one untimed warm-up cycle, then the timed
@@ -67,7 +67,7 @@ process (Tether's services and TRL alike); without it each process uses the libr
   preset (25 M parameters, 256 tokens) TRL's `generate` is 60% of its step and Tether leads with
   default threads too, 1.39× (same algorithm) and 1.44× (decoupled PPO). The gap Tether
   exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
-  2-core CPU; `common/runs/plan.py` below models it from the measured per-stage rates.
+  2-core CPU; `tether/runs/plan.py` below models it from the measured per-stage rates.
 - **Why 2.5× TRL cannot be reached here.** Count core-seconds per optimizer step in the full
   preset run (`results/peer_full.json`, TRL's algorithm). Tether's generator was busy 25.3 s
   and its learner 63.7 s, on one core each: 89 core-seconds. TRL took 88.6 s on both cores:
@@ -112,7 +112,7 @@ process (Tether's services and TRL alike); without it each process uses the libr
   cores and memory bus, so the N copies a chain still makes (one per link) cost the same CPU
   here as N pairwise sends, and at a load of 7–16 on 2 cores one publish varied 0.6–2.3 s from
   one repeat to the next. What would limit it on separate hosts is one link's bandwidth plus one
-  piece (`weights.chunk_mb`, 4 MB) of delay per extra generator (`common/runs/plan.py`). The
+  piece (`weights.chunk_mb`, 4 MB) of delay per extra generator (`tether/runs/plan.py`). The
   publish ÷ bare-broadcast ratio (0.15 in that run, 0.50 on an idle machine earlier) is
   dominated by the same load; an A/B at load 13 alternating whole 64 MB units and 4 MB pieces
   found no cost to the pieces (best 1.50 s whole-unit pairwise, 1.01 s in a 4 MB chain).

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.runs.plan import GPU_ASSUMED
+from tether.runs.plan import GPU_ASSUMED
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -86,7 +86,7 @@ PROMPT_TOKENS = 53  # the arithmetic prompt with the chat template, byte-level t
 
 
 def _plan_rows(r: dict[str, Any]) -> list[str]:
-    from common.runs.plan import ClusterShape, plan, rates_from_pipeline
+    from tether.runs.plan import ClusterShape, plan, rates_from_pipeline
 
     w = r["workload"]
     rates = rates_from_pipeline(r, prompt_tokens=PROMPT_TOKENS)
@@ -110,13 +110,13 @@ def _plan_rows(r: dict[str, Any]) -> list[str]:
 
 
 def _gpu_rates(results_dir: Path) -> tuple[dict[str, float], bool]:
-    from common.runs.plan import gpu_rates
+    from tether.runs.plan import gpu_rates
 
     return gpu_rates(results_dir)
 
 
 def _gpu_rows(gpu_rates: dict[str, float]) -> list[str]:
-    from common.runs.plan import ClusterShape, StageRates, plan
+    from tether.runs.plan import ClusterShape, StageRates, plan
 
     rates = StageRates(**gpu_rates)
     rows = []
@@ -143,9 +143,9 @@ def _gpu_rows(gpu_rates: dict[str, float]) -> list[str]:
 
 
 def plan_section(results_dir: Path) -> str:
-    """ "Scale on paper": the `common.runs.plan` model checked against the CPU runs, then the GPU guess."""
+    """ "Scale on paper": the `tether.runs.plan` model checked against the CPU runs, then the GPU guess."""
     lines = [
-        "## Scale on paper (`common/runs/plan.py`)",
+        "## Scale on paper (`tether/runs/plan.py`)",
         "",
         "`plan(rates=StageRates(...), shape=ClusterShape(...), responses_per_cycle, prompt_tokens,",
         "response_tokens, param_bytes, max_staleness)` predicts each stage's seconds per cycle",

@@ -2,7 +2,7 @@
 
 The seed's shape (``001_*.txt``): 30 prompts × 4 responses = 120 solver calls per step, which its
 author ran effectively one by one. Both paths use the same vLLM engine, the same solver model
-(``common.demo.solver_fixture``'s copy solver: a real tiny LLM whose right answers we know), the same
+(``fixtures.solver_fixture``'s copy solver: a real tiny LLM whose right answers we know), the same
 prompts and the same math-verify ``GraderPool``, in the same run:
 
 - batched:    ``Solver.correctness(all 120 items)`` — the service's path: every request is
@@ -29,7 +29,7 @@ DEFAULT_SOLVER_DIR = Path("bench/work/cache/copy_solver")  # inside the clone (g
 
 def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
     """``n`` solver items (question, guideline, ground truth); every other one has a wrong number."""
-    from common.demo.solver_fixture import copy_example
+    from fixtures.solver_fixture import copy_example
     from services.scorer.rewards import ScoreItem
 
     rng = random.Random(seed)
@@ -46,8 +46,8 @@ def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
 async def _solver_pass(
     model: str, items: list[Any], pool: Any, *, max_tokens: int, fixed_length: bool
 ) -> dict:
-    from common.demo.solver_fixture import COPY_TEMPLATE
-    from services.generator.engine import EngineSettings, GenerationEngine
+    from common.engine import EngineSettings, GenerationEngine
+    from fixtures.solver_fixture import COPY_TEMPLATE
     from services.scorer.solver import Solver, SolverSettings
 
     engine = GenerationEngine(
@@ -96,7 +96,7 @@ def run_scorer_bench(
     from prometheus_client import CollectorRegistry
 
     from bench.scorer_rule import run_rule_bench
-    from common.demo.solver_fixture import build_copy_solver
+    from fixtures.solver_fixture import build_copy_solver
     from services.scorer.grader_pool import GraderPool
 
     n = groups * per_group
@@ -121,7 +121,7 @@ def run_scorer_bench(
         "bench": "scorer",
         "solver_calls": n,
         "shape": f"{groups} prompts x {per_group} responses",
-        "solver_model": "copy solver (common.demo.solver_fixture), greedy",
+        "solver_model": "copy solver (fixtures.solver_fixture), greedy",
         "batched_s": round(solver["batched_s"], 3),
         "sequential_s": round(solver["sequential_s"], 3),
         "speedup": round(solver["sequential_s"] / solver["batched_s"], 1),

@@ -188,8 +188,8 @@ def run_one(arm: Arm, study: Study, *, seed: int, root: Path, assets: Any,
             threads: int | None) -> dict[str, Any]:  # fmt: skip
     """``tether train`` with the demo's config and this arm's settings; its summary."""
     from bench.workload import child_env
-    from common.demo.run import DEMO_CONFIG
-    from common.runs.supervisor import tether_command
+    from tether.demo.run import DEMO_CONFIG
+    from tether.runs.supervisor import tether_command
 
     name = f"{arm.name}-seed{seed}"
     run_dir = root / "runs" / name
@@ -264,7 +264,7 @@ def run_staleness_bench(
     """Warm up once, run every arm × seed, aggregate, compare, write JSON + PNG + HTML."""
     from bench.staleness_report import format_staleness, write_report
     from bench.workload import machine_info, report
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     # one workload (the demo's); --size picks the grid: quick, medium (``focused_grid``), full
     size = size or ("quick" if quick else "full")

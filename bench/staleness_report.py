@@ -25,7 +25,7 @@ def _panels(configs: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any
 
 
 def _curves(configs: list[dict[str, Any]], *, what: str) -> str | None:
-    from common.runs.report.plots import figure, png_b64
+    from tether.runs.report.plots import figure, png_b64
 
     panels = _panels(configs)
     if not configs:
@@ -60,7 +60,7 @@ def _curves(configs: list[dict[str, Any]], *, what: str) -> str | None:
 
 def _staleness_plot(configs: list[dict[str, Any]]) -> str | None:
     """The measured distribution per configuration: share of trained responses per staleness."""
-    from common.runs.report.plots import figure, png_b64
+    from tether.runs.report.plots import figure, png_b64
 
     if not configs:
         return None
@@ -119,8 +119,6 @@ def verdict_lines(r: dict[str, Any]) -> list[str]:
 
 
 def format_staleness(r: dict[str, Any]) -> str:
-    from bench.staleness import CORRECTIONS  # noqa: F401  (the names the verdicts use)
-
     configs = r["configurations"]
     rows = table_rows(configs, r["comparison"]["ratio_over_baseline"])
     widths = [max(len(str(x)) for x in col) for col in zip(HEAD, *rows, strict=True)]
@@ -135,7 +133,7 @@ def format_staleness(r: dict[str, Any]) -> str:
 
 def write_report(r: dict[str, Any], out_path: Path) -> dict[str, Path]:
     """``<out>.png`` (accuracy per optimizer step per configuration) and ``<out>.html``."""
-    from common.runs.report.page import CSS, esc, html_table, img_tag
+    from tether.runs.report.page import CSS, esc, html_table, img_tag
 
     configs = r["configurations"]
     acc = _curves(configs, what="accuracy")

@@ -1,6 +1,6 @@
 """The end-to-end benchmark workload preset, shared by the pipeline and peer benchmarks.
 
-A locally built Qwen2-architecture model (``common.demo.tiny_model`` with larger sizes), the seed 001
+A locally built Qwen2-architecture model (``tether.demo.tiny_model`` with larger sizes), the seed 001
 batch shape (30 prompts × 4 responses = 120 responses per optimizer step), fixed-length responses
 (``generator.ignore_eos``; ``fixed_length=False`` lets them end at EOS), rule rewards on the demo's arithmetic task, one untimed warm-up cycle
 followed by ``timed_cycles`` timed ones.
@@ -92,8 +92,8 @@ def command(what: str, *, quick: bool, size: str | None, threads: int | None) ->
 
 def prepare(root: Path, w: Workload) -> tuple[Path, Path]:
     """Build (or reuse) the model and the task files under ``root``; returns (model dir, train.jsonl)."""
-    from common.demo.tasks import ArithmeticTask, write_task
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tasks import ArithmeticTask, write_task
+    from tether.demo.tiny_model import build_tiny_model
 
     name = f"qwen2-h{w.hidden_size}-l{w.num_layers}-i{w.intermediate_size}-s{w.seed}"
     model = build_tiny_model(
@@ -193,7 +193,7 @@ def trl_task(rows: list[dict[str, Any]]) -> tuple[Any, Any]:
     (1.0 for the right boxed integer, else 0.0) that Tether's scorer also gives."""
     from datasets import Dataset
 
-    from common.demo.tasks import is_correct
+    from tether.demo.tasks import is_correct
 
     data = Dataset.from_list(
         [

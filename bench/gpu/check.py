@@ -48,8 +48,8 @@ def step_env(tiny: bool) -> dict:
 def step_mixed(tiny: bool) -> dict:
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     hidden, layers, prompt, resp, batch = (64, 2, 8, 16, 2) if tiny else (512, 6, 64, 256, 8)
@@ -138,7 +138,6 @@ def step_publish3b(tiny: bool) -> dict:
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from common.demo.tiny_model import build_tiny_model
     from common.weights.checksum import tensors_checksum
     from common.weights.publisher import WeightPublisher
     from services.learner.model import (
@@ -147,6 +146,7 @@ def step_publish3b(tiny: bool) -> dict:
         load_policy,
         setup_distributed,
     )
+    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     shape: dict[str, Any] = (

@@ -189,7 +189,8 @@ def _resolve_solver(cfg: TetherConfig, derived: set[str]) -> None:
         )
 
 
-def _check_misc(cfg: TetherConfig) -> None:
+def _check_names_and_timeouts(cfg: TetherConfig) -> None:
+    """The run's name (it prefixes every Redis key), the bus's socket timeout, Adam's betas."""
     import re
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cfg.run.name):
@@ -207,6 +208,10 @@ def _check_misc(cfg: TetherConfig) -> None:
         raise ConfigError(
             f"learner.adam_betas = {cfg.learner.adam_betas} must be two numbers in [0, 1), e.g. [0.9, 0.999]."
         )
+
+
+def _check_samples_per_request(cfg: TetherConfig) -> None:
+    """Several samples of one request need a temperature (and, for the solver, solver mode)."""
     if cfg.scorer.solver_samples > 1 and cfg.scorer.solver_temperature == 0:
         raise ConfigError(
             f"scorer.solver_samples = {cfg.scorer.solver_samples} with scorer.solver_temperature = 0: greedy "
@@ -334,7 +339,8 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _resolve_micro_batches(cfg, b, derived)
     _resolve_staleness(cfg, s, derived)
     _resolve_solver(cfg, derived)
-    _check_misc(cfg)
+    _check_names_and_timeouts(cfg)
+    _check_samples_per_request(cfg)
     _check_health(cfg)
     _check_algorithm(cfg)
     _check_policy_loss(cfg)

@@ -11,7 +11,7 @@
 - anything else: a crash; restart with back-off.
 
 torchrun exits 1 whenever a rank exits non-zero, whatever the rank's code, so under torchrun
-the codes above would all read as a crash. ``common.runs.graceful_torchrun`` therefore sets
+the codes above would all read as a crash. ``tether.runs.graceful_torchrun`` therefore sets
 ``RANK_EXIT_DIR_ENV`` to a directory of its own; each rank's ``tether`` CLI writes its exit
 code there (``report``), and the wrapper exits with the ranks' code (``combined``) when
 torchrun's is not 0.

@@ -18,7 +18,7 @@ def stop_with_supervisor() -> None:
     each service shuts down the way it does on Ctrl-C: its engine and workers go with it. Linux
     only (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and outside `tether train`, a no-op. The signal
     follows the parent process: for learner ranks under ``torchrun`` that is torchrun, which the
-    launcher starts through ``common.runs.supervised`` so that it, too, stops with the launcher."""
+    launcher starts through ``tether.runs.supervised`` so that it, too, stops with the launcher."""
     import signal
     import sys
 

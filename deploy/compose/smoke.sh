@@ -107,7 +107,7 @@ build_tether_image() {
   # deploy/docker/Dockerfile.dockerignore), so the classic builder, which ignores that file,
   # sends no .venv either. CUDA_IMAGE: the classic builder builds every stage, also unused ones.
   tar -C "$ROOT" -c --exclude=__pycache__ --exclude='*.pyc' \
-    pyproject.toml README.md common services deploy/docker |
+    pyproject.toml README.md tether common services deploy/docker |
     docker build --network host -f deploy/docker/Dockerfile \
       --build-arg VARIANT=cpu --build-arg CPU_IMAGE="$BASE_IMAGE" --build-arg CUDA_IMAGE="$BASE_IMAGE" \
       --build-arg TORCH_CPU_INDEX="$TORCH_CPU_INDEX" -t tether:cpu - >"$OUT/logs/build-tether.log" 2>&1 ||

@@ -110,7 +110,7 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from services.generator.engine import EngineSettings, GenerationEngine
+        from common.engine import EngineSettings, GenerationEngine
 
         g, run = self.cfg.generator, self.cfg.run
         from common.data.model_paths import policy_paths
@@ -164,7 +164,7 @@ class GeneratorService:
         )
 
     def _sampling(self, split: str):
-        from services.generator.engine import SamplingSettings
+        from common.engine import SamplingSettings
 
         g, run = self.cfg.generator, self.cfg.run
         if split == "eval":

@@ -67,7 +67,7 @@ class Solver:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from services.generator.engine import EngineSettings, GenerationEngine
+        from common.engine import EngineSettings, GenerationEngine
 
         s = self.s
         self.tokenizer = AutoTokenizer.from_pretrained(s.model)
@@ -103,7 +103,7 @@ class Solver:
 
     async def answers(self, items: Sequence[ScoreItem]) -> list[list[str]]:
         """``samples`` solver answers per item; all requests go to the engine concurrently."""
-        from services.generator.engine import SamplingSettings
+        from common.engine import SamplingSettings
 
         assert self.engine is not None, "Solver.start() first"
         sampling = SamplingSettings(

@@ -14,7 +14,7 @@ CYCLES = 10  # 20 optimizer steps of 64 responses
 
 
 def test_demo_task_options_short_prompts_and_mixed_lengths():
-    from common.demo.tasks import ArithmeticTask, make_problems
+    from tether.demo.tasks import ArithmeticTask, make_problems
 
     task = ArithmeticTask(
         digits=2, num_train=500, num_eval=50, prompt_style="short", mixed_lengths=True
@@ -34,7 +34,7 @@ def test_reduced_demo_prints_accuracy_before_and_after(tmp_path: Path):
     cmd = [
         sys.executable,
         "-m",
-        "common.cli",
+        "tether.cli",
         "demo",
         "--num-cycles",
         str(CYCLES),

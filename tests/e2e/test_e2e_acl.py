@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from common.runs.supervisor import tether_command
 from common.weights.handshake import SECRET_ENV
 from tests.deploy_tools import UsersRedis
 from tests.e2e_support import recovery_config
+from tether.runs.supervisor import tether_command
 
 pytestmark = pytest.mark.slow
 

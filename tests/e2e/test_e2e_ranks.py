@@ -1,5 +1,5 @@
 """A 2-rank learner under `tether train`: the launcher starts torchrun (through
-``common.runs.supervised``), rank 0 is SIGKILLed mid-run, torchrun takes the other rank down, the
+``tether.runs.supervised``), rank 0 is SIGKILLed mid-run, torchrun takes the other rank down, the
 launcher restarts the learner, and it resumes from its checkpoint with nothing trained twice."""
 
 from __future__ import annotations

@@ -119,13 +119,13 @@ def engine_core_pids(pid: int) -> list[int]:
 
 
 class GeneratorProc:
-    """`python -m common.cli generator` in its own session; its log goes to a file."""
+    """`python -m tether.cli generator` in its own session; its log goes to a file."""
 
     def __init__(
         self, url: str, run: str, sid: str, model: str, log_dir: Path, *sets: str,
         env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
-        args = [sys.executable, "-m", "common.cli", "generator", "--id", sid,
+        args = [sys.executable, "-m", "tether.cli", "generator", "--id", sid,
                 "--set", f"run.name={run}", "--set", f"run.model={model}",
                 "--set", "bus.block_ms=200", "--set", "generator.kv_cache_gib=1",
                 "--set", "generator.gpu_memory_utilization=0.2"]  # fmt: skip

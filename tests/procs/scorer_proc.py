@@ -92,11 +92,11 @@ def pending(bus: Bus) -> int:
 
 
 class ScorerProc:
-    """`python -m common.cli scorer` in its own session; logs go to a file for failure messages."""
+    """`python -m tether.cli scorer` in its own session; logs go to a file for failure messages."""
 
     def __init__(self, url: str, run: str, sid: str, log_dir: Path, *sets: str,
                  env: dict[str, str] | None = None, metrics_port: int = 0) -> None:  # fmt: skip
-        args = [sys.executable, "-m", "common.cli", "scorer", "--id", sid,
+        args = [sys.executable, "-m", "tether.cli", "scorer", "--id", sid,
                 "--set", f"run.redis_url={url}", "--set", f"run.name={run}",
                 "--set", "bus.block_ms=200", "--set", "scorer.grader_workers=2",
                 "--set", f"scorer.metrics_port={metrics_port}"]  # fmt: skip

@@ -20,7 +20,7 @@ WRITER = REPO / "tests" / "procs" / "checkpoint_writer.py"
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 

@@ -52,15 +52,15 @@ def test_cpu_demo_layer_mounts_its_config_and_the_models_volume():
 
 
 def test_cpu_demo_prepare_calls_the_demo_asset_builder(tmp_path):
-    """The `prepare` service runs a Python snippet against common.demo: it must still compile and
+    """The `prepare` service runs a Python snippet against tether.demo: it must still compile and
     name a function that takes (root, preset=, seed=) with a known preset, and its outputs must be
     what cpu-demo.toml points at."""
     from common.config.load import load_config
-    from common.demo import run as demo
+    from tether.demo import run as demo
 
     snippet = DEMO["services"]["prepare"]["entrypoint"][2]
     compile(snippet, "prepare", "exec")
-    assert "from common.demo.run import prepare_assets" in snippet
+    assert "from tether.demo.run import prepare_assets" in snippet
     params = inspect.signature(demo.prepare_assets).parameters
     assert {"root", "preset", "seed"} <= set(params)
     assert 'preset="demo"' in snippet and "demo" in demo.PRESETS

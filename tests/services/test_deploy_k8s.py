@@ -102,7 +102,7 @@ def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_pe
             "values": [EXIT_STOPPED]}} in rules  # fmt: skip
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
     (c,) = pod["containers"]
-    assert c["command"] == ["python3", "-m", "common.runs.graceful_torchrun"]
+    assert c["command"] == ["python3", "-m", "tether.runs.graceful_torchrun"]
     assert 0 < int(_flag(c["args"], "--shutdown-timeout")) < pod["terminationGracePeriodSeconds"]
     env = {e["name"]: e for e in c["env"]}
     assert (

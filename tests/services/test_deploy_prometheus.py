@@ -142,7 +142,7 @@ def test_real_prometheus_scrapes_a_real_scorer_and_keys_alerts_on_its_labels(
     metrics_port, prom_port = free_port(), free_port()
     run, sid = "deploy-prom-test", "scorer-deploy-test"
     scorer = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "scorer", "--id", sid,
+        [sys.executable, "-m", "tether.cli", "scorer", "--id", sid,
          "--set", f"run.redis_url={redis_server.url}", "--set", f"scorer.metrics_port={metrics_port}",
          "--set", f"run.name={run}", "--set", "scorer.grader_workers=1", "--set", "run.num_cycles=5"],
         stdout=(tmp_path / "scorer.log").open("wb"), stderr=subprocess.STDOUT, cwd=dt.ROOT,

@@ -11,9 +11,9 @@ import math
 import pytest
 
 from common.data.prompts import encode_prompt
+from common.engine import EngineSettings, GenerationEngine, SamplingSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg, ScoredGroup
-from services.generator.engine import EngineSettings, GenerationEngine, SamplingSettings
 from services.generator.trajectories import to_group
 from services.learner.cycle import samples_from_groups
 
@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)

@@ -55,7 +55,7 @@ LIVENESS_S = (
 def cluster(redis_server, tmp_path_factory):
     """Two generators joined to this test's weight publisher and running v0. Records what
     /readyz said before the engine was up and after it was up but before any weights."""
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     base = tmp_path_factory.mktemp("gen")
     # a tokenizer that adds BOS (like Llama's): its chat template writes <s>, and vLLM must run

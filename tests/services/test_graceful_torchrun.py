@@ -1,4 +1,4 @@
-"""``common.runs.graceful_torchrun`` against plain torchrun, both real: a rank whose stop takes
+"""``tether.runs.graceful_torchrun`` against plain torchrun, both real: a rank whose stop takes
 longer than torchrun's shutdown timeout. Plain torchrun SIGKILLs it and exits 1; the wrapper
 lets it finish (within its --shutdown-timeout) and exits with the rank's own code (torchrun's is
 1 for any failing rank): 0, 75 for a clean stop, 2 for a refused configuration."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.runs.graceful_torchrun import shutdown_timeout
 from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED, combined
+from tether.runs.graceful_torchrun import shutdown_timeout
 
 RANK = Path(__file__).resolve().parents[1] / "procs" / "slow_stop_rank.py"
 STOP_S = 4.0
@@ -43,7 +43,7 @@ def test_plain_torchrun_kills_a_slow_stop_and_the_wrapper_does_not(tmp_path):
     code, landed, _ = _run("torch.distributed.run", tmp_path, "--shutdown-timeout=1")
     assert code != 0 and not landed  # the old behaviour: work lost, and a failure
     code, landed, took = _run(
-        "common.runs.graceful_torchrun", tmp_path, f"--shutdown-timeout={STOP_S + 20:.0f}"
+        "tether.runs.graceful_torchrun", tmp_path, f"--shutdown-timeout={STOP_S + 20:.0f}"
     )
     assert code == 0 and landed and took >= STOP_S
 
@@ -51,7 +51,7 @@ def test_plain_torchrun_kills_a_slow_stop_and_the_wrapper_does_not(tmp_path):
 def test_the_wrapper_exits_with_a_cleanly_stopped_ranks_code(tmp_path):
     # what a learner stopped before the run's end does: torchrun says 1, the wrapper says 75
     code, landed, took = _run(
-        "common.runs.graceful_torchrun", tmp_path, f"--shutdown-timeout={STOP_S + 20:.0f}",
+        "tether.runs.graceful_torchrun", tmp_path, f"--shutdown-timeout={STOP_S + 20:.0f}",
         rank_code=EXIT_STOPPED,
     )  # fmt: skip
     assert code == EXIT_STOPPED and landed and took >= STOP_S
@@ -61,13 +61,13 @@ def test_a_refused_configuration_exits_2_through_the_wrapper_and_1_through_torch
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\nname = "x"\nmodel = "/nonexistent/model"\n')
     codes = {}
-    for module in ("torch.distributed.run", "common.runs.graceful_torchrun"):
+    for module in ("torch.distributed.run", "tether.runs.graceful_torchrun"):
         codes[module] = subprocess.run(
             [sys.executable, "-m", module, "--standalone", "--nproc_per_node=1",
-             "-m", "common.cli", "learner", "--config", str(bad)],
+             "-m", "tether.cli", "learner", "--config", str(bad)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=120,
         ).returncode  # fmt: skip
-    assert codes == {"torch.distributed.run": 1, "common.runs.graceful_torchrun": EXIT_REFUSED}
+    assert codes == {"torch.distributed.run": 1, "tether.runs.graceful_torchrun": EXIT_REFUSED}
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_combined_exit_code(torchrun, ranks, expected):
 
 
 def test_the_wrapper_kills_ranks_that_overrun_its_timeout(tmp_path):
-    code, landed, took = _run("common.runs.graceful_torchrun", tmp_path, "--shutdown-timeout=1")
+    code, landed, took = _run("tether.runs.graceful_torchrun", tmp_path, "--shutdown-timeout=1")
     assert code != 0 and not landed and took < STOP_S + 10
 
 

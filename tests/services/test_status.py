@@ -18,14 +18,14 @@ import pytest
 
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
-from common.cli.observe_verbs import add_observe_verbs
 from common.ports import free_port
 from common.protocol.streams import DEAD, GROUPS, WEIGHTS_EPOCH, WEIGHTS_PUBLISHING
-from common.runs.launcher import finish_run
-from common.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
 from tests.paths import FIXTURES
+from tether.cli.observe_verbs import add_observe_verbs
+from tether.runs.launcher import finish_run
+from tether.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
 
 FIXTURE = FIXTURES / "run_thin"  # a real short run (3 steps, 2 evals)
 EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 prompts

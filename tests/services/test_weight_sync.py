@@ -202,7 +202,7 @@ def test_publisher_rejects_non_increasing_versions_and_bad_settings():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("vllm")
-    from common.demo.tiny_model import build_tiny_model
+    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

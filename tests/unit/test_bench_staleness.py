@@ -156,7 +156,7 @@ def test_readme_and_html_report(tmp_path):
 def test_the_bench_runs_seed_by_seed_and_writes_its_outputs(tmp_path, monkeypatch):
     """The orchestration with a FAKE run (a stand-in for `tether train`, which takes minutes)
     and fake assets (no warm-up): order of runs, the partial file, JSON, PNG and HTML."""
-    import common.demo.run as demo_run
+    import tether.demo.run as demo_run
 
     order, partials = [], []
     out = tmp_path / "results" / "staleness_x.json"
@@ -191,7 +191,7 @@ def test_the_bench_runs_seed_by_seed_and_writes_its_outputs(tmp_path, monkeypatc
 def test_the_learning_rate_is_a_setting_of_the_study(tmp_path, monkeypatch):
     """`tether bench staleness --lr` runs the grid at that lr, says so in the command it records,
     and writes its own file beside the default study's."""
-    import common.demo.run as demo_run
+    import tether.demo.run as demo_run
     from bench import runner
 
     seen = []

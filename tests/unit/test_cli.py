@@ -13,7 +13,7 @@ from common.config.load import load_config
 
 def tether(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", *args],
+        [sys.executable, "-m", "tether.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,7 +9,7 @@ import pytest
 
 from common.data.datasets import DatasetError, load_prompts
 from common.data.prompts import encode_prompt
-from common.demo.tiny_model import build_tokenizer
+from tether.demo.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The model-family fixtures' tokenizers and builds (``common.demo.model_families``): sizes, special
+"""The model-family fixtures' tokenizers and builds (``fixtures.model_families``): sizes, special
 tokens, BOS conventions, chat templates, and that builds are deterministic."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.data.prompts import encode_prompt
-from common.demo.model_families import FAMILIES, build_family, build_tokenizer, default_root
+from fixtures.model_families import FAMILIES, build_family, build_tokenizer, default_root
 
 pytestmark = pytest.mark.slow  # the first build of each family trains a tokenizer (~5 s)
 

@@ -30,9 +30,9 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
     the steps' merged stats)."""
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner import losses
     from services.learner.model import load_policy
+    from tether.demo.tiny_model import build_tiny_model
 
     torch.manual_seed(0)
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
@@ -110,8 +110,8 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
     ratio. Same loss and gradient as with the recomputed proximal log-probs."""
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
+    from tether.demo.tiny_model import build_tiny_model
 
     def config(*sets: str):
         return load_config(
@@ -198,9 +198,9 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
     steps. With the KL reward the policy ends measurably closer to the reference."""
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.loop import LearnerService
     from services.learner.model import load_policy, load_reference
+    from tether.demo.tiny_model import build_tiny_model
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)
@@ -268,8 +268,8 @@ def test_kl_clamp_bounds_the_kl_loss_term(tmp_path):
     token's k1 estimate large; clamped, each is exactly kl_clamp and adds no gradient."""
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
+    from tether.demo.tiny_model import build_tiny_model
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ def test_a_stage_that_raises_records_the_exception_text() -> None:
 
 
 def test_a_family_whose_build_fails_is_kept_with_its_error(monkeypatch, tmp_path) -> None:
-    import common.demo.model_families as families
+    import fixtures.model_families as families
 
     def broken(name: str, root=None):
         raise RuntimeError(f"cannot build {name}")

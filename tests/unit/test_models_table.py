@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from bench.models_table import BEGIN, END, load_results, table_markdown
-from common.demo.model_families import FAMILIES
+from fixtures.model_families import FAMILIES
 from tests.paths import REPO
 
 STAGES = ("build", "load", "parity_before", "update", "parity_after", "train", "export")

@@ -179,8 +179,8 @@ def test_packing_without_boundaries_would_differ():
 def test_load_policy_probes_packing(tmp_path):
     import torch
 
-    from common.demo.tiny_model import build_tiny_model
     from services.learner.model import load_policy
+    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
     model = load_policy(model_dir, device=torch.device("cpu"), fsdp=False, pack_sequences=True)

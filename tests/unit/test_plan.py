@@ -1,4 +1,4 @@
-"""`common.runs.plan`: the on-paper cycle-time model (pure arithmetic; no services)."""
+"""`tether.runs.plan`: the on-paper cycle-time model (pure arithmetic; no services)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.runs.plan import ClusterShape, StageRates, plan, rates_from_pipeline
+from tether.runs.plan import ClusterShape, StageRates, plan, rates_from_pipeline
 
 RATES = StageRates(
     generate_tokens_per_s=1000.0,
@@ -134,8 +134,8 @@ def test_rates_prefer_the_learners_phase_seconds_when_recorded():
 
 
 def test_tether_plan_prints_the_prediction_and_the_balancing_split(capsys):
-    from common.cli.main import main
-    from common.runs.plan import GPU_ASSUMED, StageRates, gpu_rates
+    from tether.cli.main import main
+    from tether.runs.plan import GPU_ASSUMED, StageRates, gpu_rates
 
     assert main(["plan"]) == 0  # the seed 001 layout on Qwen2.5-3B H100 rates
     out = capsys.readouterr().out
@@ -159,7 +159,7 @@ def test_tether_plan_prints_the_prediction_and_the_balancing_split(capsys):
 
 
 def test_tether_plan_bad_input_exits_2_naming_it(capsys):
-    from common.cli.main import main
+    from tether.cli.main import main
 
     assert main(["plan", "--generators", "0"]) == 2
     assert "every count must be >= 1" in capsys.readouterr().err

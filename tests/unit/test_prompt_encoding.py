@@ -12,10 +12,10 @@ import pytest
 from common.config.load import load_config
 from common.data.datasets import DatasetError, load_prompts
 from common.data.prompts import encode_prompt
-from common.demo.tiny_model import BOS_TOKEN, build_tokenizer
 from common.protocol import wire
 from services.generator.loop import GeneratorService
 from services.learner.dispatch import Dispatcher
+from tether.demo.tiny_model import BOS_TOKEN, build_tokenizer
 
 
 @pytest.fixture(scope="module", params=["no_bos", "bos"])

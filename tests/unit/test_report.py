@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from common.cli.observe_verbs import add_observe_verbs
-from common.runs.report.data import SECTIONS
-from common.runs.report.page import write_report
 from tests.paths import FIXTURES
+from tether.cli.observe_verbs import add_observe_verbs
+from tether.runs.report.data import SECTIONS
+from tether.runs.report.page import write_report
 
 FIXTURE = FIXTURES / "run_thin"
 IMG = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')

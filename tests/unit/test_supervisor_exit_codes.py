@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.runs.supervisor import Child, RunFailed, Supervisor
 from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
+from tether.runs.supervisor import Child, RunFailed, Supervisor
 
 
 def _supervisor(tmp_path: Path, code: int) -> Supervisor:

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from common.demo.tasks import (
+from tether.demo.tasks import (
     ArithmeticTask,
     extract_boxed,
     is_correct,
@@ -48,7 +48,7 @@ def test_answers_and_solutions_are_correct(tmp_path):
 
 
 def test_scratchpad_solutions_are_column_additions_and_correct(tmp_path):
-    from common.demo.tasks import Problem
+    from tether.demo.tasks import Problem
 
     assert Problem(39, "+", 85).scratchpad() == "9+5=14, 3+8+1=12, \\boxed{124}"
     assert Problem(8, "+", 6).scratchpad() == "8+6=14, \\boxed{14}"
@@ -60,7 +60,7 @@ def test_scratchpad_solutions_are_column_additions_and_correct(tmp_path):
 
 
 def test_sloppy_teacher_drops_carries_in_train_only_at_the_set_rate(tmp_path):
-    from common.demo.tasks import Problem
+    from tether.demo.tasks import Problem
 
     task = ArithmeticTask(num_train=2000, num_eval=200, solution_style="scratchpad",
                           teacher_carry_error=0.7)  # fmt: skip
@@ -129,8 +129,8 @@ def test_warmup_sft_lowers_loss_saves_and_reuses(tmp_path):
     """The demo's supervised warm-up on this task (few steps: the full one takes minutes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.demo.tiny_model import build_tiny_model
-    from common.demo.warmup import warmup_sft
+    from tether.demo.tiny_model import build_tiny_model
+    from tether.demo.warmup import warmup_sft
 
     base = build_tiny_model(tmp_path / "base", hidden_size=64, num_layers=1)
     paths = write_task(tmp_path / "data", ArithmeticTask(num_train=200, num_eval=20))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from common.cli.main import main
+from tether.cli.main import main
 
 
 def test_missing_wandb_is_a_usage_error_with_the_fix(tmp_path, monkeypatch, capsys):

@@ -6,7 +6,8 @@ from common.config.importers.mapping import Mapper, Skip, to_lr_schedule, to_one
 from common.config.importers.sources import coerce
 
 
-def map_openrlhf(m: Mapper) -> None:
+def _openrlhf_batches(m: Mapper) -> int | None:
+    """The cycle vocabulary and the staleness bound; returns train_steps_per_cycle if known."""
     pk, nk, tk, ek = "rollout_batch_size", "n_samples_per_prompt", "train_batch_size", "max_epochs"
     prompts, n, step, passes = (
         m.batch_knob(pk, 1024),
@@ -70,10 +71,11 @@ def map_openrlhf(m: Mapper) -> None:
         m.drop("async_queue_size", "see --async_train")
     elif steps:
         m.put_staleness(steps, (pk, tk), "OpenRLHF (without --async_train) is synchronous")
-    _openrlhf_rest(m, steps)
+    return steps
 
 
-def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
+def _openrlhf_direct(m: Mapper) -> None:
+    """The flags that map one to one: model, data, lengths, sampling, placement, optimizer."""
     m.simple(
         [
             ("pretrain", "run.model", str),
@@ -110,6 +112,9 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
             m.get("vllm_tensor_parallel_size"),
             "vllm_tensor_parallel_size",
         )
+
+
+def _openrlhf_lr_schedule(m: Mapper) -> None:
     if m.given("actor_learning_rate"):
         sched = m.get("lr_scheduler", "cosine_with_min_lr")
         try:
@@ -128,6 +133,10 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
                 )
         except Skip as why:
             m.drop("lr_scheduler", str(why))
+
+
+def _openrlhf_policy_loss(m: Mapper) -> None:
+    """Clip ranges, KL (as a loss or in the reward) and the advantage estimator."""
     pair = m.get("eps_clip_low_high")
     if isinstance(pair, list) and len(pair) == 2:
         m.put("learner.clip_low", coerce(pair[0]), "eps_clip_low_high")
@@ -163,6 +172,10 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
             "advantage_estimator",
             "OpenRLHF's group_norm divides by the unbiased (n − 1) std of each group",
         )
+
+
+def _openrlhf_micro_batches(m: Mapper) -> None:
+    """Token-budget micro-batches and sequence packing."""
     if m.get("use_dynamic_batch", False) and m.given("train_max_tokens_per_gpu"):
         m.put(
             "learner.max_tokens_per_micro_batch",
@@ -177,6 +190,10 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
             "samples packed end to end with position_ids restarting per sample (the same loss "
             "as padding); pair it with learner.max_tokens_per_micro_batch",
         )
+
+
+def _openrlhf_schedule(m: Mapper, steps: int | None) -> None:
+    """The run's length, and how often to checkpoint and evaluate."""
     m.drop(
         "num_episodes",
         "num_cycles = num_episodes × ⌊dataset prompts / --rollout_batch_size⌋ depends on "
@@ -186,3 +203,12 @@ def _openrlhf_rest(m: Mapper, steps: int | None) -> None:
         "save_steps", "learner.checkpoint_every_steps", steps, "rollout batches (cycles)"
     )
     m.put_per_cycle("eval_steps", "learner.eval_every_steps", steps, "rollout batches (cycles)")
+
+
+def map_openrlhf(m: Mapper) -> None:
+    steps = _openrlhf_batches(m)
+    _openrlhf_direct(m)
+    _openrlhf_lr_schedule(m)
+    _openrlhf_policy_loss(m)
+    _openrlhf_micro_batches(m)
+    _openrlhf_schedule(m, steps)

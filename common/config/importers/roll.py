@@ -44,7 +44,8 @@ def _roll_step(m: Mapper) -> tuple[int | None, str, tuple[str, ...]]:
     return pd * ga * world // denom, text, keys
 
 
-def map_roll(m: Mapper) -> None:
+def _roll_batches(m: Mapper) -> int | None:
+    """The cycle vocabulary and the staleness bound; returns train_steps_per_cycle if known."""
     pk, nk, ek = "rollout_batch_size", "num_return_sequences_in_group", "ppo_epochs"
     prompts, n, passes = m.batch_knob(pk, 128), m.batch_knob(nk, 1), m.batch_knob(ek, 1)
     for key, tkey, value, default in (
@@ -85,10 +86,11 @@ def map_roll(m: Mapper) -> None:
             )
         else:
             m.put_staleness(steps, (pk, nk), "ROLL without async_generation_ratio is synchronous")
-    _roll_rest(m, steps)
+    return steps
 
 
-def _roll_rest(m: Mapper, steps: int | None) -> None:
+def _roll_direct(m: Mapper) -> None:
+    """The keys that map one to one: model, data, lengths, sampling, optimizer."""
     ta, gen, infer = _T + "training_args.", "actor_infer.generating_args.", "actor_infer."
     m.simple(
         [
@@ -133,6 +135,11 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
     gc = _T + "model_args.disable_gradient_checkpointing"
     if m.given(gc):
         m.put("learner.gradient_checkpointing", not m.get(gc), gc)
+
+
+def _roll_placement(m: Mapper) -> None:
+    """The learner's nodes and GPUs, and the generators, from ROLL's device mappings."""
+    infer = "actor_infer."
     world, gpn = device_count(m.get(_T + "device_mapping")), m.get("num_gpus_per_node", 8)
     if world:
         nnodes = -(-world // gpn)
@@ -162,6 +169,10 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
             infer_n // gpw,
             (infer + "device_mapping", infer + "num_gpus_per_worker"),
         )
+
+
+def _roll_policy_loss(m: Mapper) -> None:
+    """Clip ranges, KL (as a loss or in the reward) and the advantage estimator."""
     low, high = (
         ("pg_clip_low", "pg_clip_high")
         if m.get("use_pg_clip_range", False)
@@ -184,7 +195,19 @@ def _roll_rest(m: Mapper, steps: int | None) -> None:
     est = m.peer_estimator("adv_estimator", {"grpo": "grpo"}, "gae")
     if est:
         m.put("learner.advantage_estimator", est, "adv_estimator")
+
+
+def _roll_schedule(m: Mapper, steps: int | None) -> None:
+    """How often to checkpoint and evaluate."""
     m.put_per_cycle(
         "save_steps", "learner.checkpoint_every_steps", steps, "pipeline steps (cycles)"
     )
     m.put_per_cycle("eval_steps", "learner.eval_every_steps", steps, "pipeline steps (cycles)")
+
+
+def map_roll(m: Mapper) -> None:
+    steps = _roll_batches(m)
+    _roll_direct(m)
+    _roll_placement(m)
+    _roll_policy_loss(m)
+    _roll_schedule(m, steps)

@@ -8,10 +8,15 @@ meant, although bash itself would end the command there.
 Why not a library: ``bashlex`` (0.18) refuses the peers' own scripts, which use bash arrays
 (slime's ``ARGS=( ... )``: "unexpected token '('"), integer arithmetic (``$(( ))``:
 NotImplementedError) and a command substitution nested in double quotes (the first line of
-slime's examples), and it expands nothing (``${V:-d}`` comes back as text); ``shlex`` splits
-words but removes the quotes while it does, so ``'$X'`` (literal), ``"$X"`` (one word) and
-``$X`` (split into words) can no longer be told apart when the variables are expanded, and it
-knows no command separators but ``;``. What is left to write either way is this scanner.
+slime's examples), and it expands nothing (``${V:-d}`` comes back as text). ``shlex`` in POSIX
+mode removes the quotes while it splits, so ``'$X'`` (literal), ``"$X"`` (one word) and ``$X``
+(split into words) can no longer be told apart when the variables are expanded. In non-POSIX
+mode (``shlex.shlex(text, posix=False, punctuation_chars=True)``) it keeps the quotes and knows
+``&&``, ``|`` and ``;``, but it recognises quotes only at the start of a word: ``--x="a b"``
+comes back as the two words ``--x="a`` and ``b"``, and a quoted command substitution with quotes
+inside (``"$(date "+%s")"``) fails with "No closing quotation". Peers' scripts are full of both
+(``tests/unit/test_config_import_slime_roll.py`` checks them). What is left to write either way
+is this scanner.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ _SLIME_NEW = {
 }
 
 
-def map_slime(m: Mapper) -> None:
+def _slime_batches(m: Mapper) -> int | None:
+    """The cycle vocabulary and the staleness bound; returns train_steps_per_cycle if known
+    (None also when slime itself would refuse the run, which is reported as a problem)."""
     for new, old in _SLIME_NEW.items():  # slime's proposed names, should a script already use them
         if new in m.src.flat and old not in m.src.flat:
             m.src.flat[old] = m.src.flat.pop(new)
@@ -38,7 +40,7 @@ def map_slime(m: Mapper) -> None:
                 f"--rollout-batch-size {prompts} × --n-samples-per-prompt {n} // "
                 f"--num-steps-per-rollout {m.get(sk)} = {step}; drop one of the two."
             )
-            return _slime_rest(m, None)
+            return None
     elif m.given(gk):
         step = m.get(gk)
     if step:
@@ -78,10 +80,12 @@ def map_slime(m: Mapper) -> None:
             )
         else:
             m.put_staleness(steps, (pk, gk), "slime's train.py is synchronous")
-    return _slime_rest(m, steps)
+    return steps
 
 
-def _slime_rest(m: Mapper, steps: int | None) -> None:
+def _slime_direct(m: Mapper) -> None:
+    """The flags that map one to one, and the few computed from two (placement, min LR, eval
+    data)."""
     m.simple(
         [
             ("hf_checkpoint", "run.model", str),
@@ -150,6 +154,10 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
             "eval_prompt_data",
             f"the {eval_data[0]!r} eval set",
         )
+
+
+def _slime_policy_loss(m: Mapper) -> None:
+    """Clip ranges, KL (as a loss or in the reward) and the advantage estimator."""
     if m.given("eps_clip") or m.given("eps_clip_high"):
         low = m.get("eps_clip", 0.2)
         m.put("learner.clip_low", low, "eps_clip", m.default_note("eps_clip", 0.2))
@@ -198,6 +206,10 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
             "advantage_estimator",
             m.default_note("advantage_estimator", "grpo"),
         )
+
+
+def _slime_memory(m: Mapper) -> None:
+    """Token-budget micro-batches and activation recompute."""
     if m.get("use_dynamic_batch_size", False) and m.given("max_tokens_per_gpu"):
         m.put(
             "learner.max_tokens_per_micro_batch",
@@ -211,9 +223,21 @@ def _slime_rest(m: Mapper, steps: int | None) -> None:
             "recompute_granularity",
             "Megatron activation recompute",
         )
+
+
+def _slime_schedule(m: Mapper, steps: int | None) -> None:
+    """The run's length, and how often to checkpoint and evaluate."""
     m.drop(
         "num_epoch",
         "num_cycles from dataset epochs depends on the dataset size; set run.num_cycles",
     )
     m.put_per_cycle("save_interval", "learner.checkpoint_every_steps", steps, "rollouts (cycles)")
     m.put_per_cycle("eval_interval", "learner.eval_every_steps", steps, "rollouts (cycles)")
+
+
+def map_slime(m: Mapper) -> None:
+    steps = _slime_batches(m)
+    _slime_direct(m)
+    _slime_policy_loss(m)
+    _slime_memory(m)
+    _slime_schedule(m, steps)

@@ -275,7 +275,8 @@ def _verl_data(m: Mapper) -> None:
             )
 
 
-def _verl_rest(m: Mapper, steps: int | None) -> None:
+def _verl_optimizer_and_sampling(m: Mapper, steps: int | None) -> None:
+    """The keys that map one to one: optimizer, rollout sampling, the learner's nodes."""
     m.simple(
         [
             (_O + "lr", "learner.lr"),
@@ -316,6 +317,10 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
         steps,
         "LR-scheduler steps, one per cycle",
     )
+
+
+def _verl_placement(m: Mapper) -> None:
+    """Rollout tensor parallelism, and as many generators as verl had rollout GPUs."""
     tp, world = _R + "tensor_model_parallel_size", _verl_world(m)
     if m.given(tp):
         m.put("generator.tensor_parallel_size", m.get(tp), tp)
@@ -327,6 +332,10 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
                 (tp, "trainer.n_gpus_per_node", "trainer.nnodes"),
                 "verl time-shares the training GPUs with rollout; Tether generators need GPUs of their own",
             )
+
+
+def _verl_schedule(m: Mapper, steps: int | None) -> None:
+    """Validation sampling, the run's length, and how often to evaluate and checkpoint."""
     dk, vk = _R + "val_kwargs.do_sample", _R + "val_kwargs.temperature"
     if m.given(dk) or m.given(vk):
         greedy = not m.get(dk, False)
@@ -357,6 +366,10 @@ def _verl_rest(m: Mapper, steps: int | None) -> None:
     m.put_per_cycle(
         "trainer.save_freq", "learner.checkpoint_every_steps", steps, "training steps (cycles)"
     )
+
+
+def _verl_solver(m: Mapper) -> None:
+    """The seed 001 script's solver model, given as a shell variable rather than a verl key."""
     for name, value in m.src.env.items():
         if name.endswith("SOLVER_MODEL") and value:
             m.src.flat["$" + name] = ("$" + name, value)
@@ -374,4 +387,7 @@ def map_verl(m: Mapper) -> None:
     _verl_micro(m)
     _verl_algorithm(m)
     _verl_data(m)
-    _verl_rest(m, steps)
+    _verl_optimizer_and_sampling(m, steps)
+    _verl_placement(m)
+    _verl_schedule(m, steps)
+    _verl_solver(m)

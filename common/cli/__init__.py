@@ -1,9 +1,0 @@
-"""The ``tether`` command (``python -m common.cli``; entry ``common.cli.main:main``).
-
-``main`` builds the parser from the verb modules, each of which imports its heavy modules only
-inside the verb that needs them, so ``tether --help`` and config errors are instant: ``args``
-(the configuration flags every verb shares), ``config_verbs`` (config check, explain, show,
-import), ``run_verbs`` (train and the three services), ``observe_verbs`` (status, report, bus
-inspect), ``tool_verbs`` (demo, export, bench) and ``plan_verb``. No verb module imports
-another, and nothing outside this package imports it.
-"""

@@ -1,0 +1,87 @@
+"""Tool calls parsed in each family's own format; families without one refused by name."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from common.chat.tool_calls import FORMATS, ToolFormatError, tool_format
+
+HERMES = FORMATS["hermes"]
+LLAMA = FORMATS["llama3_json"]
+
+
+def test_hermes_calls_and_content():
+    text = (
+        "Let me compute.\n<tool_call>\n"
+        '{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    )
+    turn = HERMES.parse(text)
+    assert turn.content == "Let me compute."
+    assert [(c.name, c.arguments, c.error) for c in turn.calls] == [
+        ("calculator", {"expression": "12*34"}, ""),
+        ("python", {"code": "print(1)"}, ""),  # arguments given as a JSON string
+    ]
+    assert turn.message()["tool_calls"][0] == {
+        "type": "function",
+        "function": {"name": "calculator", "arguments": {"expression": "12*34"}},
+    }
+
+
+def test_hermes_final_answer_has_no_calls():
+    turn = HERMES.parse("The answer is \\boxed{408}.")
+    assert turn.calls == [] and turn.content == "The answer is \\boxed{408}."
+    assert "tool_calls" not in turn.message()
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("<tool_call>{not json}</tool_call>", "not valid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', '"name"'),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "must be a JSON object"),
+        ('x <tool_call>{"name": "f", "arguments": {}}', "not closed"),
+    ],
+)
+def test_hermes_malformed_calls_are_kept_with_an_error(text, words):
+    turn = HERMES.parse(text)
+    assert len(turn.calls) == 1 and words in turn.calls[0].error
+    assert "tool_calls" not in turn.message()  # a broken call is answered, not replayed
+
+
+def test_llama3_json_calls():
+    turn = LLAMA.parse('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2;3"}}')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2;3"})]
+    two = LLAMA.parse('{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}')
+    assert [(c.name, c.arguments) for c in two.calls] == [("a", {}), ("b", {"x": 1})]
+    assert LLAMA.parse("It is 42.").calls == []
+    assert "not valid JSON" in LLAMA.parse('{"name": "a", ').calls[0].error
+
+
+@pytest.mark.parametrize(
+    ("model_type", "vocab", "want"),
+    [("qwen2", (), "hermes"), ("qwen3", (), "hermes"), ("qwen3_moe", (), "hermes"),
+     ("llama", ("<|eot_id|>",), "llama3_json")],
+)  # fmt: skip
+def test_auto_picks_the_family_format(model_type, vocab, want):
+    assert tool_format("auto", model_type=model_type, vocab=vocab).name == want
+
+
+@pytest.mark.parametrize(
+    ("model_type", "words"),
+    [("gemma2", "Gemma 2 models (gemma2) have no tool-call format"),
+     ("phi3", "Phi-3 models (phi3) have no tool-call format"),
+     ("llama", "does not know the tool-call format of model_type 'llama'"),  # Llama 2
+     ("mamba", "set generator.tool_format")],
+)  # fmt: skip
+def test_families_without_a_tool_format_are_refused(model_type, words):
+    with pytest.raises(ToolFormatError, match=re.escape(words)):
+        tool_format("auto", model_type=model_type)
+
+
+def test_an_explicit_format_overrides_and_a_wrong_one_is_refused():
+    assert tool_format("hermes", model_type="gemma2").name == "hermes"
+    with pytest.raises(ToolFormatError, match="generator.tool_format = 'xml'"):
+        tool_format("xml", model_type="qwen2")

@@ -1,0 +1,92 @@
+"""`tether status [--run NAME|DIR] [--json]`, `tether report RUN_DIR [--out FILE]` and
+`tether bus inspect`: what a running or finished run is doing (``tether.runs.status_view``,
+``tether.runs.report``, ``common.bus.inspect``). Heavy imports stay inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from common.protocol.run_dir import RunDir
+from tether.cli.args import add_config_args, load_from_args
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Any, Path]:
+    """(config, run dir) for ``--run`` (a run directory or a run name) and the config flags; the
+    run's own saved ``config.toml`` when no ``--config`` is given."""
+    given = getattr(args, "run", None)
+    run_dir = Path(given) if given and Path(given).is_dir() else None
+    if given and run_dir is None and getattr(args, "cfg:run.name", None) is None:
+        setattr(args, "cfg:run.name", given)
+    if args.config is None:
+        saved = RunDir(run_dir or Path(load_from_args(args).config.run.run_dir) / (given or ""))
+        if given and saved.config.exists():
+            args.config = str(saved.config)
+    cfg = load_from_args(args).config
+    return cfg, run_dir or RunDir.of(cfg).root
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tether.runs.status_view import format_full, status_of
+
+    try:
+        st = status_of(*_resolve(args))
+    except (LookupError, ValueError) as exc:
+        print(f"tether status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(st, indent=2, default=str) if args.json else format_full(st))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from tether.runs.report.page import write_report
+
+    try:
+        path = write_report(args.run_dir, out=args.out)
+    except ValueError as exc:
+        print(f"tether report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report written to {path}")
+    return 0
+
+
+def _bus_inspect(args: argparse.Namespace) -> int:
+    from common.bus.inspect import format_inspect, inspect_bus
+    from common.bus.settings import bus_settings_for
+
+    cfg = load_from_args(args).config
+    report = inspect_bus(bus_settings_for(cfg, redis_url=cfg.run.redis_url or None))
+    print(json.dumps(report, indent=2, default=str) if args.json else format_inspect(report))
+    return 0
+
+
+def add_observe_verbs(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser(
+        "status",
+        help="what a running or finished run is doing: versions, rates, queues, time breakdown",
+        description="Reads the run's Redis (--redis-url, run.redis_url, or the embedded server of a "
+        "local run); for a finished local run, the status.json snapshot in its run directory.",
+    )
+    st.add_argument(
+        "--run", metavar="NAME|DIR", help="run name (under run.run_dir) or run directory"
+    )
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    add_config_args(st)
+    st.set_defaults(func=_status)
+
+    rep = sub.add_parser("report", help="write a self-contained HTML report with plots for a run")
+    rep.add_argument("run_dir", metavar="RUN_DIR", help="the run directory, e.g. runs/<name>")
+    rep.add_argument("--out", metavar="FILE", help="output file (default: RUN_DIR/report.html)")
+    rep.set_defaults(func=_report)
+
+    bus = sub.add_parser(
+        "bus", help="inspect the trajectory bus (streams, groups, lag, dead letters)"
+    )
+    bus_sub = bus.add_subparsers(dest="bus_verb", metavar="ACTION", required=True)
+    insp = bus_sub.add_parser("inspect", help="streams, groups, lag, pending, dead-letter counts")
+    add_config_args(insp)
+    insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.set_defaults(func=_bus_inspect)

@@ -1,0 +1,135 @@
+"""`tether plan`: predict cycle time and the bounding stage for a cluster shape (``tether.runs.plan``)
+from measured or assumed per-stage rates, and the generator:learner split that balances them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_plan_verb(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict cycle time and the bottleneck stage for a cluster shape, and the "
+        "generator:learner split that balances them",
+        description=__doc__,
+    )
+    shape = p.add_argument_group("cluster shape")
+    shape.add_argument("--generators", type=int, default=1, help="vLLM replicas (default 1)")
+    shape.add_argument("--scorers", type=int, default=1, help="scorer replicas (default 1)")
+    shape.add_argument("--learner-ranks", type=int, default=2, help="FSDP ranks (default 2)")
+    shape.add_argument(
+        "--scaling", type=float, default=0.9, help="learner throughput kept per doubling of ranks"
+    )
+    shape.add_argument(
+        "--weights-fanout",
+        choices=["chain", "pairwise"],
+        default="chain",
+        help="how weights reach the generators (weights.fanout): chain = the learner sends "
+        "them once, pairwise = once per generator (default chain)",
+    )
+    work = p.add_argument_group("workload (default: the seed 001 shape on Qwen2.5-3B)")
+    work.add_argument("--responses", type=int, default=120, help="responses per cycle")
+    work.add_argument("--prompt-tokens", type=int, default=512)
+    work.add_argument("--response-tokens", type=int, default=3072)
+    work.add_argument("--params", type=float, default=3.09e9, help="model parameters")
+    work.add_argument(
+        "--bytes-per-param", type=float, default=2.0, help="published weight bytes (bf16: 2)"
+    )
+    work.add_argument("--steps-per-cycle", type=int, default=1, help="optimizer steps per cycle")
+    rates = p.add_argument_group("rates (default: Qwen2.5-3B on H100s; see bench/README.md)")
+    rates.add_argument(
+        "--from-pipeline",
+        metavar="JSON",
+        help="take the rates from a `tether bench pipeline` result measured on your hardware",
+    )
+    rates.add_argument("--generate-tps", type=float, help="response tokens/s per generator")
+    rates.add_argument("--score-rps", type=float, help="responses/s per scorer")
+    rates.add_argument("--train-tps", type=float, help="prompt+response tokens/s per learner rank")
+    rates.add_argument("--sync-gbps", type=float, help="weight publish GB/s")
+    p.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    p.set_defaults(func=run_plan)
+
+
+def _rates(args: argparse.Namespace) -> tuple[Any, str]:
+    from tether.runs.plan import StageRates, gpu_rates, rates_from_pipeline
+
+    if args.from_pipeline:
+        result = json.loads(Path(args.from_pipeline).read_text())
+        base = rates_from_pipeline(result, prompt_tokens=args.prompt_tokens).__dict__
+        source = f"measured by `tether bench pipeline` ({args.from_pipeline})"
+    else:
+        base, measured = gpu_rates()
+        source = "Qwen2.5-3B on H100s: " + (
+            "train rate measured, the others assumed" if measured else "assumed"
+        )
+    given = {
+        "generate_tokens_per_s": args.generate_tps,
+        "score_responses_per_s": args.score_rps,
+        "train_tokens_per_s": args.train_tps,
+        "sync_bytes_per_s": args.sync_gbps * 1e9 if args.sync_gbps is not None else None,
+    }
+    if any(v is not None for v in given.values()):
+        source += "; overridden: " + ", ".join(k for k, v in given.items() if v is not None)
+    return StageRates(**{**base, **{k: v for k, v in given.items() if v is not None}}), source
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from tether.runs.plan import ClusterShape, best_split, plan
+
+    try:
+        rates, source = _rates(args)
+        work = {
+            "responses_per_cycle": args.responses,
+            "prompt_tokens": args.prompt_tokens,
+            "response_tokens": args.response_tokens,
+            "param_bytes": int(args.params * args.bytes_per_param),
+            "train_steps_per_cycle": args.steps_per_cycle,
+        }
+        shape = ClusterShape(generators=args.generators, scorers=args.scorers,
+                             learner_ranks=args.learner_ranks,
+                             learner_scaling_efficiency=args.scaling,
+                             weights_fanout=args.weights_fanout)  # fmt: skip
+        modes = {
+            "async": plan(rates=rates, shape=shape, **work),
+            "sync": plan(rates=rates, shape=shape, max_staleness=args.steps_per_cycle - 1, **work),
+        }
+        gpus = args.generators + args.learner_ranks
+        splits = best_split(total_gpus=gpus, rates=rates, scorers=args.scorers,
+                            scaling=args.scaling, **work) if gpus >= 2 else []  # fmt: skip
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"tether plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"rates": rates.__dict__, "source": source, **modes,
+                          "splits": splits}, indent=2))  # fmt: skip
+        return 0
+    print(f"rates: {source}")
+    print(
+        f"  generate {rates.generate_tokens_per_s:,.0f} tok/s per generator, score "
+        f"{rates.score_responses_per_s:,.1f} resp/s per scorer, train "
+        f"{rates.train_tokens_per_s:,.0f} tok/s per rank, publish {rates.sync_bytes_per_s / 1e9:.1f} GB/s"
+    )
+    print(
+        f"shape: {args.generators} generator(s), {args.scorers} scorer(s), {args.learner_ranks} "
+        f"learner rank(s); {args.responses} responses × ({args.prompt_tokens} + "
+        f"{args.response_tokens}) tokens per cycle"
+    )
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in modes["async"]["stage_seconds"].items())
+    print(f"stages: {stages}")
+    for name, m in modes.items():
+        print(
+            f"{name:5s}: {m['cycle_seconds']:.1f} s per cycle, {m['responses_per_s']:.2f} "
+            f"responses/s, bound by {m['bottleneck']}"
+        )
+    if splits:
+        best = splits[0]
+        print(
+            f"best split of these {gpus} devices (async): {best['generators']} generator(s) + "
+            f"{best['learner_ranks']} learner rank(s), {best['cycle_seconds']:.1f} s per cycle, "
+            f"bound by {best['bottleneck']}"
+        )
+    return 0

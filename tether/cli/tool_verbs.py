@@ -1,0 +1,130 @@
+"""`tether demo`, `tether export` and `tether bench`. Heavy imports stay inside the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from tether.cli.args import add_config_args, config_flags
+
+BENCHMARKS = (
+    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
+)  # fmt: skip
+NOT_IN_A_CLONE = (
+    "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
+    "installed with the package. Clone it, then run `make bench`, or `python -m tether.cli bench "
+    "...` from the clone's top directory."
+)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tether.demo.run import run_demo
+
+    return run_demo(
+        config_file=args.config, overrides=args.set, flags=config_flags(args), assets=args.assets
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tether.runs.launcher import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, tokenizer_dir=args.tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tether export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported a Hugging Face model directory to {out} (loads with transformers and vLLM)")
+    return 0
+
+
+def bench_runner() -> ModuleType | None:
+    """``bench.runner`` of the clone this command runs from, or None outside a clone. The
+    benchmarks are not part of the installed package: an editable install finds them beside
+    ``common/``, and ``python -m tether.cli`` from the clone's top directory finds them too."""
+    try:
+        return importlib.import_module("bench.runner")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.runner"):
+            raise
+    clone = Path(__file__).resolve().parents[2]
+    if not (clone / "bench" / "runner.py").is_file():
+        return None
+    sys.path.insert(0, str(clone))
+    return importlib.import_module("bench.runner")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    runner = bench_runner()
+    if runner is None:
+        print(NOT_IN_A_CLONE, file=sys.stderr)
+        return 2
+    return int(runner.run_bench(args))
+
+
+def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded default: build a tiny model and task, run Tether end to end on this CPU",
+    )
+    add_config_args(demo)
+    demo.add_argument(
+        "--assets",
+        metavar="DIR",
+        default=None,
+        help="where the tiny model, task files and warm-up go (default: <run dir>/assets); "
+        "runs that name the same directory share one warm-up",
+    )
+    demo.set_defaults(func=_demo)
+
+    exp = sub.add_parser(
+        "export", help="write a Hugging Face model directory from a checkpoint or run directory"
+    )
+    exp.add_argument(
+        "checkpoint", help="runs/NAME, runs/NAME/checkpoints or runs/NAME/checkpoints/step-N"
+    )
+    exp.add_argument("out", help="new, empty output directory")
+    exp.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (default: the model the run started from)",
+    )
+    exp.set_defaults(func=_export)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks, from a clone of the repository (bench/ is not installed): ratios "
+        "measured side by side, JSON under bench/results/",
+    )
+    bench.add_argument("what", choices=[*BENCHMARKS, "all"], help="which benchmark")
+    bench.add_argument(
+        "--size",
+        choices=["quick", "medium", "full"],
+        default=None,
+        help="workload preset for pipeline/peer; for staleness the grid (quick: 3 configurations, medium: 9, full: 14) (default: full, or quick with --quick)",
+    )
+    bench.add_argument(
+        "--threads", type=int, default=None, help="OpenMP threads per benchmarked process"
+    )
+    bench.add_argument(
+        "--work-dir", default="bench/work", help="where models and run directories are built"
+    )
+    bench.add_argument(
+        "--generators",
+        default=None,
+        metavar="N,N,...",
+        help="weights: numbers of receiving generators to publish to, chain against pairwise "
+        "(default 1,2,4; 1,2 with --quick)",
+    )
+    bench.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="staleness: the study's learning rate (default 2e-4, 4x the demo's; results "
+        "go to staleness[_SIZE]_lrLR.json)",
+    )
+    bench.add_argument("--out", default="bench/results", help="directory for JSON results")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    bench.set_defaults(func=_bench)
