@@ -46,12 +46,11 @@ def _make_groups(n: int, *, prompt_tokens: int, response_tokens: int, samples: i
             metadata={"source": "bench"},
             generator_id="gen-0",
             samples=[
-                Trajectory(
+                Trajectory.single_turn(
                     sample_id=f"g{i}/{j}",
                     sample_index=j,
-                    response_token_ids=responses[j],
-                    behaviour_logprobs=logprobs[j],
-                    policy_version=1,
+                    token_ids=responses[j],
+                    logprobs=logprobs[j],
                     version_spans=[(0, 1)],
                     finish_reason="length",
                     response_text=text,

@@ -209,3 +209,147 @@ def transformers_logprobs(model_dir: str | Path, samples: list[Sampled]) -> list
         str(model_dir), dtype=torch.float32, **attention_kwargs(model_dir)
     ).eval()
     return learner_logprobs(model, samples)
+
+
+# ----------------------------------------------------------------------------- episodes
+
+CASES = ("no_update", "between_turns", "inside_a_turn")
+INSIDE_AFTER = 4  # ids of the second turn sampled before the update inside it
+
+
+@dataclass
+class Episode:
+    """A two-turn episode built token-in/token-out: its prompt, then every id after it with the
+    loss mask (1 = sampled), the generator's log-probs and the version label of each id."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[str]
+
+    def add(self, out: Any, *, sampled: bool) -> None:
+        """Append one engine output (``sampled``) or environment ids (a list)."""
+        if not sampled:
+            self.ids += out
+            self.mask += [0] * len(out)
+            self.logprobs += [0.0] * len(out)
+            self.versions += [""] * len(out)
+            return
+        from common.engine import sample_from_completion
+
+        s = sample_from_completion(out.outputs[0], 0.0)
+        labels = [""] * len(s.token_ids)
+        for v, start, end in s.weight_versions:
+            labels[start:end] = [v] * (end - start)
+        self.ids += s.token_ids
+        self.mask += [1] * len(s.token_ids)
+        self.logprobs += s.logprobs
+        self.versions += labels
+
+
+def set_version(llm: Any, version: int) -> None:
+    """Label the tokens sampled from now on (what the generator does after an update)."""
+    llm.llm_engine.set_weight_version(str(version))
+
+
+def update_in_flight(llm: Any, model: Any, *, version: int, seed: int) -> None:
+    """An in-flight update as the generator applies one (``WeightFollower.apply_update``):
+    pause the scheduler keeping running requests (which also drops every cached KV, so running
+    requests recompute theirs with the new weights and no new turn reuses a prefix computed
+    with the old ones), receive the new weights, label the tokens sampled from now on, resume."""
+    core = llm.llm_engine.engine_core
+    core.call_utility("pause_scheduler", "keep", True)
+    try:
+        perturb_every_parameter(model, seed=seed)
+        res = publish_update(llm, model, version=version)
+        assert res["ok"], res["error"]
+        set_version(llm, version)
+    finally:
+        core.call_utility("resume_scheduler")
+
+
+def _snapshot(policy: Any, model_dir: str | Path) -> Any:
+    """A plain (unsharded) copy of the learner's current weights: the learner of that version."""
+    from services.learner.model import full_state_dict_cpu, load_policy
+
+    copy = load_policy(model_dir, device=next(policy.parameters()).device, fsdp=False)
+    missing, unexpected = copy.load_state_dict(full_state_dict_cpu(policy), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return copy.eval()
+
+
+def _compare_episodes(episodes: list[Episode], learners: dict[str, Any]) -> dict[str, float]:
+    """``compare`` over the sampled ids, each against the learner of its version."""
+    scored = {v: learner_logprobs(m, [Sampled(e.prompt_ids, e.ids, e.logprobs) for e in episodes])
+              for v, m in learners.items()}  # fmt: skip
+    mine, theirs = [], []
+    for k, ep in enumerate(episodes):
+        keep = [i for i, m in enumerate(ep.mask) if m]
+        mine.append(Sampled(ep.prompt_ids, [ep.ids[i] for i in keep],
+                            [ep.logprobs[i] for i in keep]))  # fmt: skip
+        theirs.append([scored[ep.versions[i]][k][i] for i in keep])
+    return compare(mine, theirs)
+
+
+def episode_parity(
+    llm: Any, tokenizer: Any, model_dir: str | Path, policy: Any, *, first_version: int
+) -> dict[str, dict[str, Any]]:
+    """Two-turn episodes (a turn, an environment turn appended by template difference, a turn)
+    and the learner's log-probs of every sampled id under the weights of its version, in three
+    cases: no update; an update between the two turns; an update inside the second turn (after
+    its first ``INSIDE_AFTER`` ids). The engine runs ``policy``'s weights as ``first_version``
+    at the start; the updates perturb ``policy`` and publish ``first_version + 1`` and ``+ 2``.
+    Returns ``compare``'s numbers per case and the version labels each case's ids carried."""
+    from common.chat.turns import TurnEncoder, end_of_turn_ids
+    from common.engine import SamplingSettings
+
+    enc = TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, str(model_dir)))
+    params = SamplingSettings(n=1, max_tokens=24, seed=7).to_vllm()
+    reply = [{"role": "user", "content": "Say more, in one line."}]
+    v0 = first_version
+    set_version(llm, v0)
+    learners = {str(v0): _snapshot(policy, model_dir)}
+    cases: dict[str, list[Episode]] = {c: [] for c in CASES}
+    for episodes in cases.values():  # every first turn on the first weights
+        for text in PROMPTS[:2]:
+            ep = Episode(prompt_ids(tokenizer, text), [], [], [], [])
+            (out,) = llm.generate([{"prompt_token_ids": ep.prompt_ids}], params, use_tqdm=False)
+            ep.add(out, sampled=True)
+            closed = bool(ep.ids) and ep.ids[-1] in enc.end_ids
+            ep.add(enc.env_turn(reply, turn_closed=closed), sampled=False)
+            episodes.append(ep)
+
+    from vllm.sampling_params import RequestOutputKind
+
+    full = SamplingSettings(n=1, max_tokens=24, seed=8, ignore_eos=True).to_vllm()
+    full.output_kind = RequestOutputKind.CUMULATIVE  # to see a turn's progress
+
+    def second_turns(case: str, *, update_after: int | None = None) -> None:
+        ids = [f"{case}/{k}" for k in range(len(cases[case]))]
+        for rid, ep in zip(ids, cases[case], strict=True):
+            llm.llm_engine.add_request(rid, {"prompt_token_ids": ep.prompt_ids + ep.ids}, full)
+        if update_after is not None:  # wait until each request has sampled that many ids
+            seen = dict.fromkeys(ids, 0)
+            while min(seen.values()) < update_after:
+                for o in llm.llm_engine.step():
+                    assert not o.finished, "a turn finished before the update could land in it"
+                    seen[o.request_id] = len(o.outputs[0].token_ids)
+            update_in_flight(llm, policy, version=v0 + 2, seed=v0 + 2)
+            learners[str(v0 + 2)] = _snapshot(policy, model_dir)
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o for o in llm.llm_engine.step() if o.finished})
+        for rid, ep in zip(ids, cases[case], strict=True):
+            ep.add(done[rid], sampled=True)
+
+    second_turns("no_update")
+    update_in_flight(llm, policy, version=v0 + 1, seed=v0 + 1)
+    learners[str(v0 + 1)] = _snapshot(policy, model_dir)
+    second_turns("between_turns")
+    second_turns("inside_a_turn", update_after=INSIDE_AFTER)
+    return {
+        case: {**_compare_episodes(eps, learners),
+               "versions": sorted({v for e in eps for v in e.versions if v})}
+        for case, eps in cases.items()
+    }  # fmt: skip

@@ -43,11 +43,11 @@ def _groups(
     for c in range(cycles):
         for p in range(cfg.run.prompts_per_cycle):
             samples = [
-                wire.Trajectory(
+                wire.Trajectory.single_turn(
                     sample_id=f"c{c}/p{p}/{i}", sample_index=i,
-                    response_token_ids=rng.integers(3, vocab, response_tokens).astype(np.uint32),
-                    behaviour_logprobs=-rng.random(response_tokens).astype(np.float32),
-                    policy_version=0, version_spans=[(0, 0)], finish_reason="length",
+                    token_ids=rng.integers(3, vocab, response_tokens).astype(np.uint32),
+                    logprobs=-rng.random(response_tokens).astype(np.float32),
+                    version_spans=[(0, 0)], finish_reason="length",
                 )
                 for i in range(r)
             ]  # fmt: skip

@@ -16,7 +16,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ORDER = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
+    "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
+    "staleness", "models",
 )  # fmt: skip
 
 
@@ -28,6 +29,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "weights": {"total_mb": 64, "repeats": 2},
         "scorer": {"rule_items": 400, "answer_tokens": (0, 64)},
         "generator": {"max_tokens": 32, "rounds": 1, "hidden_size": 128, "num_layers": 2},
+        "episodes": {"prompts": 8, "n": 4, "rounds": 1},
         "learner": {
             "cycles": 3,
             "prompts": 8,
@@ -87,7 +89,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what == "models":
+    if what in ("models", "episodes"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse

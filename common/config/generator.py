@@ -44,3 +44,50 @@ class GeneratorConfig(Section):
         description="seconds the main loop or the vLLM engine may not answer before /healthz "
         "answers 503; a weight transfer counts as progress until its deadline (weights.timeout_s)",
     )
+    # ---- multi-turn episodes and tools (README "Multi-turn episodes and tools")
+    max_turns: int = Field(
+        1,
+        ge=1,
+        description="assistant turns per episode; 1 = single-turn responses. An episode ends when "
+        "the model answers without a tool call, at max_turns (cut: finish 'max_turns'), or when "
+        "its ids after the prompt, sampled and tool, reach run.max_response_tokens",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="tools offered to the model: calculator, python (code in the sandbox), "
+        "package.module:function, path/file.py:function, or package.module:Class (each public "
+        "method); schemas from signatures and docstrings; needs max_turns ≥ 2",
+    )
+    tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto",
+        description="how the model writes tool calls; auto = from the model's model_type "
+        "(Qwen2.5/Qwen3 → hermes, Llama 3.x → llama3_json; Gemma 2 and Phi-3 have none and are "
+        "refused)",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0.0, description="wall-clock and CPU-time limit of one tool call in seconds"
+    )
+    tool_memory_mb: int = Field(
+        512, ge=16, description="memory one tool call may use in MiB (beyond its worker's own)"
+    )
+    tool_workers: int = Field(
+        4, ge=1, le=64, description="sandbox worker processes: tool calls run at once"
+    )
+    tool_output_max_chars: int = Field(
+        2000,
+        ge=16,
+        description="characters of a tool's output shown to the model; the rest is cut with a "
+        "note (verl max_tool_response_length)",
+    )
+    tool_sandbox: Literal["auto", "namespaces", "rlimits"] = Field(
+        "auto",
+        description="namespaces = no network, a private read-only file view and a user per "
+        "worker (root on Linux); rlimits = per-call limits only; auto = namespaces where "
+        "possible, else rlimits with a warning",
+    )
+    template_check: Literal["warn", "strict", "off"] = Field(
+        "warn",
+        description="re-render each episode's conversation through the chat template and count "
+        "episodes whose ids differ (warn), also train them with no loss (strict), or skip (off); "
+        "Tether trains on the ids as generated either way",
+    )

@@ -13,13 +13,14 @@ from common.config.errors import ConfigError
 from common.config.generator import GeneratorConfig
 from common.config.learner import LearnerConfig
 from common.config.scorer import ScorerConfig
-from common.config.shared import BusConfig, RunConfig
+from common.config.shared import BusConfig, DataConfig, RunConfig
 
 
 class TetherConfig(Protocol):
     """The sections the rules read (``schema.TetherConfig``, which runs them at validation)."""
 
     run: RunConfig
+    data: DataConfig
     generator: GeneratorConfig
     scorer: ScorerConfig
     learner: LearnerConfig
@@ -331,6 +332,28 @@ def _resolve_dynamic_sampling(cfg: TetherConfig, derived: set[str]) -> None:
         derived.add("learner.max_extra_prompts_per_cycle")
 
 
+def _check_episodes(cfg: TetherConfig) -> None:
+    g = cfg.generator
+    if g.tools and g.max_turns < 2:
+        raise ConfigError(
+            f"generator.tools = {g.tools} with generator.max_turns = {g.max_turns}: the model "
+            "could call a tool but never read its answer. Fix: set generator.max_turns ≥ 2 "
+            "(e.g. 4), or remove the tools."
+        )
+    if g.max_turns > 1 and not g.tools:
+        raise ConfigError(
+            f"generator.max_turns = {g.max_turns} without generator.tools: nothing answers the "
+            "model between its turns, so every episode would end after one. Fix: name the tools "
+            '(generator.tools = ["calculator"]) or set max_turns = 1.'
+        )
+    if g.max_turns > 1 and not cfg.data.apply_chat_template:
+        raise ConfigError(
+            "generator.max_turns > 1 needs the chat template: tool turns are rendered through it. "
+            "Fix: set data.apply_chat_template = true (and use a tokenizer with a tool-aware "
+            "template)."
+        )
+
+
 def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     """Validate and fill in derived values; returns the dotted names that were derived."""
     derived: set[str] = set()
@@ -345,4 +368,5 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _check_algorithm(cfg)
     _check_policy_loss(cfg)
     _resolve_dynamic_sampling(cfg, derived)
+    _check_episodes(cfg)
     return derived

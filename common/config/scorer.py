@@ -29,6 +29,12 @@ class ScorerConfig(Section):
         0, ge=0, description="soft length penalty starts this many tokens before the limit; 0 = off"
     )
     overlong_penalty: float = Field(1.0, ge=0.0, description="penalty at the length limit")
+    tool_error_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="episodes: reward term `tool_errors` = −penalty × the episode's failed tool "
+        "calls (malformed, unknown tool, bad arguments, errors, timeouts); 0 = off",
+    )
     custom_reward: str = Field(
         "", description="dotted path `package.module:function` of an extra reward"
     )

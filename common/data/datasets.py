@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from common.data.prompts import encode_prompt
+from common.tools.registry import tool_schemas
 
 if TYPE_CHECKING:
     from common.config.schema import TetherConfig
@@ -165,6 +166,7 @@ class _Spec:
     tokenizer: Any
     apply_chat_template: bool
     max_prompt_tokens: int | None
+    tools: list[dict[str, Any]] | None = None
 
 
 def _file_format(path: Path, spec: _Spec) -> str:
@@ -252,12 +254,14 @@ def load_prompts(
     overlong_policy: OverlongPolicy = "error",
     split: str = "train",
     setting: str = "the dataset path",
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptSet:
     """Load and validate every prompt under ``path`` (file or directory). See module docstring.
 
     ``answer_key`` and ``metadata_keys`` may be dotted paths into nested columns
     (``reward_model.ground_truth``). With a ``tokenizer`` each record gets ``prompt_token_ids``
-    (``encode_prompt``). ``setting`` names where ``path`` came from in messages (data.train_path).
+    (``encode_prompt``; with the episode's ``tools`` rendered in). ``setting`` names where
+    ``path`` came from in messages (data.train_path).
     """
     if format not in ("auto", "jsonl", "parquet", "verl"):
         raise ValueError(f"format={format!r}: use auto, jsonl, parquet or verl.")
@@ -282,6 +286,7 @@ def load_prompts(
         tokenizer=tokenizer,
         apply_chat_template=apply_chat_template,
         max_prompt_tokens=max_prompt_tokens,
+        tools=tools,
     )
     root = Path(path)
     records: list[PromptRecord] = []
@@ -325,6 +330,7 @@ def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, Promp
     d, run = cfg.data, cfg.run
     if not d.train_path:
         raise DatasetError(EMPTY_TRAIN_PATH)
+    tools = tool_schemas(cfg.generator.tools) if tokenizer is not None else None
 
     def load(path: str, split: str) -> PromptSet:
         return load_prompts(
@@ -339,6 +345,7 @@ def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, Promp
             overlong_policy=d.overlong_prompt_policy,
             split=split,
             setting=f"data.{split}_path",
+            tools=tools,
         )
 
     return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
@@ -360,7 +367,7 @@ def _make_record(row: Any, spec: _Spec, source: str, index: int) -> PromptRecord
     if spec.tokenizer is not None:
         prompt: str | list[dict] = messages if messages is not None else text  # type: ignore[assignment]
         token_ids = encode_prompt(
-            spec.tokenizer, prompt, apply_chat_template=spec.apply_chat_template
+            spec.tokenizer, prompt, apply_chat_template=spec.apply_chat_template, tools=spec.tools
         )
         if spec.max_prompt_tokens is not None and len(token_ids) > spec.max_prompt_tokens:
             raise _Overlong(len(token_ids))

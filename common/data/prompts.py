@@ -12,9 +12,17 @@ from typing import Any
 
 
 def encode_prompt(
-    tokenizer: Any, prompt: str | list[dict], *, apply_chat_template: bool = True
+    tokenizer: Any,
+    prompt: str | list[dict],
+    *,
+    apply_chat_template: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a prompt: chat template with a generation prompt, or the raw text.
+
+    ``tools``: the tool schemas of an episode run (``common.tools.registry.tool_schemas``), which
+    the template renders into the prompt (Qwen and Llama 3.x templates put them in a system
+    turn), so the length the loader counts is the prompt the generator sends.
 
     Raw text is encoded with the tokenizer's special tokens (``add_special_tokens=True``, the
     transformers default: BOS where the tokenizer adds one). The chat template's text is encoded
@@ -27,7 +35,9 @@ def encode_prompt(
                 "to feed raw text, or use a tokenizer that has one."
             )
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer(text, add_special_tokens=False).input_ids)
     if not isinstance(prompt, str):
         raise ValueError(

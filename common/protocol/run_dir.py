@@ -2,7 +2,8 @@
 
 ``config.toml`` (the resolved config; the launcher), ``logs/`` (one file per service; the
 launcher), ``redis/`` (the embedded server's data and ``server.conf``), ``metrics.jsonl``,
-``tensorboard/``, ``wandb/`` and ``checkpoints/`` (the learner), ``status.json`` (the last status
+``tensorboard/``, ``wandb/`` and ``checkpoints/`` (the learner), ``tools/`` (a generator's tool
+sandbox without namespaces), ``status.json`` (the last status
 snapshot) and ``report.html`` (the launcher, at the end of a run), ``assets/`` (``tether demo``).
 The learner writes half of it and the launcher, ``tether status`` and ``tether report`` read it,
 so the names live here, below both.
@@ -31,6 +32,11 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    def tool_scratch(self, generator_id: str) -> Path:
+        """Scratch directories of a generator's tool sandbox when it runs without namespaces
+        (with them, each worker's /work is a tmpfs of its own)."""
+        return self.root / "tools" / generator_id
 
     @property
     def redis(self) -> Path:

@@ -12,6 +12,7 @@ solver model directory                solver   -           -          solver mod
 data.train_path / eval_path exist     yes      rank 0      -          -
 Redis URL answers one PING in 2 s     if set   rank 0 (*)  yes (*)    yes (*)
 tokenizer loads; chat template        yes      rank 0      yes        -
+episodes: tools, tool format, sandbox yes      -           yes        -
 every dataset row, token lengths      yes      rank 0      -          -
 ====================================  =======  ==========  =========  ===========
 
@@ -68,6 +69,8 @@ def preflight(cfg: TetherConfig, role: Role) -> Checked:
     if not (needs_data or role == "generator"):
         return Checked()
     tokenizer = _tokenizer(cfg)
+    if cfg.generator.max_turns > 1 and role in ("train", "generator"):
+        _episodes(cfg, tokenizer)
     if not needs_data:
         return Checked()
     from common.data.datasets import DatasetError, prompt_sets_for
@@ -210,3 +213,34 @@ def _tokenizer(cfg: TetherConfig) -> Any:
             "has one."
         )
     return tokenizer
+
+
+def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
+    """Episodes can run: every generator.tools entry resolves to a tool, the model has a tool
+    format (generator.tool_format), its chat template renders tools and appends turns by
+    difference, and the sandbox can isolate when generator.tool_sandbox requires it."""
+    import json
+    import shutil
+
+    from common.chat.tool_calls import ToolFormatError, tool_format
+    from common.chat.turns import TemplateDeltaError, TurnEncoder, end_of_turn_ids
+    from common.data.model_paths import policy_paths
+    from common.tools.functions import ToolDefinitionError
+    from common.tools.registry import tool_schemas
+
+    g = cfg.generator
+    model_dir = policy_paths(cfg)[0]
+    try:
+        schemas = tool_schemas(g.tools)
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+        tool_format(g.tool_format, model_type=model_type, vocab=tokenizer.get_vocab())
+        TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, model_dir), tools=schemas)
+    except (ToolDefinitionError, ToolFormatError, TemplateDeltaError, OSError) as exc:
+        raise PreflightError(f"episodes cannot run: {exc}") from None
+    if g.tool_sandbox == "namespaces" and (os.geteuid() != 0 or not shutil.which("unshare")):
+        raise PreflightError(
+            "generator.tool_sandbox = 'namespaces' needs the generator to run as root with "
+            "util-linux's `unshare` (network, PID and mount namespaces). Fix: run it so, or set "
+            "generator.tool_sandbox = 'auto' (per-call limits only where namespaces cannot be "
+            "made; the log says so)."
+        )

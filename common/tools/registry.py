@@ -125,3 +125,8 @@ def callable_of(spec: ToolSpec) -> Any:
         return getattr(obj(), spec.method)(**kwargs)
 
     return call
+
+
+def tool_schemas(entries: list[str]) -> list[dict[str, Any]] | None:
+    """The schemas chat templates render for ``generator.tools`` (None without tools)."""
+    return [s.schema() for s in resolve_tools(entries)] if entries else None

@@ -2,12 +2,15 @@
 
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
-          per-token behaviour log-probs and the policy version spans that produced it),
-          published together with the ack of the prompt (exactly once per prompt id).
+          per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
+          episodes: ``episodes.py``), published together with the ack of the prompt (exactly
+          once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
-          backlog (back-pressure); for the learner's weight store before its first sample.
-Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming.
+          backlog (back-pressure); for the learner's weight store before its first sample; an
+          episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
+Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
+          the tools answering.
 Stops when the learner's run-finished record appears (exit code 0, ``common.service.run_end``,
           watched by ``serve_async``), or on SIGTERM/SIGINT (exit code 75).
 
@@ -18,9 +21,9 @@ silent for ``generator.liveness_s``, and ``/readyz`` with it.
 
 Weights (``weights.py``): the generator joins the learner's weight group at start and receives
 the current version before it generates anything; updates are applied in flight, so tokens
-sampled after one carry the new version (``Trajectory.version_spans``, ``trajectories.py``); a
-trajectory's ``policy_version`` is the version of its first token, the oldest — the one
-staleness is judged by.
+sampled after one carry the new version (``Trajectory.token_versions``, ``trajectories.py``); a
+trajectory's ``policy_version`` is the version of its oldest sampled token — the one staleness
+is judged by (for an episode, over all its assistant turns).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
-from services.generator.trajectories import to_group
+from services.generator.trajectories import single_turn_trajectories, to_group
 from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,8 @@ class GeneratorService:
         self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
+        self.episodes: Any = None  # an EpisodeRunner when generator.max_turns > 1
+        self.tool_schemas: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
@@ -138,6 +143,13 @@ class GeneratorService:
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
+        if g.max_turns > 1:
+            from services.generator.episodes import start_runner
+
+            self.episodes = await start_runner(
+                self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
+            )
+            self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
         self.weights = WeightFollower(
             self.engine,
             settings=self.cfg.weights,
@@ -160,7 +172,10 @@ class GeneratorService:
         from common.data.prompts import encode_prompt, prompt_of
 
         return encode_prompt(
-            self.tokenizer, prompt_of(msg), apply_chat_template=self.cfg.data.apply_chat_template
+            self.tokenizer,
+            prompt_of(msg),
+            apply_chat_template=self.cfg.data.apply_chat_template,
+            tools=self.tool_schemas,
         )
 
     def _sampling(self, split: str):
@@ -214,12 +229,20 @@ class GeneratorService:
             return
         await self._gate(msg.min_policy_version)
         started = time.time()
-        samples = await self.engine.generate_group(
-            ids, self._sampling(msg.split), request_id=f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
-        )
-        group = to_group(
-            msg, ids, samples, started=started, generator_id=self.sid, version=self.version
-        )
+        request_id = f"{msg.prompt_id}@{self.sid}@{d.deliveries}"
+        if self.episodes is not None:
+            trajectories = await self.episodes.run_prompt(
+                msg, ids, self._sampling(msg.split), request_id=request_id,
+                version=int(self.version or 0), started=started,
+            )  # fmt: skip
+        else:
+            samples = await self.engine.generate_group(
+                ids, self._sampling(msg.split), request_id=request_id
+            )
+            trajectories = single_turn_trajectories(
+                msg, samples, started=started, version=self.version
+            )
+        group = to_group(msg, ids, trajectories, generator_id=self.sid)
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)
@@ -233,7 +256,7 @@ class GeneratorService:
             dedupe_ids=[group.group_id],
             count_as=self.sid,
         )
-        n_tokens = sum(len(s.token_ids) for s in samples)
+        n_tokens = sum(t.num_sampled for t in trajectories)
         self.tokens_generated += n_tokens
         self.groups_published += 1
         self.metrics.tokens.inc(n_tokens)
@@ -349,6 +372,8 @@ class GeneratorService:
                 h.cancel()
             for t in tasks:
                 t.cancel()
+            if self.episodes is not None:
+                await self.episodes.sandbox.close()
 
     def stop(self) -> None:
         self._stop.set()

@@ -184,6 +184,7 @@ def collate(
     pad_id: int,
     token_fields: Sequence[str] = (),
     seq_fields: Sequence[str] = (),
+    mask_field: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded tensors for the samples at `indices` (each a mapping or an object with
     `prompt_ids` and `response_ids`, lists of token ids).
@@ -193,7 +194,9 @@ def collate(
     - attention_mask [B, L] long: 1 on real tokens;
     - position_ids [B, L] long: 0..len-1 on real tokens, 0 on padding;
     - loss_mask [B, L] float: 1 on response tokens only (token-aligned, like
-      `losses.token_logprobs`: position t scores token t);
+      `losses.token_logprobs`: position t scores token t); with `mask_field` (a per-response-
+      token 0/1 list, e.g. "response_mask"), that field's values on the response positions,
+      so an episode's tool and environment tokens carry no loss;
     - each name in `token_fields` (per-response-token float lists, e.g. "behaviour_logp"):
       [B, L] float32 placed on the response positions, 0 elsewhere;
     - each name in `seq_fields` (one number per sample, e.g. "advantage"): [B] float32.
@@ -236,7 +239,16 @@ def collate(
         out["input_ids"][row, :n] = torch.tensor(prompt + response, dtype=torch.long)
         out["attention_mask"][row, :n] = 1
         out["position_ids"][row, :n] = torch.arange(n)
-        out["loss_mask"][row, n_p:n] = 1.0
+        if mask_field is None:
+            out["loss_mask"][row, n_p:n] = 1.0
+        else:
+            mask = list(_field(samples[i], mask_field))
+            if len(mask) != len(response):
+                raise ValueError(
+                    f"sample {i}: {mask_field!r} has {len(mask)} values for "
+                    f"{len(response)} response tokens"
+                )
+            out["loss_mask"][row, n_p:n] = torch.tensor(mask, dtype=torch.float32)
         for f in token_fields:
             values = list(_field(samples[i], f))
             if len(values) != len(response):

@@ -27,8 +27,19 @@ if TYPE_CHECKING:
     from common.protocol import wire
 
 
+# How an episode ended when it was cut short (the over-long filter masks these), and when the
+# generator's strict re-render check refused it (never trained).
+CUT_SHORT = frozenset({"length", "max_turns"})
+REFUSED = "template_mismatch"
+
+
 @dataclass
 class Sample:
+    """One episode (a single-turn response is an episode of one turn). ``response_ids`` are all
+    its ids after the prompt; ``loss_mask`` marks those the policy sampled (1) — tool and
+    environment ids (0) are context only: no advantage, loss, KL, entropy or mismatch statistic
+    counts them. ``policy_version`` is the oldest version among the sampled ids."""
+
     sample_id: str
     group: int  # index of its group within the cycle
     prompt_ids: list[int]
@@ -36,7 +47,12 @@ class Sample:
     behaviour_logp: list[float]
     reward: float
     policy_version: int
-    truncated: bool = False  # cut off at run.max_response_tokens (finish_reason "length")
+    truncated: bool = False  # cut short: at run.max_response_tokens or generator.max_turns
+    loss_mask: list[int] = field(default_factory=list)  # one per response id; empty = all 1
+    refused: bool = False  # the generator's strict re-render check refused it: never trained
+    # what the episode did (rank 0's step records; not sent to the other ranks): see
+    # ``episode_stats``
+    episode: dict[str, float] = field(default_factory=dict)
     # filled in per cycle / per step
     advantages: list[float] = field(default_factory=list)  # one per response token
     old_logp: list[float] = field(default_factory=list)
@@ -59,10 +75,39 @@ def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
                     behaviour_logp=traj.behaviour_logprobs.astype(np.float64).tolist(),
                     reward=float(reward),
                     policy_version=int(traj.policy_version),
-                    truncated=traj.finish_reason == "length",
+                    truncated=traj.finish_reason in CUT_SHORT,
+                    loss_mask=traj.loss_mask.astype(np.int64).tolist(),
+                    refused=traj.finish_reason == REFUSED,
+                    episode=episode_stats(traj),
                 )
             )
     return out
+
+
+def episode_stats(traj: wire.Trajectory) -> dict[str, float]:
+    """What an episode did, for the step records: assistant turns, tool calls, failed ones,
+    seconds in tools, a re-render mismatch (0/1), cut at max_turns (0/1), and the span of its
+    sampled ids' versions (newest − oldest: how far the policy moved during the episode)."""
+    sampled = traj.token_versions[traj.loss_mask == 1]
+    return {
+        "turns": float(sum(1 for role, _, _ in traj.turns if role == "assistant")),
+        "tool_calls": float(len(traj.tool_calls)),
+        "tool_errors": float(sum(1 for c in traj.tool_calls if not c.ok)),
+        "tool_seconds": float(sum(c.seconds for c in traj.tool_calls)),
+        "template_mismatch": float(traj.template_mismatch >= 0),
+        "cut_max_turns": float(traj.finish_reason == "max_turns"),
+        "version_span": float(sampled.max() - sampled.min()) if len(sampled) else 0.0,
+    }
+
+
+def response_mask(s: Sample) -> list[int]:
+    """``s.loss_mask``, or all ones for a sample made without one."""
+    return s.loss_mask or [1] * len(s.response_ids)
+
+
+def sampled_tokens(s: Sample) -> int:
+    """How many response ids the policy sampled (the ones that carry loss)."""
+    return sum(s.loss_mask) if s.loss_mask else len(s.response_ids)
 
 
 def encode_samples(samples: list[Sample]) -> bytes:
@@ -76,6 +121,8 @@ def encode_samples(samples: list[Sample]) -> bytes:
             s.reward,
             s.policy_version,
             s.truncated,
+            np.asarray(response_mask(s), dtype="|u1").tobytes(),
+            s.refused,
         ]
         for s in samples
     ]
@@ -94,6 +141,8 @@ def decode_samples(data: bytes) -> list[Sample]:
             reward=float(r[5]),
             policy_version=int(r[6]),
             truncated=bool(r[7]),
+            loss_mask=np.frombuffer(r[8], dtype="|u1").astype(np.int64).tolist(),
+            refused=bool(r[9]),
         )
         for r in rows
     ]
@@ -148,6 +197,7 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
         "old_logp": s.old_logp or s.behaviour_logp,
         "ref_logp": s.ref_logp or [0.0] * len(s.response_ids),
         "advantage": s.advantages or [0.0] * len(s.response_ids),
+        "response_mask": response_mask(s),
         "weight": s.weight,
     }
 
@@ -201,9 +251,10 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
 
 def mask_overlong(samples: list[Sample], cfg: TetherConfig) -> int:
     """DAPO's over-long filtering (``learner.overlong_filter``): a response cut off at
-    ``run.max_response_tokens`` gets weight 0, so it carries no loss, while its reward still
-    counts in its group's advantages (the others are judged against it, as in DAPO). Returns
-    how many responses it masked (those already at weight 0 are not counted again)."""
+    ``run.max_response_tokens`` (or an episode cut at ``generator.max_turns``) gets weight 0, so
+    it carries no loss, while its reward still counts in its group's advantages (the others are
+    judged against it, as in DAPO). Returns how many responses it masked (those already at
+    weight 0 are not counted again)."""
     if not cfg.learner.overlong_filter:
         return 0
     masked = 0
@@ -214,8 +265,21 @@ def mask_overlong(samples: list[Sample], cfg: TetherConfig) -> int:
     return masked
 
 
+def mask_refused(samples: list[Sample]) -> int:
+    """Episodes the generator's strict re-render check refused (``generator.template_check =
+    "strict"``) get weight 0: no loss, while their rewards still count in their groups. Returns
+    how many it masked (those already at weight 0 are not counted again)."""
+    masked = 0
+    for s in samples:
+        if s.refused and s.weight > 0:
+            s.weight = 0.0
+            masked += 1
+    return masked
+
+
 def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KL penalty's per-token estimate [N, T] and the response mask [N, T] (float64).
+    """The KL penalty's per-token estimate [N, T] and the loss mask [N, T] (float64): 1 on the
+    ids the policy sampled, so tool and environment ids carry no penalty.
 
     The estimate is ``learner.kl_type`` (clamped by ``learner.kl_clamp``) of the behaviour
     log-probs against the reference log-probs: KL(π_behaviour ‖ π_ref) at the tokens the
@@ -237,6 +301,6 @@ def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, t
         assert len(s.ref_logp) == n, "reference log-probs are recomputed before the advantages"
         behaviour[i, :n] = torch.tensor(s.behaviour_logp, dtype=torch.float64)
         ref[i, :n] = torch.tensor(s.ref_logp, dtype=torch.float64)
-        mask[i, :n] = 1.0
+        mask[i, :n] = torch.tensor(response_mask(s), dtype=torch.float64)
     kl = losses.kl_penalty(behaviour, ref, kind=ln.kl_type, clamp=ln.kl_clamp) * mask
     return kl, mask

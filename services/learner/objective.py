@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from services.learner import batching, losses, mismatch, packing
-from services.learner.cycle import Sample, as_batch_fields
+from services.learner.cycle import Sample, as_batch_fields, sampled_tokens
 from services.learner.dist import all_reduce, rank_world
 from services.learner.logprobs import collate, micro_batches, proximal_is_current
 
@@ -51,7 +51,13 @@ def rank_micro_batches(
         {
             k: v.to(device)
             for k, v in collate(
-                cfg, fields, mb, pad_id=pad_id, token_fields=TOKEN_FIELDS, seq_fields=SEQ_FIELDS
+                cfg,
+                fields,
+                mb,
+                pad_id=pad_id,
+                token_fields=TOKEN_FIELDS,
+                seq_fields=SEQ_FIELDS,
+                mask_field="response_mask",
             ).items()
         }
         for mb in padded
@@ -59,10 +65,11 @@ def rank_micro_batches(
 
 
 def step_denominator(cfg: TetherConfig, samples: list[Sample], step_indices: list[int]) -> float:
-    """The whole step's loss denominator (all ranks): tokens or sequences with weight > 0."""
+    """The whole step's loss denominator (all ranks): sampled tokens (an episode's tool and
+    environment tokens are not counted) or sequences with weight > 0."""
     # Every rank holds the whole step's samples, so this is already the global value: no
     # collective.
-    lengths = [len(samples[i].response_ids) for i in step_indices if samples[i].weight > 0]
+    lengths = [sampled_tokens(samples[i]) for i in step_indices if samples[i].weight > 0]
     return float(max(losses.step_denominator(lengths, mode=cfg.learner.loss_agg), 1))
 
 

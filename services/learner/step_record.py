@@ -46,7 +46,30 @@ def step_record(
         # responses per staleness (index = optimizer steps behind): the measured distribution,
         # as `tether bench staleness` reports it
         "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
+        **episode_record([samples[i] for i in idx]),
         **{k: v for k, v in losses.merge_stats(stats).items() if k != "tokens"},
+    }
+
+
+def episode_record(samples: list[Sample]) -> dict[str, float]:
+    """Per-step episode telemetry (single-turn responses are episodes of one turn without
+    tools): means per episode of turns, tool calls and seconds in tools; the share of tool
+    calls that failed; counts of episodes with a re-render mismatch and cut at max_turns; the
+    largest version span (newest − oldest sampled version) of an episode."""
+    eps = [s.episode for s in samples if s.episode]
+    if not eps:
+        return {}
+    n = len(eps)
+    calls = sum(e["tool_calls"] for e in eps)
+    return {
+        "episode_turns_mean": sum(e["turns"] for e in eps) / n,
+        "tool_calls_per_episode": calls / n,
+        "tool_call_rate": sum(1 for e in eps if e["tool_calls"] > 0) / n,
+        "tool_error_rate": sum(e["tool_errors"] for e in eps) / calls if calls else 0.0,
+        "tool_seconds_per_episode": sum(e["tool_seconds"] for e in eps) / n,
+        "template_mismatches": sum(e["template_mismatch"] for e in eps),
+        "episodes_cut_max_turns": sum(e["cut_max_turns"] for e in eps),
+        "episode_version_span_max": max(e["version_span"] for e in eps),
     }
 
 

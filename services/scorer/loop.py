@@ -141,6 +141,7 @@ class ScorerService:
             overlong_penalty=s.overlong_penalty if s.overlong_buffer_tokens > 0 else 0.0,
             overlong_buffer_tokens=s.overlong_buffer_tokens,
             max_response_tokens=run.max_response_tokens,
+            tool_error_penalty=s.tool_error_penalty,
             custom=s.custom_reward or None,
             fallbacks=tuple(s.answer_fallbacks),
         )
@@ -183,6 +184,7 @@ class ScorerService:
                 ground_truth=group.ground_truth,
                 response_tokens=len(s.response_token_ids),
                 metadata=dict(group.metadata),
+                tool_errors=sum(1 for c in s.tool_calls if not c.ok),
             )
             for s in group.samples
         ]

@@ -1,4 +1,5 @@
-"""Reward composition: correctness + optional format reward, over-long penalty and custom reward.
+"""Reward composition: correctness + optional format reward, over-long penalty, tool-error
+penalty and custom reward. For an episode, the response graded is its final assistant turn.
 
 For each item, ``reward == sum(components.values())``; every component is already weighted:
 
@@ -12,6 +13,9 @@ For each item, ``reward == sum(components.values())``; every component is alread
   ``L = max_response_tokens``, ``B = overlong_buffer_tokens``, ``P = overlong_penalty`` and a
   response of ``n`` tokens: 0 for ``n <= L - B``; ``-P × (n - (L - B)) / B`` for
   ``L - B < n <= L`` (linear from 0 down to ``-P``); ``-P`` for ``n > L``.
+- ``tool_errors`` (only if ``tool_error_penalty > 0``; episodes): ``-tool_error_penalty ×`` the
+  episode's failed tool calls (malformed, unknown tool, bad arguments, the tool's own error, a
+  timeout or another limit).
 - ``custom`` (only if ``custom`` is set): ``custom_weight × fn(...)``. ``custom`` is a dotted path
   ``"package.module:function"`` imported with importlib, called as
   ``fn(*, prompt: str, response: str, ground_truth: str | None, metadata: dict)`` and returning a
@@ -49,12 +53,14 @@ class RewardSpec:
     overlong_penalty: float = 0.0  # P above; 0 disables the over-long penalty
     overlong_buffer_tokens: int = 0  # B above
     max_response_tokens: int | None = None  # L above (the generator's response limit)
+    tool_error_penalty: float = 0.0  # per failed tool call of an episode; 0 disables it
     custom: str | None = None  # "package.module:function"
     custom_weight: float = 1.0
     fallbacks: tuple[str, ...] = DEFAULT_FALLBACKS  # answer extraction order, see extract.py
 
     def __post_init__(self) -> None:
-        for name in ("correct_weight", "format_weight", "overlong_penalty", "custom_weight"):
+        for name in ("correct_weight", "format_weight", "overlong_penalty", "custom_weight",
+                     "tool_error_penalty"):  # fmt: skip
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(
                     f"reward {name} must be a finite number, got {getattr(self, name)}"
@@ -88,6 +94,7 @@ class ScoreItem:
     ground_truth: str | None
     response_tokens: int | None = None  # needed only for the over-long penalty
     metadata: dict = field(default_factory=dict)
+    tool_errors: int = 0  # the episode's failed tool calls
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,8 @@ class RewardScorer:
                 buffer_tokens=spec.overlong_buffer_tokens,
                 penalty=spec.overlong_penalty,
             )
+        if spec.tool_error_penalty > 0:
+            components["tool_errors"] = -spec.tool_error_penalty * item.tool_errors
         if self.custom_fn is not None:
             custom, ok = self._custom(item)
             components.update(custom)

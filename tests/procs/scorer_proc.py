@@ -30,12 +30,11 @@ def make_group(
     for j, text in enumerate(responses):
         n = max(1, len(text.encode()))
         samples.append(
-            wire.Trajectory(
+            wire.Trajectory.single_turn(
                 sample_id=f"{group_id}/{j}",
                 sample_index=j,
-                response_token_ids=rng.integers(0, 259, n).astype(np.uint32),
-                behaviour_logprobs=-rng.exponential(0.7, n).astype(np.float32),
-                policy_version=3,
+                token_ids=rng.integers(0, 259, n).astype(np.uint32),
+                logprobs=-rng.exponential(0.7, n).astype(np.float32),
                 version_spans=[(0, 3)],
                 finish_reason="stop",
                 response_text=text,

@@ -14,7 +14,7 @@ from common.data.prompts import encode_prompt
 from common.engine import EngineSettings, GenerationEngine, SamplingSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg, ScoredGroup
-from services.generator.trajectories import to_group
+from services.generator.trajectories import single_turn_trajectories, to_group
 from services.learner.cycle import samples_from_groups
 
 pytestmark = pytest.mark.slow
@@ -199,8 +199,8 @@ def test_max_tokens_and_stop_strings(engine, tokenizer):
     # max_tokens are "truncated" (learner.overlong_filter masks them), the stopped one is not.
     cut_off = engine.run(engine.generate_group(prompt_ids, fixed, "len2"))
     msg = PromptMsg(prompt_id="p-len", cycle=0, index=0, text=PROMPTS[1])
-    group = to_group(msg, prompt_ids, [*cut_off, stopped], started=0.0, generator_id="g",
-                     version=0)  # fmt: skip
+    trajectories = single_turn_trajectories(msg, [*cut_off, stopped], started=0.0, version=0)
+    group = to_group(msg, prompt_ids, trajectories, generator_id="g")
     scored = ScoredGroup(group=group, rewards=[1.0, 0.0, 1.0], components=[{}] * 3,
                          reasons=[""] * 3, scorer_id="s", score_seconds=0.0)  # fmt: skip
     received = wire.decode(wire.encode(scored))

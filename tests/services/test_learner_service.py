@@ -138,11 +138,11 @@ def _scored(cycle: int, index: int):
     from common.protocol import wire
 
     trajectories = [
-        wire.Trajectory(
+        wire.Trajectory.single_turn(
             sample_id=f"c{cycle}/{index}/{i}", sample_index=i,
-            response_token_ids=np.arange(3, dtype=np.uint32),
-            behaviour_logprobs=np.full(3, -0.5, dtype=np.float32),
-            policy_version=0, version_spans=[(0, 0)], finish_reason="stop",
+            token_ids=np.arange(3, dtype=np.uint32),
+            logprobs=np.full(3, -0.5, dtype=np.float32),
+            version_spans=[(0, 0)], finish_reason="stop",
         )
         for i in range(2)
     ]  # fmt: skip

@@ -87,6 +87,23 @@ def test_overlong_penalty_in_scores(pool):
         RewardScorer(spec, pool=pool).score_items([_item(r"\boxed{0.5}")])
 
 
+def test_tool_error_penalty_is_a_named_term_per_episode(pool):
+    spec = RewardSpec(tool_error_penalty=0.1)
+    items = [
+        ScoreItem(prompt="q", response=r"\boxed{0.5}", ground_truth="1/2", tool_errors=n)
+        for n in (0, 1, 3)
+    ]
+    scored = RewardScorer(spec, pool=pool).score_items(items)
+    assert [s.components for s in scored] == [
+        {"correct": 1.0, "tool_errors": 0.0},
+        {"correct": 1.0, "tool_errors": -0.1},
+        {"correct": 1.0, "tool_errors": pytest.approx(-0.3)},
+    ]
+    assert [s.reward for s in scored] == pytest.approx([1.0, 0.9, 0.7])
+    plain = RewardScorer(RewardSpec(), pool=pool).score_items(items)
+    assert all(s.components == {"correct": 1.0} for s in plain)  # off by default
+
+
 def test_custom_reward_loaded_by_dotted_path(pool):
     spec = RewardSpec(custom="tests.custom_reward_example:brevity_bonus", custom_weight=2.0)
     scored = RewardScorer(spec, pool=pool).score_items(

@@ -44,7 +44,9 @@ def test_report_has_every_section_and_its_plots(run_dir: Path):
     assert len(images) == 6
     assert all(img.startswith(b"\x89PNG\r\n\x1a\n") and len(img) > 5_000 for img in images)
     for key, title in SECTIONS.items():
-        assert title in section(page, key), key
+        if key != "episodes":  # a single-turn run has no episodes section
+            assert title in section(page, key), key
+    assert 'id="episodes"' not in page
     for key in ("reward", "throughput", "staleness", "mismatch", "time"):
         assert IMG.search(section(page, key)), f"no plot in section {key}"
     assert "0.0% → 0.0%" in section(page, "summary")  # held-out accuracy before → after
@@ -64,6 +66,24 @@ def test_report_without_snapshot_still_draws_the_step_plots(run_dir: Path):
     assert len(pngs(page)) == 4  # reward, throughput, staleness, mismatch
     assert "no status snapshot (status.json)" in section(page, "time")
     assert "no status snapshot (status.json)" in section(page, "accounting")
+
+
+def test_an_episodes_run_shows_tool_use_over_steps(run_dir: Path):
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in lines if '"kind": "step"' in x]
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for k, rec in enumerate(steps):  # the same run, as if its episodes used a tool more
+            rec.update(episode_turns_mean=1 + k / 4, tool_calls_per_episode=k / 4,
+                       tool_call_rate=min(1.0, k / 4), tool_error_rate=0.1,
+                       tool_seconds_per_episode=0.01, template_mismatches=0,
+                       episodes_cut_max_turns=0, episode_version_span_max=1)  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+    page = write_report(run_dir).read_text(encoding="utf-8")
+    episodes = section(page, "episodes")
+    assert SECTIONS["episodes"] in episodes and IMG.search(episodes)
+    assert len(pngs(page)) == 7
 
 
 def test_report_cli(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):

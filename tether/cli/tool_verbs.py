@@ -11,7 +11,8 @@ from types import ModuleType
 from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
-    "bus", "weights", "scorer", "generator", "learner", "pipeline", "peer", "quality", "staleness", "models",
+    "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
+    "staleness", "models",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
@@ -24,7 +25,11 @@ def _demo(args: argparse.Namespace) -> int:
     from tether.demo.run import run_demo
 
     return run_demo(
-        config_file=args.config, overrides=args.set, flags=config_flags(args), assets=args.assets
+        config_file=args.config,
+        overrides=args.set,
+        flags=config_flags(args),
+        assets=args.assets,
+        task=args.task,
     )
 
 
@@ -76,6 +81,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="where the tiny model, task files and warm-up go (default: <run dir>/assets); "
         "runs that name the same directory share one warm-up",
+    )
+    demo.add_argument(
+        "--task",
+        choices=("arithmetic", "tools"),
+        default="arithmetic",
+        help="arithmetic (default): column addition, RL fixes a sloppy teacher's carries; "
+        "tools: products of 3- and 4-digit numbers, RL learns to use the calculator",
     )
     demo.set_defaults(func=_demo)
 

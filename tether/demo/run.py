@@ -23,6 +23,11 @@ from common.protocol.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
+# `tether demo --task NAME`: the preset and the config file of each demo task
+TASKS = {
+    "arithmetic": ("demo", DEMO_CONFIG),
+    "tools": ("tools", DEMO_CONFIG.with_name("tools.toml")),
+}
 
 # Model size, task and warm-up per preset. "demo" is what `make demo` runs; "ci" is the reduced
 # end-to-end run of the test suite (same shape, shorter warm-up).
@@ -45,6 +50,20 @@ PRESETS: dict[str, dict[str, Any]] = {
             "teacher_carry_error": 0.7,
         },
         "warmup": {"steps": 300, "lr": 3e-3, "batch_size": 64},
+    },
+    # `tether demo --task tools`: products of a 3- and a 4-digit number, which the tiny model
+    # cannot compute but can copy from the calculator; a warm-up on a sloppy teacher that calls
+    # it in 30% of its episodes and guesses otherwise (tether.demo.tool_task).
+    "tools": {
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "tools": True},
+        "tool_task": {
+            "a_digits": 3,
+            "b_digits": 4,
+            "num_train": 2000,
+            "num_eval": 200,
+            "teacher_tool_rate": 0.3,
+        },  # fmt: skip
+        "warmup": {"steps": 300, "lr": 3e-3, "batch_size": 32, "tools": ["calculator"]},
     },
     "ci": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
@@ -71,7 +90,12 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     base = build_tiny_model(root / "base-model", seed=seed, **p["model"])
-    paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
+    if "tool_task" in p:
+        from tether.demo.tool_task import ToolTask, write_tool_task
+
+        paths = write_tool_task(root / "data", ToolTask(seed=seed, **p["tool_task"]))
+    else:
+        paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
     log.info("supervised warm-up of the tiny model (%d steps)…", p["warmup"]["steps"])
     report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed, **p["warmup"])
     log.info(
@@ -96,18 +120,20 @@ def run_demo(
     overrides: list[str],
     flags: dict[str, Any],
     assets: str | None,
+    task: str = "arithmetic",
 ) -> int:
-    """`tether demo`: ``config_file`` (default ``demo.toml``), ``overrides`` (``--set``) and
-    ``flags`` as the CLI gave them; ``assets`` where the model and data go (default: the run
-    directory's ``assets/``). Returns the exit code of the run."""
+    """`tether demo`: ``task`` (a key of ``TASKS``), ``config_file`` (default: the task's),
+    ``overrides`` (``--set``) and ``flags`` as the CLI gave them; ``assets`` where the model and
+    data go (default: the run directory's ``assets/``). Returns the exit code of the run."""
     from common.config.load import load_config
     from tether.runs.launcher import launch, prepare_run_dir
 
-    config_file = config_file or str(DEMO_CONFIG)
+    preset, default_config = TASKS[task]
+    config_file = config_file or str(default_config)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config
     paths = RunDir.of(cfg)
     assets_dir = Path(assets) if assets else paths.assets
-    made = prepare_assets(assets_dir, seed=cfg.run.seed)
+    made = prepare_assets(assets_dir, preset=preset, seed=cfg.run.seed)
     given = [
         f"run.model={json.dumps(str(made.model_dir))}",
         f"data.train_path={json.dumps(str(made.data_dir / 'train.jsonl'))}",

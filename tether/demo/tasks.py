@@ -178,7 +178,7 @@ def item(
     }
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
+def write_jsonl(path: Path, rows: list[dict]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for row in rows:
@@ -216,14 +216,14 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
         error = task.teacher_carry_error if split == "train" else 0.0
         return p.scratchpad(sloppy, error)
 
-    _write_jsonl(
+    write_jsonl(
         paths["train"],
         [
             item(p, split="train", index=i, prompt_style=style, solution=solution(p, "train"))
             for i, p in enumerate(train)
         ],
     )
-    _write_jsonl(
+    write_jsonl(
         paths["eval"],
         [
             item(p, split="eval", index=i, prompt_style=style, solution=solution(p, "eval"))

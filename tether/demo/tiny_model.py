@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# with tools=True: one token each, as in Qwen's tokenizers (and short episodes on this CPU)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 BOS_TOKEN = "<s>"  # only with bos=True: a tokenizer that adds BOS, like Llama's, Mistral's, Gemma's
 
 # A ChatML template like Qwen's, so `apply_chat_template` works for chat-style datasets.
@@ -23,11 +25,41 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out_dir: str | Path, *, bos: bool = False):
+# ChatML with Hermes-style tools, as Qwen2.5 writes them but with a short system turn: each
+# tool's function entry as compact JSON, calls as <tool_call> JSON blocks, consecutive tool
+# results in one user turn of <tool_response> blocks.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + tool['function'] | tojson }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '\n<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + call['function']['arguments'] | tojson + '}</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>' + message['content'] + '</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def build_tokenizer(out_dir: str | Path, *, bos: bool = False, tools: bool = False):
     """Byte-level BPE with the 256 byte symbols and no merges, plus ChatML special tokens.
 
     ``bos=True``: the tokenizer also adds ``<s>`` in front of raw text (a ``TemplateProcessing``
-    post-processor, as Llama's does) and its chat template writes ``<s>`` itself."""
+    post-processor, as Llama's does) and its chat template writes ``<s>`` itself.
+    ``tools=True``: ``TOOL_TOKENS`` are special tokens too and the template renders tools
+    (``TOOLS_CHAT_TEMPLATE``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +68,9 @@ def build_tokenizer(out_dir: str | Path, *, bos: bool = False):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS + ([BOS_TOKEN] if bos else []))
+    tok.add_special_tokens(
+        SPECIAL_TOKENS + ([BOS_TOKEN] if bos else []) + (TOOL_TOKENS if tools else [])
+    )
     if bos:
         bos_id = tok.token_to_id(BOS_TOKEN)
         tok.post_processor = processors.TemplateProcessing(
@@ -51,7 +85,8 @@ def build_tokenizer(out_dir: str | Path, *, bos: bool = False):
         bos_token=BOS_TOKEN if bos else None,
         unk_token=None,
     )
-    fast.chat_template = ("{{ bos_token }}" if bos else "") + CHAT_TEMPLATE
+    template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
+    fast.chat_template = ("{{ bos_token }}" if bos else "") + template
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -68,6 +103,7 @@ def build_tiny_model(
     vocab_size: int | None = None,
     seed: int = 0,
     bos: bool = False,
+    tools: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; reuse it if present.
@@ -75,7 +111,7 @@ def build_tiny_model(
     ``vocab_size`` (default: the tokenizer's size) pads the embedding and the tied LM head to a
     real tokenizer's vocabulary, e.g. 151936 for Qwen2.5, so a benchmark pays the LM head's cost;
     the extra rows are never produced by this tokenizer. ``bos``: a tokenizer that adds BOS
-    (``build_tokenizer``).
+    (``build_tokenizer``); ``tools``: tool tokens and a tool-aware template.
 
     Returns the directory. ``overwrite=False`` keeps an existing complete build (the marker file
     ``tether_tiny.json`` records the parameters that made it).
@@ -97,11 +133,13 @@ def build_tiny_model(
         params["vocab_size"] = vocab_size  # absent when defaulted: older markers still match
     if bos:
         params["bos"] = True  # likewise
+    if tools:
+        params["tools"] = True  # likewise
     marker = out / "tether_tiny.json"
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == params:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, bos=bos)
+    tokenizer = build_tokenizer(out, bos=bos, tools=tools)
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens"

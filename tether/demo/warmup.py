@@ -1,7 +1,8 @@
 """A short supervised warm-up so the demo's tiny random model starts RL with reward above zero.
 
 ``warmup_sft`` trains on prompt -> reference-solution pairs from the task's train split (loss on
-the completion tokens only, prompts through the chat template), on CPU in fp32 with
+the completion tokens only, prompts through the chat template; for the tools task, on the
+teacher's episodes with the loss on its assistant turns only), on CPU in fp32 with
 transformers, and saves the model back as safetensors with the same tokenizer. A marker file
 (``tether_warmup.json``) records the settings and the report, so a re-run reuses the result.
 
@@ -16,6 +17,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +28,58 @@ logger = logging.getLogger(__name__)
 MARKER = "tether_warmup.json"
 
 
-def _examples(tokenizer: Any, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids + eos) per row."""
+Example = tuple[list[int], list[int], list[int]]  # prompt ids, completion ids, their loss mask
+
+
+def _examples(tokenizer: Any, rows: list[dict], tools: list[str] | None = None) -> list[Example]:
+    """(prompt ids, completion ids + eos, loss mask) per row. A row with ``turns`` is an episode
+    (``tether.demo.tool_task``), assembled exactly as the generator assembles one: assistant
+    turns as their ids and eos (loss), tool turns by template difference (no loss)."""
+    from common.chat.turns import TurnEncoder
+    from common.tools.registry import tool_schemas
+
+    schemas = tool_schemas(tools or [])
+    encoder = None
     out = []
     for row in rows:
-        prompt = encode_prompt(tokenizer, row["prompt"])
-        completion = tokenizer(row["solution"], add_special_tokens=False).input_ids
-        out.append((prompt, list(completion) + [tokenizer.eos_token_id]))
+        prompt = encode_prompt(tokenizer, row["prompt"], tools=schemas)
+        if "turns" not in row:
+            completion = tokenizer(row["solution"], add_special_tokens=False).input_ids
+            ids = list(completion) + [tokenizer.eos_token_id]
+            out.append((prompt, ids, [1] * len(ids)))
+            continue
+        if encoder is None:
+            encoder = TurnEncoder(tokenizer, end_ids={tokenizer.eos_token_id}, tools=schemas)
+        ids, mask = [], []
+        for turn in row["turns"]:
+            if turn["role"] == "assistant":
+                part = [*tokenizer(turn["text"], add_special_tokens=False).input_ids,
+                        tokenizer.eos_token_id]  # fmt: skip
+            else:
+                part = encoder.env_turn([{"role": turn["role"], "content": turn["content"]}])
+            ids += part
+            mask += [int(turn["role"] == "assistant")] * len(part)
+        out.append((prompt, ids, mask))
     return out
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
+def sft_batch(examples: Sequence[Example | tuple[list[int], list[int]]], pad_id: int):
+    """(input ids, attention mask, labels) of examples ``(prompt, completion[, loss mask])``."""
     import torch
 
-    width = max(len(p) + len(c) for p, c in examples)
+    width = max(len(e[0]) + len(e[1]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), -100, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (p, c) in enumerate(examples):
+    for i, e in enumerate(examples):
+        p, c = e[0], e[1]
+        m = e[2] if len(e) == 3 else [1] * len(c)
         seq = p + c
         ids[i, : len(seq)] = torch.tensor(seq)
-        labels[i, len(p) : len(seq)] = torch.tensor(c)  # loss on the completion only
+        # loss on the completion's own tokens only (not the prompt, not tool turns)
+        labels[i, len(p) : len(seq)] = torch.tensor(
+            [t if k else -100 for t, k in zip(c, m, strict=True)]
+        )
         mask[i, : len(seq)] = 1
     return ids, mask, labels
 
@@ -74,6 +107,7 @@ def warmup_sft(
     seed: int,
     out_dir: str | Path | None = None,
     num_threads: int | None = 1,
+    tools: list[str] | None = None,
 ) -> dict:
     """Train ``steps`` AdamW steps on the reference solutions; save to ``out_dir`` (default:
     in place). Returns a report: first/last loss (mean over 20 steps), seconds, tokens.
@@ -93,6 +127,7 @@ def warmup_sft(
         "lr": lr,
         "batch_size": batch_size,
         "seed": seed,
+        "tools": tools or [],
         # The base model's build parameters: a different base invalidates the warmed-up copy.
         "base": _read_json(Path(model_dir) / "tether_tiny.json"),
     }
@@ -116,6 +151,7 @@ def warmup_sft(
             lr=lr,
             batch_size=batch_size,
             seed=seed,
+            tools=tools,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -131,6 +167,7 @@ def _train(
     lr: float,
     batch_size: int,
     seed: int,
+    tools: list[str] | None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,7 +176,7 @@ def _train(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
-    examples = _examples(tokenizer, read_jsonl(train_jsonl))
+    examples = _examples(tokenizer, read_jsonl(train_jsonl), tools)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(seed)
     losses: list[float] = []

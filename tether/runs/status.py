@@ -114,6 +114,16 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             f"  last step {ls.get('step')}: loss {ls.get('loss', 0):.4f} reward {ls.get('reward_mean', 0):.3f} staleness ≤ {ls.get('staleness_max')}"
         )
+    if ls.get("tool_calls_per_episode", 0) > 0 or ls.get("episode_turns_mean", 1) > 1:
+        lines.append(
+            f"  episodes: {ls['episode_turns_mean']:.2f} turns, {ls['tool_calls_per_episode']:.2f} "
+            f"tool calls ({ls['tool_call_rate']:.0%} called one, {ls['tool_error_rate']:.0%} "
+            f"failed, {ls['tool_seconds_per_episode']:.3f} s in tools) per episode; "
+            f"{ls['episodes_cut_max_turns']:.0f} cut at max_turns, "
+            f"{ls['template_mismatches']:.0f} re-render mismatches; versions within an "
+            f"episode span ≤ {ls['episode_version_span_max']:.0f} (staleness counts from the "
+            "oldest)"
+        )
     for s in st["services"]:
         tb = ", ".join(f"{k} {v:.0%}" for k, v in list(s["time_breakdown"].items())[:4])
         state = "alive" if s["alive"] else f"silent {s['age_s']:.0f}s"

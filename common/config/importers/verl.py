@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
+from common.config.importers.verl_multi_turn import map_multi_turn
 
 _A, _R, _O = (
     "actor_rollout_ref.actor.",
@@ -391,3 +392,4 @@ def map_verl(m: Mapper) -> None:
     _verl_placement(m)
     _verl_schedule(m, steps)
     _verl_solver(m)
+    map_multi_turn(m)

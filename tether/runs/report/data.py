@@ -19,6 +19,7 @@ SECTIONS = {
     "throughput": "Throughput per stage",
     "staleness": "Staleness",
     "mismatch": "Behaviour vs learner mismatch",
+    "episodes": "Episodes and tool use",
     "time": "Where each service spends its time",
     "accounting": "Accounting: nothing lost",
     "config": "Resolved config",

@@ -206,6 +206,16 @@ def render(
             img_tag(rp.plot_mismatch(steps), "mismatch", "no mismatch statistics recorded"),
             "log-probs of the sampled tokens under the generator (behaviour) vs the learner, before the update",
         ),
+        *(
+            [_section(
+                "episodes",
+                img_tag(rp.plot_episodes(steps), "episodes", "no episodes recorded"),
+                "per optimizer step, over the episodes it trained; the staleness above counts "
+                "from each episode's oldest sampled token",
+            )]
+            if rp.episodes_recorded(steps)
+            else []
+        ),  # fmt: skip
         _section("time", extra["time"]),
         _section("accounting", extra["accounting"], snap_note),
         _section(

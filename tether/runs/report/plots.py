@@ -136,6 +136,34 @@ def plot_mismatch(steps: list[dict[str, Any]]) -> str | None:
     return png_b64(fig)
 
 
+def episodes_recorded(steps: list[dict[str, Any]]) -> bool:
+    """Whether the run trained episodes with tools (a single-turn run has one turn and no
+    tool calls in every step)."""
+    return any(
+        s.get("tool_calls_per_episode", 0) > 0 or s.get("episode_turns_mean", 1) > 1 for s in steps
+    )
+
+
+def plot_episodes(steps: list[dict[str, Any]]) -> str | None:
+    """Tool use over steps: the share of episodes that called a tool and tool calls per
+    episode; turns per episode and the share of failed calls."""
+    if not episodes_recorded(steps):
+        return None
+    fig, (left, right) = figure(2)
+    x = [s["step"] for s in steps if "tool_call_rate" in s]
+    for ax, keys in (
+        (left, (("tool_call_rate", "episodes that called a tool"),
+                ("tool_calls_per_episode", "tool calls per episode"))),
+        (right, (("episode_turns_mean", "assistant turns per episode"),
+                 ("tool_error_rate", "failed share of tool calls"))),
+    ):  # fmt: skip
+        for key, label in keys:
+            ax.plot(x, [s[key] for s in steps if "tool_call_rate" in s], "o-", ms=3, label=label)
+        ax.set(xlabel="optimizer step")
+        ax.legend(loc="best", fontsize=8)
+    return png_b64(fig)
+
+
 def _with_untimed(service: dict[str, Any]) -> dict[str, float]:
     """Phase seconds plus the uptime no phase covers (start-up: loading the model, warm-up)."""
     phases = dict(service.get("phases") or {})
