@@ -5,7 +5,9 @@ export, run real subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
+
+from common.bus import acl
+from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -155,3 +161,204 @@ def kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------------------------ Redis ACL users
+
+
+def compose_redis_script() -> str:
+    """The shell script deploy/compose's Redis runs (users, ACL rules, persistence), with
+    compose's ``$$`` escapes resolved: what ``sh -c`` executes in the container."""
+    doc = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yml").read_text())
+    command = doc["services"]["redis"]["command"]
+    assert command[:2] == ["sh", "-c"], command
+    return command[2].replace("$$", "$")
+
+
+def acl_rules_in(script: str) -> dict[str, list[str]]:
+    """The ``<kind>='<rules>'`` assignments of a Redis start script."""
+    return {k: v.split() for k, v in re.findall(r"^\s*(\w+)='([^']*)'$", script, re.M)}
+
+
+def start_redis_with_users(script: str, data_dir: Path, *, port: int, env: dict[str, str]):
+    """Run a deploy Redis start script with the machine's redis-server (Debian's 7.0 in CI) on
+    127.0.0.1:``port``, its data in ``data_dir`` (the script's ``--dir /data`` pointed there)."""
+    import os
+
+    text = script.replace("--dir /data", f"--dir {data_dir}")
+    args = ["sh", "-c", text, "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+            "--appendonly", "no", "--save", "", "--logfile", str(data_dir / "redis.log")]  # fmt: skip
+    return subprocess.Popen(
+        args, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+REQUIRE = os.environ.get("TETHER_TEST_REQUIRE_REDIS7") == "1"
+PASSWORD_ENV = {"default": "REDIS_PASSWORD"} | {k: f"REDIS_{k.upper()}_PASSWORD" for k in acl.KINDS}
+
+
+def need_system_tool(tool: str, apt: str) -> str:
+    """A system tool CI installs (.ci/run): skip without it, fail under TETHER_TEST_REQUIRE_REDIS7=1."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    if REQUIRE:
+        pytest.fail(f"TETHER_TEST_REQUIRE_REDIS7=1 but {tool} is missing: apt-get install {apt}")
+    pytest.skip(f"{tool} is not installed: apt-get install {apt}")
+
+
+class UsersRedis:
+    """The deploy script's Redis with a random password per user."""
+
+    def __init__(self, data_dir) -> None:
+        need_system_tool("redis-server", "redis-server")
+        self.port = free_port()
+        self.passwords = {user: secrets.token_hex(16) for user in PASSWORD_ENV}
+        env = {var: self.passwords[user] for user, var in PASSWORD_ENV.items()}
+        env["REDIS_MAXMEMORY"] = "256mb"
+        self.proc = start_redis_with_users(
+            compose_redis_script(), data_dir, port=self.port, env=env
+        )
+        self.log = data_dir / "redis.log"
+        self.admin = redis.Redis(port=self.port, password=self.passwords["default"])
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.admin.ping()
+                break
+            except redis.ConnectionError:
+                assert self.proc.poll() is None, self.log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        assert self.admin.info("server")["redis_version"].startswith("7."), "not Redis 7"
+
+    def url(self, kind: str) -> str:
+        return f"redis://{acl.user_name(kind)}:{self.passwords[kind]}@127.0.0.1:{self.port}/0"
+
+    def client(self, kind: str) -> redis.Redis:
+        return redis.Redis.from_url(self.url(kind), driver_info=None)
+
+    def denied(self) -> list[str]:
+        """``user: command`` of every ACL LOG entry (commands refused since the last reset)."""
+        out = []
+        for e in self.admin.acl_log():
+            out.append(f"{e['username']}: {e['object']} ({e['reason']})")
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+# ------------------------------------------------------------------------------ Kubernetes
+
+K8S = DEPLOY / "k8s"
+K8S_VERSION = "1.35.0"  # a current release whose schemas kubernetes-validate bundles
+CRDS = ROOT / "tests" / "fixtures" / "crds"
+
+
+def k8s_docs() -> list[tuple[str, dict]]:
+    """(file, document) of every manifest of the base (deploy/k8s/*.yaml)."""
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def pod_templates(docs: list[tuple[str, dict]] | None = None) -> list[tuple[str, dict, dict]]:
+    """(file, workload, pod template) of every workload."""
+    return [
+        (fname, doc, doc["spec"]["template"])
+        for fname, doc in (k8s_docs() if docs is None else docs)
+        if doc["kind"] in ("StatefulSet", "Deployment", "Job")
+    ]
+
+
+def restricted_violations(pod_spec: dict) -> list[str]:
+    """The Pod Security Standard "restricted" rules (v1.35) that a pod spec breaks. Our own
+    check of the published rules: no policy linter (kube-linter, kubeconform) is packaged here."""
+    bad = []
+    psc = pod_spec.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(key):
+            bad.append(key)
+    bad += [f"hostPath volume {v['name']}" for v in pod_spec.get("volumes", []) if "hostPath" in v]
+    for c in pod_spec.get("initContainers", []) + pod_spec["containers"]:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation must be false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            bad.append(f"{name}: capabilities must drop ALL")
+        if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: adds capabilities")
+        if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            bad.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile")
+        if c.get("ports") and any(p.get("hostPort") for p in c["ports"]):
+            bad.append(f"{name}: hostPort")
+    return bad
+
+
+def render_kustomize(tmp: Path, *, components: tuple[str, ...] = (), params: dict | None = None):
+    """``kubectl kustomize`` of a copy of deploy/k8s with ``components`` enabled and
+    ``params`` (params.yaml's data) changed: (rendered text, documents)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if REQUIRE:
+            pytest.fail("kubectl is missing (.ci/run installs it)")
+        pytest.skip("kubectl is not installed (its `kustomize` renders deploy/k8s)")
+    base = tmp / "k8s"
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.copytree(K8S, base)
+    kust = yaml.safe_load((base / "kustomization.yaml").read_text())
+    if components:
+        kust["components"] = [f"components/{c}" for c in components]
+    (base / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    if params:
+        doc = yaml.safe_load((base / "params.yaml").read_text())
+        doc["data"].update(params)
+        (base / "params.yaml").write_text(yaml.safe_dump(doc))
+    res = run_tool([kubectl, "kustomize", str(base)])
+    assert res.returncode == 0, res.stderr
+    return res.stdout, [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def custom_resource_problems(doc: dict) -> list[str]:
+    """A custom resource checked against its CRD's schema (tests/fixtures/crds): the schema's
+    types and required fields (jsonschema), and, like ``kubectl --validate=strict``, no field
+    the schema does not declare."""
+    import jsonschema
+
+    group, version = doc["apiVersion"].split("/")
+    found = [json.loads(p.read_text()) for p in CRDS.glob(f"{group}_*.json")]
+    (crd,) = [c for c in found if c["kind"] == doc["kind"] and c["version"] == version] or [None]
+    if crd is None:
+        return [f"no schema for {doc['apiVersion']} {doc['kind']} in {CRDS}"]
+    schema = crd["schema"]
+    problems = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft4Validator(schema).iter_errors(doc)
+    ]
+
+    def unknown(node, sch, path):
+        if isinstance(node, dict) and sch.get("type") == "object" and "properties" in sch:
+            for k, v in node.items():
+                if k in sch["properties"]:
+                    unknown(v, sch["properties"][k], f"{path}.{k}")
+                elif path and not sch.get("x-kubernetes-preserve-unknown-fields"):
+                    problems.append(f"{path}.{k}: unknown field")
+        elif isinstance(node, list) and "items" in sch:
+            for i, v in enumerate(node):
+                unknown(v, sch["items"], f"{path}[{i}]")
+
+    unknown({k: v for k, v in doc.items() if k != "metadata"}, schema, "")
+    return problems

@@ -30,11 +30,14 @@ def weights(seed: int, n: int = 8, mb: float = 4.0) -> list:
     ]
 
 
-def start_receiver(tmp_path: Path, port: int, member: str, *extra: str):
+def start_receiver(tmp_path: Path, port: int, member: str, *extra: str, secret: str = ""):
+    """A receiver process (tests/procs/weight_receiver.py); ``secret``: its weights secret."""
+    from common.weights.handshake import SECRET_ENV
+
     log = tmp_path / f"{member}-{time.monotonic_ns()}.jsonl"
     cmd = [sys.executable, str(RECEIVER), "--port", str(port), "--member", member]
     cmd += ["--log", str(log), "--timeout", "20", *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{SECRET_ENV: secret})
     return subprocess.Popen(cmd, env=env), log
 
 

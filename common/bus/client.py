@@ -10,6 +10,7 @@ prefix acknowledged by every group is trimmed. Only Redis 7.0 commands are used.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -21,6 +22,7 @@ from common.bus.memory import OOM_FIRST_DELAY_S, Memory, OomEpisodes, check_poli
 from common.bus.metrics import BusMetrics
 from common.bus.settings import (
     BusSettings,
+    BusStopping,
     BusUnavailable,
     decode_str,
     make_client,
@@ -45,6 +47,10 @@ class Bus:
         )
         self._commit_script = self.redis.register_script(_COMMIT_LUA)
         self._oom = OomEpisodes(self.metrics, lambda: read_memory(self.redis).describe())
+        # Set when the service stops (SIGTERM, or the run is finished): a producer waiting for
+        # room downstream gives up (``BusStopping``) instead of waiting for consumers that are
+        # gone, so the service can exit.
+        self.stopping = threading.Event()
 
     # ------------------------------------------------------------------ plumbing
     def key(self, name: str) -> str:
@@ -193,6 +199,8 @@ class Bus:
             return lag + pending if count_pending else lag
 
         while backlog() >= self.settings.max_backlog:
+            if self.stopping.is_set():
+                raise BusStopping(f"stopped while waiting for room in {self.key(stream)}/{group}")
             waited = time.monotonic() - start
             if timeout_s is not None and waited >= timeout_s:
                 raise TimeoutError(
@@ -322,6 +330,9 @@ class Bus:
     def get(self, name: str) -> str | None:
         value = self.call(lambda: self.redis.get(self.key(name)), what="GET")
         return None if value is None else value.decode()
+
+    def delete(self, name: str) -> None:
+        self.call(lambda: self.redis.delete(self.key(name)), what="DEL")
 
     # ------------------------------------------------------------------ the status hash
     def write_status(self, service: str, sid: str, doc: str) -> None:

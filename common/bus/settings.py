@@ -83,13 +83,19 @@ def bus_settings_for(cfg: TetherConfig, *, redis_url: str | None = None) -> BusS
 
 
 def make_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> Any:
-    """A redis-py client with explicit timeouts and no built-in retries (``Bus.call`` retries)."""
+    """A redis-py client with explicit timeouts and no built-in retries (``Bus.call`` retries).
+
+    No CLIENT SETINFO on connect (``driver_info=None``): a service's ACL user is not allowed it
+    (``common.bus.acl``), and redis-py would send it on every new connection. TLS settings
+    travel in a ``rediss://`` URL's query (``?ssl_ca_certs=/path/ca.pem``, ``ssl_certfile``,
+    ``ssl_keyfile`` for a client certificate), which redis-py reads."""
     return redis.Redis.from_url(
         url,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
         socket_keepalive=True,
         retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        driver_info=None,
     )
 
 
@@ -110,6 +116,10 @@ def safe_url(url: str) -> str:
 
 class BusUnavailable(ConnectionError):
     """Redis stayed unreachable for longer than ``reconnect_max_s``."""
+
+
+class BusStopping(RuntimeError):
+    """The service is stopping (``Bus.stopping``): a wait for room downstream was given up."""
 
 
 def is_nogroup(e: Exception) -> bool:

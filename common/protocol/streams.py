@@ -13,9 +13,11 @@ weight chain's membership epoch after the last publish: it moves whenever a gene
 or was dropped; the learner's weight store holds the chain itself, which the process groups need
 for their rendezvous), ``status`` (a hash with one
 field ``<service>:<id>`` per replica: phase seconds, counters, heartbeat; read by ``tether
-status``), ``done:<group>`` (a consumer group's dedupe ids, scored by commit time), and
+status``), ``done:<group>`` (a consumer group's dedupe ids, scored by commit time),
 ``inhand:<stream>:<group>`` / ``strikes:<stream>:<group>`` (which consumer holds an entry it is
-working on, and how often a consumer failed while holding it: ``common.bus.strikes``).
+working on, and how often a consumer failed while holding it: ``common.bus.strikes``) and
+``run:finished`` (written by the learner when the run is over: every service then stops,
+``common.service.run_end``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ EVAL_SUFFIX = ":eval"
 def generated_field(sid: str, split: str) -> str:
     """The ``generated:groups`` field that counts generator ``sid``'s groups of ``split``."""
     return sid + EVAL_SUFFIX if split == "eval" else sid
+
+
+# JSON {num_cycles, version, at}: the learner finished the run (``common.service.run_end``).
+RUN_FINISHED = "run:finished"
 
 
 def generator_version(sid: str) -> str:

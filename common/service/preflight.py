@@ -136,7 +136,9 @@ def _data_paths(cfg: TetherConfig) -> None:
         if path and not Path(path).exists():
             raise ConfigError(
                 f"{setting} = {path!r} does not exist. Fix: point it at a JSONL/Parquet file or "
-                "a directory of them."
+                "a directory of them; in a deployment, stage it first: on Kubernetes set "
+                "dataSource in deploy/k8s/params.yaml (the tether-staging Job fetches it into "
+                "/models/data), with compose copy it under TETHER_MODELS_DIR (deploy/README.md)."
             )
     if d.overlong_prompt_policy == "error":
         try:
@@ -176,6 +178,8 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
     except redis.AuthenticationError as exc:  # a ConnectionError: first
         return [f"{where} refused the credentials ({exc}). Fix the user:password in the URL."]
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        if tls := _tls_problem(str(exc), tls=url.startswith("rediss://")):
+            return [f"{where}: {tls} ({exc})."]
         fix = (
             "start the server, correct the URL, or leave run.redis_url empty so that `tether "
             "train` starts an embedded server"
@@ -217,6 +221,25 @@ def check_server(bus: Any) -> None:
         bus.check_server()
     except ConfigError as exc:
         raise PreflightError(str(exc)) from None
+
+
+def _tls_problem(error: str, *, tls: bool) -> str:
+    """What a failed ``rediss://`` connection most likely means and how to fix it, or ''."""
+    if not tls:
+        return ""
+    if "CERTIFICATE_VERIFY_FAILED" in error:
+        return (
+            "its TLS certificate is not trusted by this machine. Fix: name the CA that signed it "
+            "in the URL, rediss://user:password@host:port/0?ssl_ca_certs=/path/to/ca.pem"
+        )
+    if "WRONG_VERSION_NUMBER" in error or "Timeout" in error:
+        # a plain Redis reads a TLS hello as the start of a command and waits for the rest
+        return (
+            f"no TLS handshake within {PING_TIMEOUT_S:g} s: the port does not speak TLS, or "
+            "nothing answers there. Fix: use redis:// for a plain port, or the server's TLS "
+            "port (tls-port)"
+        )
+    return ""
 
 
 def _tokenizer(cfg: TetherConfig) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -60,16 +60,22 @@ class HealthServer:
         *,
         live: Liveness | None = None,
         host: str = "0.0.0.0",
+        identity: Mapping[str, str] | None = None,
     ) -> None:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        """``identity``: the ``run``, ``kind`` and ``replica`` labels every served series
+        carries (``exposition.identity``); without it the registry is served as it is."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        from common.telemetry.exposition import Identified
 
         outer = self
+        served: Any = Identified(REGISTRY, identity) if identity else REGISTRY
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server API)
                 ctype = "text/plain"
                 if self.path.startswith("/metrics"):
-                    body, ctype, code = generate_latest(), CONTENT_TYPE_LATEST, 200
+                    body, ctype, code = generate_latest(served), CONTENT_TYPE_LATEST, 200
                 elif self.path.startswith("/healthz"):
                     ok, why = outer.alive()
                     body, code = (

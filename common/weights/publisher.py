@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config.shared import BUCKET_MB, CHUNK_MB
 from common.telemetry.metrics import metric
+from common.weights import handshake
 from common.weights.buckets import unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
 from common.weights.checksum import hash_tensor
@@ -76,7 +77,7 @@ class WeightPublisher:
     def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
                  bucket_bytes: int = int(BUCKET_MB * 2**20), accept_interval_s: float = 0.2,
                  device: str | None = None, auto_accept: bool = True, fanout: str = "chain",
-                 chunk_bytes: int = int(CHUNK_MB * 2**20)) -> None:  # fmt: skip
+                 chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None) -> None:  # fmt: skip
         if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0:
             raise ValueError(
                 f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN} and chunk_bytes >= 0; "
@@ -97,7 +98,15 @@ class WeightPublisher:
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))  # fmt: skip
         self._store.set(BACKEND_KEY, backend)
-        self._store.set(INSTANCE_KEY, uuid.uuid4().hex)
+        self._instance = uuid.uuid4().hex  # also the challenge a join's proof is bound to
+        self._store.set(INSTANCE_KEY, self._instance)
+        self._secret = secret  # handshake.py: without one, any process that reaches the port joins
+        if secret is None:
+            logger.warning(
+                "weight store on %s:%d accepts any join: set %s (the same in every generator) "
+                "so that only this run's processes join", host, port, handshake.SECRET_ENV,
+            )  # fmt: skip
+        self._joins_taken: set[tuple[str, int]] = set()
         if backend == "nccl":
             self._store.set(GPU_KEY, gpu_uuid(self.device))
         self._members: dict[str, _Member] = {}
@@ -217,10 +226,25 @@ class WeightPublisher:
         entries = self._store.get("wsync/joins").decode().split(";")[:-1]
         for entry in entries[self._joins_seen :]:
             self._joins_seen += 1
-            # <member>:<join epoch>:<version it holds from this publisher, -1 for none>
-            member_id, epoch, has = entry.split(":")
+            # <member>:<join epoch>:<version it holds from this publisher, -1 for none>:<proof>
+            try:
+                join = handshake.Join.parse(entry)
+            except ValueError:
+                logger.warning("weight sync: ignoring a malformed join %r", entry[:100])
+                continue
+            member_id, epoch, has = join.member, join.epoch, join.has
             prefix = f"wsync/{member_id}/{epoch}/"
             pstore = dist.PrefixStore(prefix, self._store)
+            why = handshake.refusal(self._secret, join, instance=self._instance)
+            if not why and (member_id, epoch) in self._joins_taken:
+                why = f"{member_id} epoch {epoch} has joined already (a replayed join)"
+            if why:
+                logger.warning("weight sync: refused a join: %s", why)
+                pstore.set(handshake.REFUSED_KEY, why)
+                metric("Counter", "tether_weights_member_failures_total", "Member failures",
+                       ("reason",)).labels("refused").inc()  # fmt: skip
+                continue
+            self._joins_taken.add((member_id, epoch))
             with self._lock:  # what the member must wait for (set before it can finish joining)
                 pstore.set("current", str(self._latest.version if self._latest else -1))
             try:
@@ -236,7 +260,7 @@ class WeightPublisher:
                         ("reason",)).labels("join").inc()  # fmt: skip
                 continue
             with self._lock:
-                self._members[member_id] = _Member(member_id, int(epoch), pg, pstore, int(has))
+                self._members[member_id] = _Member(member_id, epoch, pg, pstore, has)
                 n = len(self._members)
             metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)

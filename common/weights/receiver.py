@@ -9,6 +9,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from common.weights import handshake
 from common.weights.chain import (
     PROGRESS_EVERY_S,
     Forwarder,
@@ -38,11 +39,13 @@ class WeightReceiver:
     """Generator side: ``join()``, then ``poll()`` cheaply and ``receive()`` when one is pending."""
 
     def __init__(self, host: str, port: int, member_id: str, *, backend: str = "auto",
-                 timeout_s: float = 60.0, device: str | None = None) -> None:  # fmt: skip
+                 timeout_s: float = 60.0, device: str | None = None,
+                 secret: bytes | None = None) -> None:  # fmt: skip
         if not member_id or ":" in member_id or ";" in member_id or "/" in member_id:
             raise ValueError(f"member_id must be non-empty without ':', ';' or '/': {member_id!r}")
         self.host, self.port, self.member_id = host, port, member_id
         self.backend, self.timeout_s, self.device = backend, timeout_s, device
+        self._secret = secret  # the run's shared secret: the learner admits only its holders
         self.version: int | None = None
         self.epoch: int | None = None
         self._instance = ""  # the publisher ``version`` came from
@@ -90,12 +93,14 @@ class WeightReceiver:
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
             self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
             has = -1 if self.version is None else self.version  # not sent again on the catch-up
-            self._store.append("wsync/joins", f"{self.member_id}:{epoch}:{has};")
+            join = handshake.signed(self._secret, instance=instance, member=self.member_id,
+                                    epoch=epoch, has=has)  # fmt: skip
+            self._store.append("wsync/joins", join.entry())
+            self.current = self._admitted()
             self._pg = make_pair_group(self._pstore, 1, backend=self.backend,
                                        timeout_s=self.timeout_s)  # fmt: skip
-            # set before the learner's side of the rendezvous (absent: nothing to wait for)
-            has_current = self._pstore.check(["current"])
-            self.current = int(self._pstore.get("current")) if has_current else -1
+        except WeightSyncError:
+            raise
         except Exception as e:
             raise WeightSyncError(
                 f"could not join the learner's weight sync at {self.host}:{self.port} "
@@ -105,6 +110,24 @@ class WeightReceiver:
         self.epoch = epoch
         logger.info("weight sync: joined as %s epoch %d", self.member_id, epoch)
         return epoch
+
+    def _admitted(self) -> int:
+        """Wait (up to ``timeout_s``) for the learner to take our join: it sets ``current``
+        (its latest version, -1 for none) before its side of the rendezvous, or ``refused``
+        with the reason (the weights secret, ``handshake.py``)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._pstore.check([handshake.REFUSED_KEY]):
+                why = self._pstore.get(handshake.REFUSED_KEY).decode()
+                raise WeightSyncError(f"the learner refused {self.member_id}'s join: {why}")
+            if self._pstore.check(["current"]):
+                return int(self._pstore.get("current"))
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(
+                    f"the learner at {self.host}:{self.port} did not take {self.member_id}'s "
+                    f"join within {self.timeout_s:g} s"
+                )
+            time.sleep(0.02)
 
     def poll(self) -> int | None:
         """The version waiting to be received if it is newer than ours, else None.

@@ -8,13 +8,15 @@
 # Steps: base image (deploy/docker/base-image.sh, when missing) -> tether:cpu, Redis,
 # redis_exporter and Prometheus images (deploy/docker/) -> `up` of redis, redis-exporter,
 # prometheus, prepare (the demo's model and task into the `models` volume), learner,
-# generator-0, scorer (docker-compose.yml + docker-compose.cpu-demo.yml +
-# docker-compose.smoke.yml, whose network has no way out) -> mid-run: generator-0's process is
-# SIGKILLed (a crash: the restart policy restarts it), later `docker kill` (a manual stop: Docker
-# does not restart it; `up -d` does) -> the learner exits 0 -> checks (smoke_checks.py):
-# `tether status --json` accounting and metrics.jsonl (every step once), Prometheus targets all
-# up, every dashboard metric present, containers non-root/read-only/no capabilities, Redis
-# refuses a client without the password -> `down -v`, also on failure (trap).
+# generator-0, scorer-0 (docker-compose.yml + docker-compose.cpu-demo.yml +
+# docker-compose.smoke.yml, whose network has no way out) -> mid-run: generator-0's service
+# process is SIGKILLed (a crash, as the OOM killer does it: the keeper restarts it), later
+# `docker kill` (a manual stop: nothing restarts it; `up -d` does) -> the learner exits 0 -> the
+# generator and the scorer stop by themselves (exit 0: the run-finished record) -> checks
+# (smoke_checks.py): `tether status --json` accounting and metrics.jsonl (every step once),
+# Prometheus targets all up, every dashboard metric present, containers non-root/read-only/no
+# capabilities, Redis refuses a client without the password and each service's ACL user a
+# command outside its set -> `down -v`, also on failure (trap).
 #
 # Environment: COMPOSE (the compose command; default `docker compose` when present, else
 # `docker-compose`), TETHER_BASE_IMAGE (default tether-base:bookworm, built here when missing),
@@ -142,9 +144,14 @@ REDIS_IMAGE=tether-redis:7.0
 REDIS_EXPORTER_IMAGE=tether-redis-exporter:1.45
 PROMETHEUS_IMAGE=tether-prometheus:2.42
 REDIS_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+REDIS_LEARNER_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+REDIS_GENERATOR_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+REDIS_SCORER_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+REDIS_EXPORTER_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+TETHER_WEIGHTS_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 GRAFANA_ADMIN_PASSWORD=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
 TETHER_RUN_NAME=demo
-SCORER_REPLICAS=1
+COMPOSE_PROFILES=
 TETHER_SHM_SIZE=2gb
 PROMETHEUS_PORT=19090
 EOF
@@ -194,6 +201,11 @@ trap 'exit 130' INT
 
 # Run ids, not names: compose v1 names containers tether-smoke_learner_1, v2 tether-smoke-learner-1.
 redis_cli() { dc exec -T redis redis-cli "$@"; }
+top_json() { # top_json CONTAINER: its processes' users (docker top) as JSON, for the checks
+  docker top "$1" -eo uid,pid,comm | awk 'NR>1{printf "%s[\"%s\",\"%s\",\"%s\"]", (n++?",":""), $1, $2, $3} BEGIN{printf "{\"Processes\":["} END{print "]}"}' >"$OUT/top/$1.json"
+}
+# The host pid of a container's `tether KIND` process (the keeper's child), or nothing.
+service_pid() { docker top "$1" -eo pid,args | awk -v k="tether $2" 'index($0, k) && !/keeper/ {print $1; exit}'; }
 learner_version() { redis_cli GET demo:version:learner 2>/dev/null | tr -dc '0-9'; }
 prom_get() { dc exec -T prometheus wget -q -O - "http://127.0.0.1:9090$1"; }
 save_metrics() { # save_metrics CONTAINER NAME: a service's /metrics text (the names it declares)
@@ -204,12 +216,13 @@ save_metrics() { # save_metrics CONTAINER NAME: a service's /metrics text (the n
 
 dc config -q || fail "the compose files do not resolve"
 RUN_START=$SECONDS
-dc up -d redis redis-exporter prometheus prepare learner generator-0 scorer >"$OUT/logs/up.log" 2>&1 ||
+dc up -d redis redis-exporter prometheus prepare learner generator-0 scorer-0 >"$OUT/logs/up.log" 2>&1 ||
   {
     cat "$OUT/logs/up.log"
     fail "compose up failed"
   }
 say "stack up (prepare has finished: learner, generator and scorer wait for it)"
+SCORER="$(cid scorer-0)"
 
 # ------------------------------------------------------------------ during the run
 LEARNER="$(cid learner)"
@@ -230,22 +243,32 @@ while :; do
     "$PY" "$HERE/smoke_checks.py" targets "$OUT/targets.json" >"$OUT/targets.txt" 2>&1; then
     targets_ok=1
     tee -a "$CHECKS" <"$OUT/targets.txt"
+    # while the run's services run (they stop by themselves at its end): the metric names they
+    # declare, their processes' users, and who `docker exec` runs as
     save_metrics "$LEARNER" learner
+    save_metrics "$GEN" generator
+    save_metrics "$SCORER" scorer
+    for c in "$LEARNER" "$GEN" "$SCORER"; do top_json "$c"; done
+    exec_uid="$(docker exec "$GEN" id -u)"
   fi
   if [ -z "$crashed_at" ] && [ "$v" -ge 10 ]; then
-    # A crash, as the OOM killer does it: SIGKILL to the container's init. The restart policy
-    # (unless-stopped) must bring it back.
-    kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$GEN")"
+    # A crash, as the OOM killer does it: SIGKILL to the service process (the largest one), not
+    # to the container's init. The keeper (its parent) must restart it; Docker restarts nothing.
+    svc_pid="$(service_pid "$GEN" generator)"
+    [ -n "$svc_pid" ] || fail "no generator process in generator-0"
+    kill -KILL "$svc_pid"
     crashed_at=$v
     t_crash=$SECONDS
-    say "generator-0 SIGKILLed at policy version $v"
+    say "generator-0's service process (pid $svc_pid) SIGKILLed at policy version $v"
+    new_pid=""
     for _ in $(seq 120); do
-      read -r gs _ gr <<<"$(state "$GEN")"
-      [ "$gs" = running ] && [ "$gr" -ge 1 ] && break
+      new_pid="$(service_pid "$GEN" generator)"
+      [ -n "$new_pid" ] && [ "$new_pid" != "$svc_pid" ] && break
       sleep 1
     done
-    [ "$gs" = running ] && [ "$gr" -ge 1 ] || fail "the restart policy did not restart generator-0 ($gs, restarts $gr)"
-    result ok "generator-0 SIGKILLed at v$v: restarted by its restart policy in $((SECONDS - t_crash)) s (restart count $gr)"
+    [ -n "$new_pid" ] && [ "$new_pid" != "$svc_pid" ] || fail "the keeper did not restart generator-0's service"
+    docker logs "$GEN" 2>&1 | grep -q "restart 1 of at most" || fail "no restart in the keeper's log"
+    result ok "generator-0 SIGKILLed at v$v: restarted by the keeper in $((SECONDS - t_crash)) s (pid $svc_pid -> $new_pid)"
   fi
   if [ -n "$crashed_at" ] && [ -z "$killed_at" ] && [ "$v" -ge 50 ]; then
     # `docker kill` is a manual stop for Docker: no restart policy applies. The operator's
@@ -264,6 +287,27 @@ while :; do
 done
 TIMES[run]=$((SECONDS - RUN_START))
 result ok "the learner finished (exit 0) at policy version $(learner_version); the run took ${TIMES[run]} s"
+# The run ends everywhere: the generator and the scorer see the learner's run-finished record
+# and exit 0 by themselves; nothing restarts them; Redis and Prometheus stay up.
+t_end=$SECONDS
+for c in "$GEN" "$SCORER"; do
+  for _ in $(seq 120); do
+    [ "$(docker inspect -f '{{.State.Status}}' "$c")" = exited ] && break
+    sleep 1
+  done
+done
+for pair in "generator-0:$GEN" "scorer-0:$SCORER"; do
+  read -r s code r <<<"$(state "${pair#*:}")"
+  if [ "$s" = exited ] && [ "$code" = 0 ] && [ "$r" = 0 ]; then
+    result ok "${pair%%:*} stopped by itself after the learner, exit 0, within $((SECONDS - t_end)) s"
+  else
+    result FAIL "${pair%%:*} after the run: $s, exit $code, Docker restarts $r"
+  fi
+done
+docker logs "$GEN" 2>&1 | grep -q "the run is finished" || result FAIL "generator-0 did not log the run's end"
+for svc in redis prometheus; do
+  [ "$(docker inspect -f '{{.State.Status}}' "$(cid $svc)")" = running ] || result FAIL "$svc stopped"
+done
 [ -n "$crashed_at" ] && [ -n "$killed_at" ] || fail "the run ended before both generator kills (crash at '$crashed_at', kill at '$killed_at')"
 [ -n "$targets_ok" ] || {
   cat "$OUT/targets.txt" 2>/dev/null
@@ -286,8 +330,6 @@ checks_py accounting "$OUT/status.json" "$OUT/metrics.jsonl" --restarted generat
 # Prometheus scrapes every 15 s: give it one more round for the last samples and rules.
 sleep 20
 prom_get /api/v1/label/__name__/values >"$OUT/names.json" || fail "Prometheus /api/v1/label/__name__/values failed"
-save_metrics "$GEN" generator
-save_metrics "$(cid scorer)" scorer
 checks_py names "$OUT/names.json" --declared "$OUT/declared" || failed=1
 
 echo "Redis:"
@@ -296,6 +338,23 @@ case "$noauth" in
   *NOAUTH*) result ok "a client without the password is refused: $noauth" ;;
   *) result FAIL "Redis answered a client without the password: $noauth" ;;
 esac
+# No service sent a command outside its ACL user's set during the whole run (common/bus/acl.py),
+# and each user is refused one that is not in its set.
+denied="$(redis_cli ACL LOG 100 | grep -c '^reason$' || true)"
+if [ "$denied" = 0 ]; then result ok "ACL LOG empty: no service was refused a command during the run"; else
+  result FAIL "ACL LOG: $denied refused commands: $(redis_cli ACL LOG 100 | tr '\n' ' ' | head -c 600)"
+fi
+for probe in "learner:FLUSHALL" "generator:XTRIM demo:groups MAXLEN 0" "scorer:SET x 1" "exporter:GET x"; do
+  kind="${probe%%:*}"
+  var="REDIS_$(echo "$kind" | tr a-z A-Z)_PASSWORD"
+  pw="$(grep "^$var=" "$ENV_FILE" | cut -d= -f2)"
+  # shellcheck disable=SC2086
+  said="$(dc exec -T redis sh -c "unset REDISCLI_AUTH; REDISCLI_AUTH='$pw' redis-cli --user tether-$kind ${probe#*:}" 2>&1 || true)"
+  case "$said" in
+    *NOPERM*) result ok "tether-$kind is refused ${probe#*:}" ;;
+    *) result FAIL "tether-$kind ran ${probe#*:}: $said" ;;
+  esac
+done
 aof="$(redis_cli CONFIG GET appendonly | tail -1) $(redis_cli CONFIG GET appendfsync | tail -1)"
 if [ "$aof" = "yes everysec" ]; then result ok "AOF: appendonly, appendfsync $aof"; else result FAIL "AOF settings: $aof"; fi
 
@@ -303,11 +362,8 @@ if [ "$aof" = "yes everysec" ]; then result ok "AOF: appendonly, appendfsync $ao
 ids=$(dc ps -a -q)
 docker inspect $ids >"$OUT/inspect.json"
 for c in $ids; do
-  if [ "$(docker inspect -f '{{.State.Running}}' "$c")" = true ]; then
-    docker top "$c" -eo uid,pid,comm | awk 'NR>1{printf "%s[\"%s\",\"%s\",\"%s\"]", (n++?",":""), $1, $2, $3} BEGIN{printf "{\"Processes\":["} END{print "]}"}' >"$OUT/top/$c.json"
-  fi
+  if [ "$(docker inspect -f '{{.State.Running}}' "$c")" = true ]; then top_json "$c"; fi
 done
-exec_uid="$(docker exec "$GEN" id -u)"
 if [ "$exec_uid" = 10001 ]; then result ok "docker exec id -u in the generator: $exec_uid"; else result FAIL "docker exec id -u: $exec_uid"; fi
 collect
 checks_py security "$OUT/inspect.json" "$OUT/top" "$OUT/logs" || failed=1

@@ -11,6 +11,8 @@ Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the stal
           episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
 Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
           the tools answering.
+Stops when the learner's run-finished record appears (exit code 0, ``common.service.run_end``,
+          watched by ``serve_async``), or on SIGTERM/SIGINT (exit code 75).
 
 Health (``common.telemetry.health``): the loop beats ``loop`` at least once a second and
 ``_watch_engine`` beats ``engine`` whenever vLLM's engine-core process answers a cheap call (a

@@ -21,4 +21,11 @@ def main(cfg: TetherConfig, args) -> int:
         if engine is not None:
             engine.shutdown()
 
-    return serve_async(svc, "generator", sid, cfg.generator.metrics_port, cleanup=cleanup)
+    return serve_async(
+        svc,
+        "generator",
+        sid,
+        cfg.generator.metrics_port,
+        num_cycles=cfg.run.num_cycles,
+        cleanup=cleanup,
+    )

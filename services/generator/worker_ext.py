@@ -41,13 +41,16 @@ class TetherWorkerExtension:
     _tether_layout: list | None = None  # [(name, dtype, shape)] of the last update
 
     def tether_join(self, host: str, port: int, member_id: str, timeout_s: float = 60.0) -> dict:
+        from common.weights.handshake import secret_from_env
         from common.weights.receiver import WeightReceiver
 
         rx = self._tether_rx
         if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
             # A new weight store is a new learner process (e.g. restarted from a checkpoint):
             # its versions start from the checkpoint, so ours is no reference for "newer".
-            self._tether_rx = WeightReceiver(host, port, member_id, timeout_s=timeout_s)
+            self._tether_rx = WeightReceiver(
+                host, port, member_id, timeout_s=timeout_s, secret=secret_from_env()
+            )
         else:
             self._tether_rx.version = self._tether_version
         epoch = self._tether_rx.join()

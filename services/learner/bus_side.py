@@ -22,6 +22,7 @@ from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
+from common.service import run_end
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut
@@ -55,6 +56,9 @@ class BusSide:
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
         self.metrics = LearnerMetrics()
         self.metrics.generators_configured.set(cfg.generator.replicas)
+        steps = cfg.run.train_steps_per_cycle
+        assert steps is not None  # derived at load
+        self.metrics.final_version.set(cfg.run.num_cycles * steps)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
         # the learner holds scored entries pending until a checkpoint covers their training: it
@@ -282,6 +286,23 @@ class BusSide:
         self.trained_deliveries += list(self.buffer.pop(cycle).values())
         return sel.chosen
 
+    # ------------------------------------------------------------------ the run's start and end
+    def begin(self, version: int, next_cycle: int) -> None:
+        """Held-out accuracy before training (or at resume), then dispatch from
+        ``next_cycle``. A run resumed below its end voids an earlier end (``num_cycles`` raised
+        under the same run name)."""
+        if next_cycle < self.cfg.run.num_cycles:
+            run_end.clear(self.bus)
+        self.start_eval(version)
+        self.dispatch(version, first_cycle=next_cycle)
+
+    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+        """Every cycle is trained and checkpointed: the last held-out round, then the
+        run-finished record, on which generators and scorers stop by themselves (exit 0)."""
+        self.start_eval(version)
+        self.finish_evals(timeout_s=300.0, stop=stop)
+        run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
+
     # ------------------------------------------------------------------ evaluation
     @property
     def eval_history(self) -> list[dict[str, Any]]:
@@ -339,6 +360,12 @@ class NoBusSide:
         pass
 
     def dispatch(self, version: int, *, first_cycle: int) -> None:
+        pass
+
+    def begin(self, version: int, next_cycle: int) -> None:
+        pass
+
+    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
         pass
 
     def start_eval(self, version: int) -> None:

@@ -7,7 +7,9 @@ Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consu
           ``learner-0``): whole scored groups, buffered per cycle.
 Produces  prompts on ``<run>:prompts`` (rank 0 owns dispatch, see ``dispatch.py``), policy
           weights to every generator (versioned broadcast with a deadline, ``common.weights``),
-          checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``.
+          checkpoints under ``<run dir>/checkpoints``, per-step metrics in ``metrics.jsonl``,
+          and at the end of the run (final checkpoint and held-out round done) the run-finished
+          record ``<run>:run:finished`` that stops generators and scorers (``Rank0.finish_run``).
 Waits for the ``prompts_per_cycle`` scored groups of the cycle it trains next (its idle time,
           ``waiting_input``; with dynamic sampling, for every group dispatched for that cycle
           and for top-up rounds until ``prompts_per_cycle`` informative groups are in, see
@@ -386,8 +388,7 @@ class LearnerService:
         self.resume()
         self.publish()
         run = self.cfg.run
-        self.bus_side.start_eval(self.version)  # held-out accuracy before (or at resume)
-        self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
+        self.bus_side.begin(self.version, self.next_cycle)  # held-out round, dispatch
         self.ready = True
         self.live.beat()
         while self.next_cycle < run.num_cycles:
@@ -408,9 +409,8 @@ class LearnerService:
             if due and self.next_cycle < run.num_cycles:
                 self.checkpoint()
         self.checkpoint()
-        if self.next_cycle >= run.num_cycles:
-            self.bus_side.start_eval(self.version)
-            self.bus_side.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
+        if self.next_cycle >= run.num_cycles:  # the last held-out round, then the record
+            self.bus_side.finish_run(self.version, stop=lambda: self._stop)
         self.bus_side.housekeep(every_s=0.0)
         self.publishing.close()
         self.bus_side.close()

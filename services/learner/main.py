@@ -21,6 +21,7 @@ from common.config.schema import TetherConfig
 from common.protocol import streams
 from common.protocol.run_dir import RunDir
 from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
+from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
 
@@ -46,14 +47,15 @@ def main(cfg: TetherConfig, args) -> int:
     try:
         svc.setup_io_first()  # rank 0: Redis and the weight store, with the preflight's data
         svc.bus_side.check_server()  # rank 0: an evicting maxmemory-policy, exit 2 before the model
-        if rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+        # every series labelled run, kind, replica (rank 0 is the learner's consumer name)
+        replica = streams.LEARNER_CONSUMER if rank == 0 else f"learner-rank{rank}"
+        labels = identity(run=cfg.run.name, kind="learner", replica=replica)
+        if rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
             health = HealthServer(
-                cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
+                cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live, identity=labels
             ).start()
         if isinstance(svc.bus_side, BusSide):  # rank 0
-            health = HealthServer(
-                cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
-            ).start()
+            assert health is not None
             status = StatusReporter(
                 svc.bus_side.bus,
                 "learner",

@@ -21,6 +21,12 @@ class LearnerMetrics:
             "tether_learner_generators_configured",
             "generator.replicas: the generators this run expects (the TetherGeneratorsMissing alert)",
         )
+        self.final_version = metric(
+            "Gauge",
+            "tether_learner_final_policy_version",
+            "the policy version that finishes the run (num_cycles × train_steps_per_cycle): a "
+            "learner gone below it is absent mid-run (the TetherLearnerAbsent alert)",
+        )
         self.step = metric(
             "Gauge", "tether_learner_step_value", "per-step training figures", ["name"]
         )

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class WeightPublishing:
     def __init__(self, cfg: TetherConfig, *, bus: Bus) -> None:
+        from common.weights.handshake import secret_from_env
         from common.weights.publisher import WeightPublisher
 
         w = cfg.weights
@@ -36,6 +37,7 @@ class WeightPublishing:
             bucket_bytes=int(w.bucket_mb * 2**20),
             fanout=w.fanout,
             chunk_bytes=int(w.chunk_mb * 2**20),
+            secret=secret_from_env(),  # only holders of the run's secret join (handshake.py)
         )
         self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{self.publisher.port}")
         log.info("weight store on %s:%d", w.host, self.publisher.port)

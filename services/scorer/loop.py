@@ -8,6 +8,8 @@ Produces  ``<run>:scored``: one ``ScoredGroup`` per group — one reward per res
           every group is scored exactly once downstream and the learner receives whole groups.
 Waits for groups; for room in the learner's backlog (back-pressure on undelivered entries).
 Unblocked by generators publishing and the learner consuming.
+Stops when the learner's run-finished record appears (exit code 0, ``common.service.run_end``,
+          watched by ``serve_async``), or on SIGTERM/SIGINT (exit code 75).
 
 Rule mode grades each response's extracted answer with math-verify in worker processes with a
 hard timeout (``GraderPool``); solver mode sends every response of the batch to a frozen solver

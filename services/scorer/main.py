@@ -15,4 +15,4 @@ def main(cfg: TetherConfig, args) -> int:
     sid = service_id("scorer", getattr(args, "service_id", None))
     svc = ScorerService(cfg, sid=sid)
     check_server(svc.bus)  # an evicting maxmemory-policy: exit 2 before workers start
-    return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port)
+    return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port, num_cycles=cfg.run.num_cycles)

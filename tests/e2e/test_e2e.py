@@ -21,6 +21,15 @@ def test_short_run_completes_with_every_service(short_run):
     assert [s["step"] for s in r.steps] == list(range(1, CYCLES * STEPS_PER_CYCLE + 1))
 
 
+def test_generators_and_scorers_stop_by_themselves_when_the_run_ends(short_run):
+    """The learner's run-finished record (common.service.run_end): each generator and scorer
+    sees it and exits 0 by itself, before the launcher would stop it."""
+    for name in ("generator-0", "scorer-0"):
+        said = f"{name} stopped by itself at the end of the run (exit code 0)"
+        assert said in short_run.output, short_run.output[-3000:]
+    assert "after the run finished: stopping it" not in short_run.output
+
+
 def test_weights_were_published_and_received(short_run):
     gen = [d for d in short_run.status.values() if d["service"] == "generator"]
     learner = next(d for d in short_run.status.values() if d["service"] == "learner")

@@ -17,6 +17,7 @@ from common.bus.client import Bus
 from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
+from tests.procs.metrics_text import metric_value  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -173,10 +174,3 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, what: str,
         time.sleep(0.1)
     logs = "\n".join(f"--- {p.sid}\n{p.tail()}" for p in procs)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
-
-
-def metric_value(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None

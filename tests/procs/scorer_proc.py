@@ -17,6 +17,7 @@ from common.bus.settings import BusSettings
 from common.protocol import streams, wire
 from tests.paths import REPO
 from tests.procs.httpget import http_get  # noqa: F401  (re-exported for the tests)
+from tests.procs.metrics_text import metric_value  # noqa: F401  (re-exported for the tests)
 
 
 def make_group(
@@ -148,12 +149,3 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str,
         time.sleep(0.1)
     logs = "\n".join(p.tail() for p in procs)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{logs}")
-
-
-def metric_value(text: str, name: str, labels: str = "") -> float | None:
-    """A sample's value from Prometheus text (``labels`` like 'reason="correct"')."""
-    want = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None

@@ -37,11 +37,16 @@ def main() -> None:
     a = p.parse_args()
 
     from common.weights.checksum import tensors_checksum
+    from common.weights.handshake import secret_from_env
     from common.weights.layout import WeightSyncError
     from common.weights.receiver import WeightReceiver
 
-    rx = WeightReceiver(a.host, a.port, a.member, timeout_s=a.timeout)
-    _log(a.log, event="joined", epoch=rx.join())
+    rx = WeightReceiver(a.host, a.port, a.member, timeout_s=a.timeout, secret=secret_from_env())
+    try:
+        _log(a.log, event="joined", epoch=rx.join())
+    except WeightSyncError as e:  # e.g. refused: the weights secret (common.weights.handshake)
+        _log(a.log, event="error", error=str(e), version=None)
+        raise SystemExit(1) from None
     updates = [0]
 
     def on_unit(k: int) -> None:

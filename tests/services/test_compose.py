@@ -18,7 +18,7 @@ from tests import deploy_tools as dt
 COMPOSE_DIR = dt.DEPLOY / "compose"
 BASE = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
 DEMO = yaml.safe_load((COMPOSE_DIR / "docker-compose.cpu-demo.yml").read_text())
-TETHER = ("learner", "generator-0", "generator-1", "scorer")
+TETHER = ("learner", "generator-0", "generator-1", "scorer-0", "scorer-1")
 CHECKS = COMPOSE_DIR / "smoke_checks.py"
 
 

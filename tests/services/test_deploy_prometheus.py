@@ -76,6 +76,32 @@ def test_every_promql_expression_parses_and_uses_recorded_names():
         assert doc["uid"] == f"tether-{name}" and doc["panels"]
 
 
+def test_dashboards_pick_the_datasource_and_the_run():
+    """No pinned datasource uid: a `datasource` variable; and a `run` variable that every query
+    of a Tether series filters on, so two runs in one Prometheus never mix on a panel."""
+    promql_parser = pytest.importorskip("promql_parser", reason="pip install promql-parser")
+    for path in dt.DASHBOARDS:
+        doc = json.loads(path.read_text())
+        variables = {v["name"]: v for v in doc["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource", path.name
+        assert variables["datasource"]["query"] == "prometheus", path.name
+        assert variables["run"]["query"]["query"] == "label_values(tether_service_info, run)"
+        assert "tether-prometheus" not in path.read_text(), f"{path.name} pins a datasource uid"
+        unfiltered = []
+        for where, expr in dt.dashboard_expressions(path):
+
+            def visit(node, where=where, unfiltered=unfiltered) -> bool:
+                if isinstance(node, promql_parser.VectorSelector):
+                    names = {m.name: m.value for m in node.matchers.matchers}
+                    name = node.name or names.get("__name__", "")
+                    if name.startswith(("tether", "process_")) and names.get("run") != "$run":
+                        unfiltered.append(f"{where}: {name}")
+                return True
+
+            promql_parser.walk(promql_parser.parse(expr), visit)
+        assert not unfiltered, "\n".join(unfiltered)
+
+
 @pytest.mark.slow
 def test_every_tether_metric_used_is_exported_by_a_real_run(short_run):
     pytest.importorskip("promql_parser", reason="pip install promql-parser (the dev extra)")
@@ -102,13 +128,23 @@ def test_every_tether_metric_used_is_exported_by_a_real_run(short_run):
 
 
 @pytest.mark.slow
-def test_real_prometheus_scrapes_a_real_scorer(redis_server, tmp_path):
+def test_real_prometheus_scrapes_a_real_scorer_and_keys_alerts_on_its_labels(
+    redis_server, tmp_path
+):
+    """A real Prometheus with rules.yml scrapes a real scorer: its series carry the run, kind and
+    replica the scorer emits; with no learner for that run, TetherLearnerAbsent goes pending for
+    it (it would fire after 10 minutes); when the run finishes the scorer exits 0 and the
+    pending alert is gone (not a learner absent mid-run)."""
+    from common.service import run_end
+    from tests.procs.scorer_proc import test_bus
+
     prometheus = dt.tool("prometheus", apt="prometheus")
     metrics_port, prom_port = free_port(), free_port()
+    run, sid = "deploy-prom-test", "scorer-deploy-test"
     scorer = subprocess.Popen(
-        [sys.executable, "-m", "tether.cli", "scorer", "--id", "scorer-deploy-test",
+        [sys.executable, "-m", "tether.cli", "scorer", "--id", sid,
          "--set", f"run.redis_url={redis_server.url}", "--set", f"scorer.metrics_port={metrics_port}",
-         "--set", "run.name=deploy-prom-test", "--set", "scorer.grader_workers=1"],
+         "--set", f"run.name={run}", "--set", "scorer.grader_workers=1", "--set", "run.num_cycles=5"],
         stdout=(tmp_path / "scorer.log").open("wb"), stderr=subprocess.STDOUT, cwd=dt.ROOT,
     )  # fmt: skip
     prom = None
@@ -116,9 +152,10 @@ def test_real_prometheus_scrapes_a_real_scorer(redis_server, tmp_path):
         dt.wait_http(f"http://127.0.0.1:{metrics_port}/metrics", timeout_s=60, proc=scorer)
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(dt.RULES)],
             "scrape_configs": [
                 {
-                    "job_name": "tether-scorer",
+                    "job_name": "any-job-name",  # the rules never read job names
                     "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}],
                 }
             ],
@@ -131,22 +168,105 @@ def test_real_prometheus_scrapes_a_real_scorer(redis_server, tmp_path):
         )  # fmt: skip
         base = f"http://127.0.0.1:{prom_port}"
         dt.wait_http(f"{base}/-/ready", timeout_s=60, proc=prom)
-        query = urllib.parse.quote('tether_scorer_groups_total{job="tether-scorer"}')
+
+        def get(path: str) -> dict:
+            body = json.loads(dt.wait_http(f"{base}{path}", timeout_s=10, proc=prom))
+            assert body["status"] == "success", body
+            return body["data"]
+
+        def absent_alerts() -> list[dict]:
+            return [a for a in get("/api/v1/alerts")["alerts"]
+                    if a["labels"]["alertname"] == "TetherLearnerAbsent"]  # fmt: skip
+
+        query = urllib.parse.quote(
+            f'tether_scorer_groups_total{{run="{run}", kind="scorer", replica="{sid}"}}'
+        )
         deadline, result = time.monotonic() + 60, []
         while not result and time.monotonic() < deadline:
-            body = json.loads(
-                dt.wait_http(f"{base}/api/v1/query?query={query}", timeout_s=10, proc=prom)
-            )
-            assert body["status"] == "success", body
-            result = body["data"]["result"]
+            result = get(f"/api/v1/query?query={query}")["result"]
             time.sleep(0.5)
-        assert result, (
-            "Prometheus never returned the scorer's tether_scorer_groups_total; see prometheus.log"
-        )
+        assert result, "Prometheus never returned the scorer's series; see prometheus.log"
         (sample,) = result
         assert sample["metric"]["instance"] == f"127.0.0.1:{metrics_port}"
         assert float(sample["value"][1]) == 0.0  # no groups were sent to this scorer
+        deadline, pending = time.monotonic() + 60, []
+        while not pending and time.monotonic() < deadline:
+            pending = absent_alerts()
+            time.sleep(0.5)
+        assert [(a["state"], a["labels"]["run"]) for a in pending] == [("pending", run)]
+        run_end.mark_finished(test_bus(redis_server.url, run), num_cycles=5, version=10)
+        assert scorer.wait(30) == 0
+        deadline = time.monotonic() + 30
+        while absent_alerts() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert absent_alerts() == [], "a finished run's scorer left the alert pending"
     finally:
         for p in (prom, scorer):
             if p is not None:
                 dt.kill(p)
+
+
+@pytest.mark.slow
+def test_kubernetes_scrape_job_keeps_running_tether_pods_on_their_metrics_port(tmp_path):
+    """deploy/prometheus/kubernetes.yml's relabelling, run by a real Prometheus. Debian's build
+    has no kubernetes_sd (promtool refuses the file), so the job's kubernetes_sd_configs are
+    swapped for a file_sd list of the targets kubernetes_sd would produce for a namespace
+    (pods x container ports, with their __meta_kubernetes_* labels); the relabel rules run
+    unchanged. Kept: the running scorer's and Redis exporter's `metrics` ports. Dropped: other
+    ports, a completed generator (the run finished: not a target that is down), another app."""
+    prometheus = dt.tool("prometheus", apt="prometheus")
+    config = yaml.safe_load((dt.DEPLOY / "prometheus" / "kubernetes.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": ["tether"]}}]
+
+    def pod(ip, name, part_of, phase, container, port_name, port):
+        return {
+            "targets": [f"{ip}:{port}"],
+            "labels": {
+                "__meta_kubernetes_namespace": "tether",
+                "__meta_kubernetes_pod_name": name,
+                "__meta_kubernetes_pod_phase": phase,
+                "__meta_kubernetes_pod_label_app_kubernetes_io_part_of": part_of,
+                "__meta_kubernetes_pod_container_name": container,
+                "__meta_kubernetes_pod_container_port_name": port_name,
+            },
+        }
+
+    groups = [
+        pod("10.1.0.1", "tether-scorer-0-x", "tether", "Running", "scorer", "metrics", 9400),
+        pod("10.1.0.2", "tether-redis-0", "tether", "Running", "redis", "redis", 6379),
+        pod("10.1.0.2", "tether-redis-0", "tether", "Running", "redis-exporter", "metrics", 9121),
+        pod(
+            "10.1.0.3", "tether-generator-0-y", "tether", "Succeeded", "generator", "metrics", 9400
+        ),
+        pod("10.1.0.4", "other-app", "other", "Running", "app", "metrics", 8080),
+    ]
+    (tmp_path / "pods.json").write_text(json.dumps(groups))
+    del job["kubernetes_sd_configs"]
+    job["file_sd_configs"] = [{"files": [str(tmp_path / "pods.json")]}]
+    config["rule_files"] = [str(dt.RULES)]
+    config["global"]["scrape_interval"] = "1h"  # discovery is what is tested, not the scrapes
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    prom = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=(tmp_path / "prometheus.log").open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        dt.wait_http(f"{base}/-/ready", timeout_s=60, proc=prom)
+        deadline, active = time.monotonic() + 30, []
+        while len(active) < 2 and time.monotonic() < deadline:
+            body = json.loads(dt.wait_http(f"{base}/api/v1/targets", timeout_s=10, proc=prom))
+            active = body["data"]["activeTargets"]
+            time.sleep(0.5)
+        kept = {(t["labels"]["pod"], t["labels"]["container"], t["scrapeUrl"]) for t in active}
+        assert kept == {
+            ("tether-scorer-0-x", "scorer", "http://10.1.0.1:9400/metrics"),
+            ("tether-redis-0", "redis-exporter", "http://10.1.0.2:9121/metrics"),
+        }
+        assert all(t["labels"]["namespace"] == "tether" for t in active)
+        assert len(body["data"]["droppedTargets"]) == 3
+    finally:
+        dt.kill(prom)

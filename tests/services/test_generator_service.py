@@ -314,3 +314,32 @@ def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backw
         assert "the policy version went back during its generation" in survivor.tail(20000)
     finally:
         restarted.close()
+
+
+def test_run_finished_the_generator_stops_by_itself_with_its_engine(cluster):
+    """The learner's run-finished record: the surviving generator exits 0 within a bounded time,
+    although a prompt of it waits at the staleness gate for weights that never come, and its
+    vLLM engine-core process goes with it (on Kubernetes: the pod completes, the GPU is free)."""
+    from common.bus.server import pid_running
+    from common.config.shared import RunConfig
+    from common.service import run_end
+
+    c = cluster
+    gen = c.procs[SIDS[1]]
+    assert gen.proc.poll() is None
+    publish_prompts(c.bus, [prompt("t4-gated", index=50, min_version=99)])
+    wait_until(lambda: "t4-gated" in pending_prompt_ids(c.bus, gen.sid), 30,
+               "the gated prompt taken", [gen])  # fmt: skip
+    cores = engine_core_pids(gen.proc.pid)
+    assert cores
+    run_end.mark_finished(c.bus, num_cycles=RunConfig().num_cycles, version=1)
+    t0 = time.monotonic()
+    assert gen.proc.wait(90) == 0, gen.tail()
+    took = time.monotonic() - t0
+    assert "the run is finished" in gen.tail()
+    assert took < 60, took  # run_end.POLL_S, the loop's exit, the engine's shutdown
+    left = lambda: [pid for pid in cores if pid_running(pid)]  # noqa: E731
+    deadline = time.monotonic() + 15
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), "the engine core outlived its generator"

@@ -150,6 +150,15 @@ def test_train_missing_train_path(tmp_path, model):
     refused(r, tmp_path, "data.train_path = 'nope.jsonl' does not exist")
 
 
+def test_learner_alone_without_staged_data_names_the_staging_fix(tmp_path, model, redis_server):
+    """The Kubernetes learner Job before its data is staged: exit 2 at once (the Job's
+    podFailurePolicy fails it) with the fix, not a crash loop."""
+    r = tether(tmp_path, "learner", "--model", str(model), "--redis-url", redis_server.url,
+               "--set", 'data.train_path="/models/data/train.jsonl"')  # fmt: skip
+    refused(r, tmp_path, "data.train_path = '/models/data/train.jsonl' does not exist",
+            "dataSource in deploy/k8s/params.yaml", "tether-staging")  # fmt: skip
+
+
 @pytest.mark.parametrize("which", ["missing", "no_weights"])
 def test_train_missing_model_dir(tmp_path, which):
     data = write_rows(tmp_path / "train.jsonl", GOOD)

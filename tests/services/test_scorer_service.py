@@ -10,6 +10,8 @@ import pytest
 
 from common.ports import free_port
 from common.protocol import streams
+from common.service.exit_codes import EXIT_STOPPED
+from tests.procs.metrics_text import samples
 from tests.procs.scorer_proc import (
     ScorerProc,
     dead,
@@ -102,7 +104,11 @@ def test_rule_mode_end_to_end_metrics_and_dead_letter(redis_server, procs):
     assert metric_value(text, "tether_scorer_reward_mean", 'component="format"') is not None
     assert metric_value(text, "tether_scorer_grade_seconds_count") >= n_correct
     assert metric_value(text, "tether_scorer_phase_seconds_total", 'phase="working"') > 0
-    assert p.stop() == 0
+    # every series says which run, kind and replica it comes from (deploy/prometheus keys on them)
+    identity = {"run": run, "kind": "scorer", "replica": "scorer-0"}
+    assert all(identity.items() <= labels.items() for _, labels, _ in samples(text))
+    assert metric_value(text, "tether_service_info") == 1
+    assert p.stop() == EXIT_STOPPED  # SIGTERM before the run's end
 
 
 def test_pathological_input_times_out_and_service_keeps_going(redis_server, procs):
@@ -123,7 +129,7 @@ def test_pathological_input_times_out_and_service_keeps_going(redis_server, proc
     assert metric_value(text, "tether_scorer_grade_timeouts_total") == 1
     assert metric_value(text, "tether_scorer_items_total", 'reason="timeout"') == 1
     assert metric_value(text, "tether_scorer_grade_worker_restarts_total", 'cause="timeout"') == 1
-    assert p.stop() == 0
+    assert p.stop() == EXIT_STOPPED  # SIGTERM before the run's end
 
 
 def _slow_group(gid: str, i: int, sleep_s: float) -> object:
@@ -165,7 +171,7 @@ def test_sigkill_mid_batch_every_group_scored_exactly_once(redis_server, procs, 
         assert m.rewards == [0.0, 1.0, 0.0, 1.0] and m.reasons[0] == "unparseable_answer"
         if m.group.group_id in wave_b:
             assert m.scorer_id == ("scorer-1" if restart == "other_id" else "scorer-0")
-    assert second.stop() == 0
+    assert second.stop() == EXIT_STOPPED
 
 
 def test_slow_but_alive_scorer_loses_its_entries_and_duplicates_are_dropped(redis_server, procs):
@@ -196,4 +202,4 @@ def test_slow_but_alive_scorer_loses_its_entries_and_duplicates_are_dropped(redi
     wait_until(lambda: total("tether_bus_duplicates_skipped_total") >= len(ids), 60,
                "the second commit to be dropped as duplicates", (first, second))  # fmt: skip
     assert sorted(m.group.group_id for m in scored(bus)) == sorted(ids)
-    assert first.stop() == 0 and second.stop() == 0
+    assert first.stop() == second.stop() == EXIT_STOPPED

@@ -115,6 +115,7 @@ def _hand_rolled_learner(store, member: str, epoch: int):
     """A learner made of the module's wire functions, so a test can send bad updates."""
     store.wait(["wsync/joins"])
     pstore = torch.distributed.PrefixStore(f"wsync/{member}/{epoch}/", store)
+    pstore.set("current", "-1")  # the join is taken (the real learner says which version it has)
     return pstore, make_pair_group(pstore, 0, backend="gloo", timeout_s=5.0)
 
 

@@ -92,3 +92,33 @@ def test_services_labelled_counters_have_series_from_the_start():
         ("tether_generator_groups_total", {"split": "eval"}),
     ]:
         assert get(name, labels) is not None, (name, labels)
+
+
+def test_metrics_served_carry_the_services_identity_on_every_series():
+    import prometheus_client as pc
+
+    from common.telemetry.exposition import Identified, identity
+    from common.telemetry.metrics import metric
+    from tests.procs.metrics_text import metric_value, samples
+
+    c = metric("Counter", "tether_test_identified_total", "things", ["split"], initial=("train",))
+    c.labels("train").inc(3)
+    metric("Gauge", "tether_test_own_run", "a metric with its own run label", ["run"]).labels(
+        "mine"
+    ).set(1)
+    labels = identity(run="r1", kind="scorer", replica="scorer-2")
+    srv = HealthServer(0, ready=lambda: True, host="127.0.0.1", identity=labels).start()
+    try:
+        code, text = http_get(srv.port, "/metrics")
+    finally:
+        srv.stop()
+    assert code == 200
+    got = samples(text)
+    assert got and all(labels.items() <= have.items() for name, have, _ in got
+                       if name != "tether_test_own_run")  # fmt: skip
+    assert metric_value(text, "tether_test_identified_total", 'split="train",kind="scorer"') == 3
+    assert metric_value(text, "tether_test_own_run", 'run="mine"') == 1  # its own label wins
+    assert metric_value(text, "tether_service_info", 'run="r1"') == 1
+    assert any(name.startswith("process_") or name.startswith("python_") for name, _, _ in got)
+    with pytest.raises(ValueError, match="identity labels"):
+        Identified(pc.REGISTRY, {"service": "x"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 from common.config.schema import TetherConfig
 from common.protocol.run_dir import RunDir
 from common.service.supervision import SUPERVISOR_ENV
+from common.weights import handshake
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class Child:
     crashes: deque = field(default_factory=deque)
     restarts: int = 0
     next_start: float = 0.0
+    done: bool = False  # exited 0: the run is finished (``common.service.run_end``)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +137,9 @@ def _last_error(log_path: Path) -> str:
 
 # Seconds the learner gets on stop to finish its cycle and write its final checkpoint.
 LEARNER_DRAIN_S = 120.0
+# Seconds generators and scorers get to stop by themselves once the learner finished the run
+# (they look for its record every 2 s; a generator then shuts its engine down).
+RUN_END_WAIT_S = 60.0
 
 
 class Supervisor:
@@ -144,6 +150,8 @@ class Supervisor:
         self.progress = progress
         env = dict(os.environ, TETHER_RUN__REDIS_URL=redis_url, PYTHONUNBUFFERED="1")
         env[SUPERVISOR_ENV] = str(os.getpid())  # services stop if the launcher dies
+        # only this run's processes join the learner's weight group (common.weights.handshake)
+        env.setdefault(handshake.SECRET_ENV, secrets.token_hex(32))
         env.update(cpu_thread_env(cfg, env))
         cli = tether_command()
         conf = ["--config", str(config_path)]
@@ -224,6 +232,8 @@ class Supervisor:
     def poll(self) -> bool:
         """One supervision pass; returns False when the run is over (learner finished)."""
         for c in self.children:
+            if c.done:
+                continue
             if c.proc is None:
                 if not self.stopping and time.monotonic() >= c.next_start:
                     c.start()
@@ -236,6 +246,9 @@ class Supervisor:
                 return False
             if self.stopping:
                 continue
+            if code == 0:  # a generator or scorer saw the run finished: not a crash, no restart
+                c.done = True
+                continue
             self._on_exit(c, code)
         return True
 
@@ -247,7 +260,31 @@ class Supervisor:
             if self.progress is not None and time.monotonic() - last_progress >= 5.0:
                 last_progress = time.monotonic()
                 self.progress()
+        self.await_run_end(RUN_END_WAIT_S)
         return 0
+
+    def await_run_end(self, timeout_s: float) -> list[str]:
+        """After the learner finished the run: give generators and scorers ``timeout_s`` to
+        see the run-finished record and stop by themselves (exit 0), as they do in compose and
+        on Kubernetes; ``shutdown`` stops whoever is left. Returns the names still running."""
+        deadline = time.monotonic() + timeout_s
+        waiting = [c for c in self.children if c is not self.learner and c.proc is not None]
+        while waiting and time.monotonic() < deadline:
+            for c in list(waiting):
+                assert c.proc is not None
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                waiting.remove(c)
+                c.reap_group()
+                if code == 0:
+                    log.info("%s stopped by itself at the end of the run (exit code 0)", c.name)
+                else:
+                    log.warning("%s exited with code %d at the end of the run", c.name, code)
+            time.sleep(0.2)
+        for c in waiting:
+            log.warning("%s still runs %.0f s after the run finished: stopping it", c.name, timeout_s)
+        return [c.name for c in waiting]
 
     def shutdown(self, *, drain_s: float = LEARNER_DRAIN_S) -> None:
         """Learner first (final checkpoint), then the others; SIGKILL after ``drain_s``."""

@@ -1,0 +1,84 @@
+"""Redis ACL users for a deployment: one per service kind, allowed only the commands that kind
+sends (Redis 7.0 names), so a compromised scorer, say, cannot trim streams, rewrite the
+learner's keys with SET, read other keys with SCAN, or reconfigure the server.
+
+The sets are what the code calls, read from it and checked against real services under these
+users (tests/services/test_redis_acl.py: Debian's Redis 7.0, whose ACL LOG must stay empty while
+a whole run trains, and each user refused a command outside its set):
+
+- every service: PING and SELECT (connection), GET (the run-finished record, weight keys), HSET
+  (its status heartbeat), its consumer group (XGROUP CREATE, XREADGROUP, XAUTOCLAIM, XPENDING,
+  XACK), the dead-letter move (MULTI, XADD, XACK, EXEC), back-pressure and lag (XINFO GROUPS,
+  XRANGE);
+- generator and scorer: the atomic commit (``Bus.commit``: EVALSHA, SCRIPT LOAD when the server
+  lost the script, and inside it ZSCORE, ZADD, XADD, XACK; HINCRBY for the generator's run-long
+  count), XCLAIM (a generator keeps its held prompts claimed), SET (a generator's version key);
+- learner: XADD (prompts), SET and DEL (versions, the weight store's address, the run-finished
+  record), XTRIM (the acknowledged prefix) and ZREMRANGEBYSCORE (old dedupe ids); and what
+  `tether status` and `tether bus inspect` read when run with the learner's URL (HGETALL, XLEN,
+  XREVRANGE, SCAN);
+- exporter (redis_exporter, for the Prometheus alerts): INFO, CONFIG GET (``maxmemory``), its
+  client name, SLOWLOG and LATENCY.
+
+Keys: ``~*`` (a Tether Redis holds one deployment's runs; the run name is configuration, and
+the users would otherwise need re-issuing with each new run name). Pub/sub: none
+(``resetchannels``). The ``default`` user stays for the operator (and the health checks), with
+its own password.
+"""
+
+from __future__ import annotations
+
+_CONNECTION = ("ping", "select")
+_CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xack")
+_DEAD_LETTER = ("multi", "xadd", "xack", "exec")
+_BACKLOG = ("xinfo|groups", "xrange")
+_EVERY_SERVICE = (*_CONNECTION, "get", "hset", *_CONSUMER, *_DEAD_LETTER, *_BACKLOG)
+_COMMIT = ("evalsha", "script|load", "zscore", "zadd", "xadd", "xack")
+_STATUS_TOOLS = ("hgetall", "xlen", "xrevrange", "scan")
+
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "learner": (
+        *_EVERY_SERVICE,
+        "set",
+        "del",
+        "xtrim",
+        "zremrangebyscore",
+        *_STATUS_TOOLS,
+    ),
+    "generator": (*_EVERY_SERVICE, *_COMMIT, "hincrby", "xclaim", "set"),
+    "scorer": (*_EVERY_SERVICE, *_COMMIT),
+    # redis_exporter with its default flags: what Debian 12's 1.45 sends (measured by the test:
+    # ACL LOG empty while it scrapes) and LATENCY HISTOGRAM, which 1.67 (the image the deploy
+    # files name) adds for Redis 7 (read from its source)
+    "exporter": (
+        "ping",
+        "client|setname",
+        "info",
+        "config|get",
+        "slowlog|get",
+        "slowlog|len",
+        "latency|latest",
+        "latency|histogram",
+    ),
+}
+
+KINDS = tuple(COMMANDS)
+
+
+def user_name(kind: str) -> str:
+    """The ACL user of a service kind: ``tether-<kind>``."""
+    if kind not in COMMANDS:
+        raise ValueError(f"no Redis ACL user for {kind!r}; kinds: {', '.join(KINDS)}")
+    return f"tether-{kind}"
+
+
+def rules(kind: str) -> list[str]:
+    """The ACL rules of ``kind``'s user after ``on`` and its password: keys, no channels, then
+    nothing but its commands (each once, in a stable order)."""
+    user_name(kind)  # refuses an unknown kind
+    return ["resetchannels", "~*", "-@all", *(f"+{c}" for c in sorted(set(COMMANDS[kind])))]
+
+
+def setuser(kind: str, password: str) -> list[str]:
+    """``ACL SETUSER`` arguments creating ``kind``'s user with ``password`` (tests, tools)."""
+    return [user_name(kind), "reset", "on", f">{password}", *rules(kind)]

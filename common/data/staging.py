@@ -1,0 +1,185 @@
+"""``python -m common.data.staging stage|wait ...``: put the policy model and the training data on
+a deployment's models volume, and wait until they are there.
+
+``stage`` (the Kubernetes staging Job, or by hand) fetches
+
+- the model, ``--model-id``: a Hugging Face Hub id (``org/name``, ``--model-revision`` a branch,
+  tag or commit; a gated model's token comes from ``HF_TOKEN``) or a directory path, into
+  ``<root>/policy``;
+- the data, ``--data-source``: a file or directory path, an ``https://`` URL (a presigned
+  object-store URL works: the image carries no S3/GCS client), or ``hf://datasets/<org>/<name>``
+  (``@<revision>`` optional), into ``<root>/data``; empty = nothing to stage.
+
+Each lands in a temporary sibling and is renamed into place complete, with a marker
+(``.tether-staged.json``: the source and revision) written first, so a reader never sees half of
+it. Staging again with the same source does nothing; a different source (``modelId`` changed)
+restages, so a changed model is never silently kept.
+
+``wait`` (the learner's and generators' init container) returns once the markers name the
+requested sources, saying every ``--every-s`` what it still waits for.
+
+Exit codes: 0 done, 2 a source Tether cannot fetch (the message names the fix), 1 a failure while
+fetching (the staging Job retries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+MARKER = ".tether-staged.json"
+
+
+class StagingRefused(ValueError):
+    """A source that cannot be fetched as given (exit 2)."""
+
+
+def marker(dest: Path) -> dict | None:
+    try:
+        return json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_staged(dest: Path, source: str, revision: str = "") -> bool:
+    m = marker(dest)
+    return m is not None and m.get("source") == source and m.get("revision", "") == revision
+
+
+def _swap_in(partial: Path, dest: Path, *, source: str, revision: str) -> None:
+    """Write the marker into ``partial``, then replace ``dest`` with it (two renames)."""
+    doc = {"source": source, "revision": revision, "at": time.time()}
+    (partial / MARKER).write_text(json.dumps(doc))
+    old = dest.with_name(dest.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)
+    partial.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fresh(dest: Path) -> Path:
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def stage_model(model_id: str, dest: Path, *, revision: str = "") -> bool:
+    """Stage the model; False when it was staged already."""
+    if is_staged(dest, model_id, revision):
+        return False
+    partial = _fresh(dest)
+    if model_id.startswith("/"):
+        if not (Path(model_id) / "config.json").exists():
+            raise StagingRefused(
+                f"model {model_id!r} is not a Hugging Face model directory (no config.json); "
+                "point modelId at one, or at a Hub id (org/name)"
+            )
+        shutil.copytree(model_id, partial, dirs_exist_ok=True)
+    else:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id=model_id, revision=revision or None, local_dir=partial)
+    if not (partial / "config.json").exists():
+        raise RuntimeError(f"{model_id} arrived without a config.json: not a model")
+    _swap_in(partial, dest, source=model_id, revision=revision)
+    return True
+
+
+def stage_data(source: str, dest: Path) -> bool:
+    """Stage the data; False when it was staged already (or there is none to stage)."""
+    if not source or is_staged(dest, source):
+        return False
+    scheme = urllib.parse.urlparse(source).scheme
+    if scheme in ("s3", "gs", "gcs", "az", "abfs"):
+        raise StagingRefused(
+            f"dataSource {source!r}: the image has no {scheme}:// client. Fix: give a presigned "
+            "https:// URL of the object, or copy the data onto the models volume"
+        )
+    partial = _fresh(dest)
+    if scheme in ("https", "http"):
+        name = Path(urllib.parse.urlparse(source).path).name or "data"
+        with urllib.request.urlopen(source, timeout=60) as r, (partial / name).open("wb") as f:
+            shutil.copyfileobj(r, f, 1 << 20)
+    elif scheme == "hf":
+        repo, _, revision = source.removeprefix("hf://").partition("@")
+        if not repo.startswith("datasets/") or repo.count("/") != 2:
+            raise StagingRefused(
+                f"dataSource {source!r}: write a Hub dataset as hf://datasets/<org>/<name>"
+                "[@<revision>]"
+            )
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id=repo.removeprefix("datasets/"), repo_type="dataset",
+                          revision=revision or None, local_dir=partial)  # fmt: skip
+    elif scheme == "" and Path(source).exists():
+        src = Path(source)
+        if src.is_dir():
+            shutil.copytree(src, partial, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, partial / src.name)
+    else:
+        raise StagingRefused(
+            f"dataSource {source!r} is neither an existing path, an https:// URL nor "
+            "hf://datasets/<org>/<name>; fix it in deploy/k8s/params.yaml"
+        )
+    _swap_in(partial, dest, source=source, revision="")
+    return True
+
+
+def wait_for(root: Path, *, model_id: str, revision: str, data_source: str,
+             timeout_s: float = 0.0, every_s: float = 10.0) -> bool:  # fmt: skip
+    """Until ``root`` holds the requested model (and data); False after ``timeout_s`` (0 =
+    forever)."""
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    while True:
+        missing = []
+        if not is_staged(root / "policy", model_id, revision):
+            missing.append(f"the model {model_id}{'@' + revision if revision else ''}")
+        if data_source and not is_staged(root / "data", data_source):
+            missing.append(f"the data {data_source}")
+        if not missing:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        print(f"waiting for {' and '.join(missing)} on {root} (the tether-staging Job)", flush=True)
+        time.sleep(every_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m common.data.staging", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("action", choices=("stage", "wait"))
+    p.add_argument("--root", default="/models", help="the models volume")
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--model-revision", default="")
+    p.add_argument("--data-source", default="")
+    p.add_argument("--timeout-s", type=float, default=0.0, help="wait: give up after (0: never)")
+    p.add_argument("--every-s", type=float, default=10.0, help="wait: how often to look")
+    a = p.parse_args(argv)
+    root = Path(a.root)
+    if a.action == "wait":
+        ok = wait_for(root, model_id=a.model_id, revision=a.model_revision,
+                      data_source=a.data_source, timeout_s=a.timeout_s, every_s=a.every_s)  # fmt: skip
+        return 0 if ok else 1
+    try:
+        for what, done in (
+            ("model", stage_model(a.model_id, root / "policy", revision=a.model_revision)),
+            ("data", stage_data(a.data_source, root / "data")),
+        ):
+            print(f"{what}: {'staged' if done else 'already staged (or none)'}", flush=True)
+    except StagingRefused as exc:
+        print(f"tether staging: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
