@@ -156,6 +156,13 @@ class LearnerConfig(Section):
         0, ge=0, description="save a checkpoint every N steps; 0 = only at the end"
     )
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    async_checkpoint: bool = Field(
+        False,
+        description="write checkpoints from a thread while training goes on: each rank first "
+        "copies its shards (model and optimizer state) in host memory, so a save costs that "
+        "copy's memory until it is on disk; the checkpoint becomes `latest`, and the trained "
+        "entries are acknowledged, once every rank's files are written",
+    )
     eval_every_steps: int = Field(
         0, ge=0, description="held-out evaluation every N steps; 0 = only before and after"
     )

@@ -1,9 +1,9 @@
-"""Atomic, resumable learner checkpoints (no pickle anywhere: safetensors + JSON).
+"""Atomic, resumable, sharded learner checkpoints (no pickle in any file: safetensors + JSON).
 
 Layout under ``<run_dir>/checkpoints/``::
 
-    step-<N>/model.safetensors       full fp32 weights, Hugging Face names (tied lm_head left out)
-    step-<N>/optimizer.safetensors   AdamW tensors, keyed ``<param fqn>/<state name>``
+    step-<N>/state/*.safetensors     model and optimizer shards, every rank its own files
+                                     (``checkpoint_state``: DCP, resharded on load)
     step-<N>/optimizer.json          param groups (lr, betas, ...) and non-tensor state
     step-<N>/scheduler.json          LambdaLR state (its schedule object is plain JSON)
     step-<N>/extra_state.json        caller's state: policy version, stream/data position, ...
@@ -12,15 +12,20 @@ Layout under ``<run_dir>/checkpoints/``::
     step-<N>/meta.json               written last: step, world size, format version
     latest                           "step-<N>": replaced by write-temp + fsync + rename
 
-A save writes everything into ``tmp-<N>-<pid>/``, fsyncs every file and the directory, renames it
-to ``step-<N>/``, fsyncs ``checkpoints/``, then replaces ``latest``. A SIGKILL at any point leaves
-the previous ``latest`` intact; a half-written ``tmp-*`` is ignored and removed by the next save.
+A save writes everything into ``tmp-<N>-<pid>/`` (every rank its own shards, fsynced), then rank
+0 writes ``meta.json``, fsyncs the directory, renames it to ``step-<N>/``, fsyncs
+``checkpoints/``, then replaces ``latest``. A SIGKILL at any point leaves the previous ``latest``
+intact; a half-written ``tmp-*`` is ignored and removed by the next save.
 
-Full (gathered) state dicts are used instead of DCP's sharded format because DCP reads its
-metadata with ``pickle.load``; the price is that rank 0 holds one full copy of the weights and
-optimizer state in CPU memory while saving. Resuming with a different number of ranks works.
-Multi-node runs need ``run_dir`` on a filesystem every rank sees (each rank writes its RNG file
-and reads the checkpoint itself).
+No rank ever holds more than its own shards (plus the file being written): a checkpoint of a
+model that does not fit one rank's memory is written and read as it is trained. Resuming on a
+different number of ranks works (each reads the slices its new shards overlap). With
+``async_save`` (``learner.async_checkpoint``) the shards are copied in memory and written by a
+thread while training goes on; the rename, ``latest`` and the acknowledgement of the trained
+entries wait until every rank's files are on disk (``PendingCheckpoint``). Checkpoints of format
+1 (the whole state, written by rank 0 alone) still resume (``checkpoint_v1``). Multi-node runs
+need ``run_dir`` on a filesystem every rank sees (each rank writes its shards and RNG file and
+reads the checkpoint itself).
 """
 
 from __future__ import annotations
@@ -37,15 +42,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.protocol.run_dir import RunDir
+from services.learner import checkpoint_state, checkpoint_v1
 from services.learner.dist import barrier, broadcast_int, rank_world
-from services.learner.gather import full_state_dict_cpu
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+STATE_DIR = "state"
 # Test hook: seconds to sleep after every file is written and before the rename (SIGKILL tests).
 TEST_HOOK_SLEEP_ENV = "TETHER_TEST_HOOK_CHECKPOINT_SLEEP_BEFORE_RENAME_S"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -69,13 +75,6 @@ def _write_json(path: Path, data: Any) -> None:
         json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(path))
-    _fsync_file(path)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -114,47 +113,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _optimizer_full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Gathered optimizer state keyed by parameter names (a collective under FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(model, optimizer, options=options)
-
-
-def _split_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    import torch
-
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for fqn, param_state in osd["state"].items():
-        for name, value in param_state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{fqn}/{name}"] = value.detach().cpu()
-            else:
-                scalars.setdefault(fqn, {})[name] = value
-    return tensors, {"param_groups": osd["param_groups"], "scalars": scalars}
-
-
-def _join_optimizer_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        fqn, name = key.rsplit("/", 1)
-        state.setdefault(fqn, {})[name] = value
-    for fqn, values in meta["scalars"].items():
-        state.setdefault(fqn, {}).update(values)
-    groups = []
-    for group in meta["param_groups"]:
-        groups.append({k: tuple(v) if k == "betas" else v for k, v in group.items()})
-    return {"state": state, "param_groups": groups}
-
-
-def _write_files(
-    tmp: Path, *, model: Any, model_sd: dict, osd: dict, scheduler: Any, extra: str, meta: dict
-) -> None:
-    tensors, optim_meta = _split_optimizer_state(osd)
-    _save_tensors(tmp / "model.safetensors", model_sd)
-    _save_tensors(tmp / "optimizer.safetensors", tensors)
+def _write_small_files(tmp: Path, *, model: Any, optim_meta: dict, scheduler: Any,
+                       extra: str) -> None:  # fmt: skip
+    """Rank 0: everything but the shards and ``meta.json``."""
     _write_json(tmp / "optimizer.json", optim_meta)
     _write_json(tmp / "scheduler.json", scheduler.state_dict())
     with open(tmp / "extra_state.json", "w", encoding="utf-8") as f:
@@ -162,8 +123,6 @@ def _write_files(
         f.flush()
         os.fsync(f.fileno())
     _write_json(tmp / "config.json", json.loads(model.config.to_json_string()))
-    _write_json(tmp / "meta.json", meta)  # last: its presence marks a complete directory
-    _fsync_dir(tmp)
 
 
 def _publish(root: Path, tmp: Path, step: int) -> Path:
@@ -221,7 +180,73 @@ def _test_only_delay() -> None:
         time.sleep(delay_s)
 
 
-def save_checkpoint(
+class PendingCheckpoint:
+    """A save whose shards may still be being written (``async_save``); ``wait()`` (every rank,
+    at the same point) or ``poll()`` (rank 0 between steps) finish it: rank 0 writes
+    ``meta.json``, renames the directory and moves ``latest``."""
+
+    def __init__(self, *, root: Path, tmp: Path, step: int, future: Any, meta: dict,
+                 keep_last: int, t0: float) -> None:  # fmt: skip
+        self.root, self.tmp, self.step, self.future = root, tmp, step, future
+        self.meta, self.keep_last, self.t0 = meta, keep_last, t0
+        self.path: Path | None = None  # the published step-<N> (rank 0), once finished
+
+    def poll(self) -> Path | None:
+        """Rank 0: the checkpoint's directory once it is complete and published, else ``None``
+        (without waiting). Other ranks: always ``None`` (their part ends in ``wait``)."""
+        if self.path is not None or rank_world()[0] != 0:
+            return self.path
+        if self.future is not None and not self.future.done():
+            return None
+        return self._finish()
+
+    def wait(self) -> Path:
+        """Every rank: block until this rank's shards are written; rank 0 then publishes the
+        checkpoint; every rank returns its directory once it is published."""
+        if self.future is not None:
+            self.future.result()  # raises what the writer thread raised
+            self.future = None
+        if rank_world()[0] == 0:
+            self._finish()
+        barrier()
+        return self.root / f"step-{self.step}"
+
+    def _finish(self) -> Path:
+        if self.path is None:
+            if self.future is not None:
+                self.future.result()
+            hook_sleep = float(os.environ.get(TEST_HOOK_SLEEP_ENV, "0") or 0)
+            if hook_sleep > 0:
+                logger.warning(
+                    "test hook %s: sleeping %.1f s before rename", TEST_HOOK_SLEEP_ENV, hook_sleep
+                )
+                time.sleep(hook_sleep)
+            _write_json(self.tmp / "meta.json", self.meta)  # last: marks a complete directory
+            _fsync_dir(self.tmp)
+            self.path = _publish(self.root, self.tmp, self.step)
+            _prune(self.root, keep_last=self.keep_last, keep=self.path)
+            logger.info("checkpoint %s saved in %.2f s", self.path, time.perf_counter() - self.t0)
+        return self.path
+
+
+def _group() -> Any:
+    """The process group of checkpoint collectives: one of its own (gloo), so that an async
+    save's writer thread never interleaves its collectives with training's on the default
+    group. Built once, by every rank, at the first save."""
+    import torch.distributed as dist
+
+    global _CHECKPOINT_GROUP
+    if not dist.is_initialized():
+        return None
+    if _CHECKPOINT_GROUP is None:
+        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUP
+
+
+_CHECKPOINT_GROUP: Any = None
+
+
+def start_checkpoint(
     run_dir: str | Path,
     step: int,
     *,
@@ -230,11 +255,14 @@ def save_checkpoint(
     scheduler: Any,
     extra_state: dict[str, Any],
     keep_last: int = 3,
-) -> Path:
-    """Save a complete checkpoint for optimizer step ``step``; every rank must call it.
+    async_save: bool = False,
+) -> PendingCheckpoint:
+    """Start saving a complete checkpoint for optimizer step ``step``; every rank must call it.
+    Returns once this rank's shards are written (or, with ``async_save``, copied for the writer
+    thread); finish it with ``wait()`` or ``poll()``.
 
     ``extra_state`` must be JSON-serialisable (policy version, data-dispatch position, consumed
-    trajectory ids, stream position, ...). Returns the final ``step-<N>`` directory.
+    trajectory ids, stream position, ...).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (checkpoints to keep), got {keep_last}")
@@ -245,46 +273,48 @@ def save_checkpoint(
     rank, world = rank_world()
     t0 = time.perf_counter()
     _test_only_delay()
-    # Collectives first, on every rank, in the same order.
-    model_sd = full_state_dict_cpu(model, drop_tied=True)
-    osd = _optimizer_full_state(model, optimizer)
+    group = _group()
+    model_sd = checkpoint_state.model_state(model)
+    optim_tensors, optim_meta = checkpoint_state.optimizer_state(model, optimizer)
     root = RunDir(Path(run_dir)).checkpoints
     device = next(model.parameters()).device
     tmp = root / f"tmp-{step}-{broadcast_int(os.getpid(), device)}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
+        _write_small_files(tmp, model=model, optim_meta=optim_meta, scheduler=scheduler,
+                           extra=extra)  # fmt: skip
     barrier()
     _write_json(tmp / f"rng-rank{rank}.json", _rng_state())
-    barrier()
-    final = root / f"step-{step}"
-    if rank == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "world_size": world,
-            "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
-        }
-        _write_files(
-            tmp,
-            model=model,
-            model_sd=model_sd,
-            osd=osd,
-            scheduler=scheduler,
-            extra=extra,
-            meta=meta,
-        )
-        hook_sleep = float(os.environ.get(TEST_HOOK_SLEEP_ENV, "0") or 0)
-        if hook_sleep > 0:
-            logger.warning(
-                "test hook %s: sleeping %.1f s before rename", TEST_HOOK_SLEEP_ENV, hook_sleep
-            )
-            time.sleep(hook_sleep)
-        final = _publish(root, tmp, step)
-        _prune(root, keep_last=keep_last, keep=final)
-        logger.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - t0)
-    barrier()
-    return final
+    future = checkpoint_state.save(
+        tmp / STATE_DIR, {**model_sd, **optim_tensors}, group=group, async_save=async_save
+    )
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world,
+        "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
+    }
+    return PendingCheckpoint(root=root, tmp=tmp, step=step, future=future, meta=meta,
+                             keep_last=keep_last, t0=t0)  # fmt: skip
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    extra_state: dict[str, Any],
+    keep_last: int = 3,
+) -> Path:
+    """Save a complete checkpoint for optimizer step ``step`` and return its ``step-<N>``
+    directory once it is published; every rank must call it."""
+    return start_checkpoint(
+        run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler,
+        extra_state=extra_state, keep_last=keep_last,
+    ).wait()  # fmt: skip
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -304,13 +334,37 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def read_model_state(checkpoint_dir: Path, *, tie_word_embeddings: bool) -> dict[str, Any]:
-    """The checkpoint's full model state dict (CPU), with a tied ``lm_head.weight`` re-added."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(checkpoint_dir / "model.safetensors"))
+    """The checkpoint's whole model state dict (CPU), with a tied ``lm_head.weight`` re-added.
+    Holds the whole model: for tests and small models (``tether export`` streams instead)."""
+    if checkpoint_v1.is_v1(checkpoint_dir):
+        return checkpoint_v1.read_model_state(
+            checkpoint_dir, tie_word_embeddings=tie_word_embeddings
+        )
+    state = dict(checkpoint_state.full_tensors(checkpoint_dir / STATE_DIR))
     if tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def _load_sharded(ckpt: Path, *, model: Any, optimizer: Any) -> None:
+    """Every rank reads the slices of the model and optimizer state its shards overlap."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    saved = checkpoint_state.saved_keys(ckpt / STATE_DIR)
+    model_sd = checkpoint_state.model_state(model)
+    absent = sorted(k for k in model_sd if k not in saved)
+    wrong = sorted(k for k in model_sd if k in saved and saved[k][0] != list(model_sd[k].shape))
+    if absent or wrong:
+        raise ValueError(
+            f"{ckpt} was not saved from this model: {len(absent)} weight(s) missing "
+            f"({absent[:3]}), {len(wrong)} of another shape ({wrong[:3]}). Resume with the "
+            "model the run started from, or start a new run directory"
+        )
+    optim = checkpoint_state.optimizer_template(model, saved)
+    checkpoint_state.load(ckpt / STATE_DIR, {**model_sd, **optim}, group=_group())
+    meta = json.loads((ckpt / "optimizer.json").read_text(encoding="utf-8"))
+    osd = checkpoint_state.joined_optimizer_state(optim, meta)
+    set_optimizer_state_dict(model, optimizer, osd)
 
 
 def load_checkpoint(
@@ -326,29 +380,23 @@ def load_checkpoint(
     Every rank must call it. Returns the saved ``extra_state`` plus ``"checkpoint_step"``, or
     ``None`` when ``run_dir`` has no checkpoint (fresh start). ``checkpoint_dir`` picks one.
     """
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
     ckpt = Path(checkpoint_dir) if checkpoint_dir else latest_checkpoint(run_dir)
     if ckpt is None:
         return None
     if not (ckpt / "meta.json").exists():
         raise ValueError(f"{ckpt} is not a complete Tether checkpoint (no meta.json)")
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
-    if meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version")
+    if version == FORMAT_VERSION:
+        _load_sharded(ckpt, model=model, optimizer=optimizer)
+    elif version == checkpoint_v1.FORMAT_VERSION:
+        checkpoint_v1.load_state(ckpt, model=model, optimizer=optimizer)
+    else:
         raise ValueError(
-            f"{ckpt}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}"
+            f"{ckpt}: checkpoint format {version!r} is not one this Tether reads "
+            f"({checkpoint_v1.FORMAT_VERSION} or {FORMAT_VERSION}): resume it with the Tether "
+            "that wrote it, or start a new run directory"
         )
-    options = StateDictOptions(full_state_dict=True)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    set_model_state_dict(model, read_model_state(ckpt, tie_word_embeddings=tied), options=options)
-    optim_meta = json.loads((ckpt / "optimizer.json").read_text(encoding="utf-8"))
-    osd = _join_optimizer_state(load_file(str(ckpt / "optimizer.safetensors")), optim_meta)
-    set_optimizer_state_dict(model, optimizer, osd, options=options)
     scheduler.load_state_dict(json.loads((ckpt / "scheduler.json").read_text(encoding="utf-8")))
     rank, world = rank_world()
     rng_file = ckpt / f"rng-rank{rank}.json"

@@ -89,6 +89,8 @@ class LearnerService:
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
+        self._pending: Any = None  # a checkpoint being written (learner.async_checkpoint)
+        self._pending_cycle, self._pending_acked = 0, True
 
     # ------------------------------------------------------------------ set-up
     def setup_io_first(self) -> None:
@@ -182,9 +184,13 @@ class LearnerService:
             if self.rank0 is not None:
                 self.rank0.publish_weights(state, self.version)
 
-    def checkpoint(self) -> None:
-        from services.learner.checkpoint import save_checkpoint
+    def checkpoint(self, *, wait: bool = True) -> None:
+        """Save a checkpoint (every rank). ``wait=False`` with ``learner.async_checkpoint``:
+        return once the shards are copied; ``poll_checkpoint`` (rank 0, between cycles) and
+        the next save finish it. The trained entries are acknowledged when it is published."""
+        from services.learner.checkpoint import start_checkpoint
 
+        self.finish_checkpoint()  # one save at a time (a collective: every rank is here)
         self.live.beat()
         with self.timer.phase("checkpointing"):
             extra = {
@@ -194,7 +200,7 @@ class LearnerService:
             }
             if self.rank0 is not None:
                 extra.update(self.rank0.checkpoint_state())
-            save_checkpoint(
+            self._pending = start_checkpoint(
                 self.run_dir,
                 self.version,
                 model=self.model,
@@ -202,10 +208,32 @@ class LearnerService:
                 scheduler=self.scheduler,
                 extra_state=extra,
                 keep_last=self.cfg.learner.keep_checkpoints,
+                async_save=self.cfg.learner.async_checkpoint,
             )
-            if self.rank0 is not None:
-                self.rank0.ack_trained(self.next_cycle)
+            self._pending_cycle, self._pending_acked = self.next_cycle, False
+            if wait or not self.cfg.learner.async_checkpoint:
+                self.finish_checkpoint()
         self.live.beat()
+
+    def finish_checkpoint(self) -> None:
+        """Every rank: wait for the save in progress, if any, to be on disk and published."""
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        self._ack_checkpointed()
+
+    def poll_checkpoint(self) -> None:
+        """Rank 0, between cycles: publish an asynchronous save whose files are all written and
+        acknowledge what it holds, without waiting (the other ranks finish theirs in the next
+        ``finish_checkpoint``)."""
+        if self._pending is not None and self._pending.poll() is not None:
+            self._ack_checkpointed()
+
+    def _ack_checkpointed(self) -> None:
+        if self.rank0 is not None and not self._pending_acked:
+            self.rank0.ack_trained(self._pending_cycle)
+        self._pending_acked = True
 
     # ------------------------------------------------------------------ training
     def _prepare(self, samples: list[Sample]) -> None:
@@ -377,7 +405,8 @@ class LearnerService:
                 and self.version // every > before // every
                 and self.next_cycle < run.num_cycles
             ):
-                self.checkpoint()
+                self.checkpoint(wait=False)
+            self.poll_checkpoint()
         self.checkpoint()
         if self.rank0 is not None:
             if self.next_cycle >= run.num_cycles:
