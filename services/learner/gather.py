@@ -4,6 +4,7 @@ publish, an export, a test. Every function here is a collective under FSDP: ever
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -94,3 +95,84 @@ def full_state_dict_cpu(
     if flat is not None and on_cuda:
         torch.cuda.synchronize()  # the asynchronous copies into page-locked memory have landed
     return state
+
+
+def publish_items(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """The tensors a weight publish sends, by name (sorted): the state dict without a tied
+    ``lm_head.weight`` (HF and vLLM loaders re-tie it)."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    items = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+    return sorted(items, key=lambda nt: nt[0])
+
+
+def publish_specs(items: list[tuple[str, Any]], dtype: torch.dtype | None) -> list[tuple[str, Any]]:
+    """Meta tensors of each published tensor's dtype and whole shape (no data)."""
+    import torch
+
+    return [(n, torch.empty(t.shape, dtype=_out_dtype(t, dtype), device="meta")) for n, t in items]
+
+
+def _out_dtype(t: Any, dtype: Any) -> Any:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def stream_units(
+    items: list[tuple[str, Any]], layout: dict, *, dtype: torch.dtype | None, rank0: bool
+) -> Iterator[tuple[int, list[Any]]]:
+    """Every rank: each unit of ``layout`` gathered in turn, ``(k, its whole tensors)`` on rank
+    0 (``(k, [])`` elsewhere). A collective per tensor under FSDP; at most one unit's tensors
+    exist at a time here (the caller sends them before asking for the next)."""
+    from torch.distributed.tensor import DTensor
+
+    for k, (_, _, first, last) in enumerate(layout["units"]):
+        tensors = []
+        for _, tensor in items[first:last]:
+            # cast the shard first: the gather moves (and rank 0 holds) the published dtype
+            t = tensor.detach().to(_out_dtype(tensor, dtype))
+            if isinstance(t, DTensor):
+                t = t.full_tensor()  # all-gather: every rank takes part, only rank 0 keeps it
+            if rank0:
+                tensors.append(t)
+        yield k, tensors
+
+
+def stream_publish(
+    model: torch.nn.Module,
+    *,
+    layout: dict,
+    dtype: torch.dtype | None,
+    session: Any,
+    device: torch.device,
+) -> None:
+    """Every rank: make each pass the publish asks for (``session``, a
+    ``common.weights.publisher.StreamedPublish`` on rank 0, ``None`` elsewhere): rank 0 says
+    whether there is one, then every rank gathers the units in turn and rank 0 hands each to
+    the session, which sends it while the next is gathered. ``layout``: the update's (the
+    same on every rank: ``build_layout`` of ``publish_specs``)."""
+    from services.learner.dist import broadcast_int, rank_world
+
+    rank0 = rank_world()[0] == 0
+    items = publish_items(model)
+    while True:
+        feed = session.next_pass() if session is not None else None
+        if not broadcast_int(int(feed is not None), device):
+            return
+        for k, tensors in stream_units(items, layout, dtype=dtype, rank0=rank0):
+            if session is not None:
+                session.put(feed, k, tensors)
+
+
+def whole_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """Every rank: each state-dict tensor whole, in name order, one at a time: ``(name,
+    tensor)`` on rank 0 (fp32 master weights, on CPU), ``(name, None)`` elsewhere. What an
+    export of the live model writes (a tied ``lm_head.weight`` included)."""
+    from torch.distributed.tensor import DTensor
+
+    from services.learner.dist import rank_world
+
+    rank0 = rank_world()[0] == 0
+    for name, tensor in sorted(model.state_dict().items(), key=lambda nt: nt[0]):
+        t = tensor.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        yield name, t.to("cpu", copy=True) if rank0 else None

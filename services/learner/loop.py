@@ -56,7 +56,7 @@ from services.learner.cycle import (
     samples_from_groups,
     steps_of_cycle,
 )
-from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
+from services.learner.dist import CATCH_UP, GO, STOP, WAITING, control, set_cpu_threads
 from services.learner.rank0 import LostCycle, Rank0
 from services.learner.step_record import step_record
 
@@ -120,7 +120,6 @@ class LearnerService:
         from common.data.model_paths import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
-        from services.learner.gather import HostStaging
 
         if not hasattr(self, "rank"):
             self.setup_io_first()
@@ -131,7 +130,6 @@ class LearnerService:
         wd = self.cfg.weights.dtype
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
-        self._publish_staging = HostStaging()
         if logprobs.proximal_is_current(self.cfg):
             log.info(
                 "%s: proximal log-probs come from each step's own forward pass (one optimizer "
@@ -174,15 +172,34 @@ class LearnerService:
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def publish(self) -> None:
-        from services.learner.gather import full_state_dict_cpu
+    def publish(self, *, catch_up: bool = False) -> None:
+        """Every rank: send the current weights to the generators, streamed (rank 0 holds at
+        most a window of ``weights.bucket_mb`` units, never the model: ``gather``).
+        ``catch_up``: the same version again, to the generators that joined since."""
+        from common.weights.layout import build_layout
+        from services.learner import gather
 
         with self.timer.phase("syncing_weights"):
-            state = full_state_dict_cpu(
-                self.model, dtype=self.publish_dtype, staging=self._publish_staging
-            )
+            specs = gather.publish_specs(gather.publish_items(self.model), self.publish_dtype)
+            session = None
             if self.rank0 is not None:
-                self.rank0.publish_weights(state, self.version)
+                session = (
+                    self.rank0.begin_catch_up()
+                    if catch_up
+                    else self.rank0.begin_publish(specs, self.version)
+                )
+            w = self.cfg.weights
+            layout = (
+                session.layout
+                if session is not None
+                else build_layout(specs, self.version, int(w.bucket_mb * 2**20))
+            )
+            gather.stream_publish(
+                self.model, layout=layout, dtype=self.publish_dtype, session=session,
+                device=self.device,
+            )  # fmt: skip
+            if self.rank0 is not None and session is not None:
+                self.rank0.finish_publish(session, self.version, catch_up=catch_up)
 
     def checkpoint(self, *, wait: bool = True) -> None:
         """Save a checkpoint (every rank). ``wait=False`` with ``learner.async_checkpoint``:
@@ -346,10 +363,14 @@ class LearnerService:
         """Rank 0, while it waits for input: a heartbeat, and every ``keepalive_s`` a WAITING
         word to the other ranks (which may answer that one of them is stopping)."""
         self.live.beat()
-        if time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
+        assert self.rank0 is not None
+        due = self.rank0.catch_up_due()
+        if due or time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
             self._last_word = time.monotonic()
-            _, others_stopping = control(WAITING, self._stop, self.device)
+            _, others_stopping = control(CATCH_UP if due else WAITING, self._stop, self.device)
             self._stop = self._stop or others_stopping
+            if due:
+                self.publish(catch_up=True)
 
     def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
         """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
@@ -369,9 +390,11 @@ class LearnerService:
             self._last_word = time.monotonic()
         else:
             word = WAITING
-            while word == WAITING:
+            while word in (WAITING, CATCH_UP):
                 word, stopping = control(0, self._stop, self.device)
                 self.live.beat()
+                if word == CATCH_UP:
+                    self.publish(catch_up=True)
         return word == GO and not stopping, groups
 
     def run(self) -> None:

@@ -140,18 +140,31 @@ class Rank0:
     def dispatch(self, version: int, *, first_cycle: int) -> None:
         self.dispatcher.dispatch_ready(version, first_cycle=first_cycle)
 
-    def publish_weights(self, state: dict[str, Any], version: int) -> None:
-        self.bus.set(
-            streams.WEIGHTS_PUBLISHING, version
-        )  # generators watch this key, not the store
-        report = self.publisher.publish(state.items(), version)
-        self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
-        self.bus.set(streams.LEARNER_VERSION, version)
-        self.metrics.version.set(version)
+    def begin_publish(self, specs: list, version: int) -> Any:
+        """Announce ``version`` and start its streamed publish (``common.weights.publisher``):
+        every learner rank then gathers the units it asks for (``gather.stream_publish``)."""
+        self.bus.set(streams.WEIGHTS_PUBLISHING, version)  # generators watch this key
+        return self.publisher.begin(specs, version)
+
+    def catch_up_due(self) -> bool:
+        """A generator joined since the last publish and waits for the current weights."""
+        return bool(self.publisher.behind())
+
+    def begin_catch_up(self) -> Any:
+        """The latest version again, to the generators that joined since (``None``: none)."""
+        return self.publisher.begin_catch_up()
+
+    def finish_publish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
+        report = session.close()
+        if not catch_up:
+            self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
+            self.bus.set(streams.LEARNER_VERSION, version)
+            self.metrics.version.set(version)
         bad = {k: v for k, v in report.per_member.items() if v != "ok"}
         log.info(
-            "published v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
+            "%s v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
             "to %d generator(s)%s",
+            "caught up" if catch_up else "published",
             version,
             report.bytes / 1e6,
             report.seconds,

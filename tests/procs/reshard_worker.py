@@ -53,7 +53,9 @@ def main() -> None:
     rank, world, _ = setup_distributed()
     batch = _batch()
     mb = fw.micro_batch(batch, slice(0, 4))
-    mb = {k: v[rank::world] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in mb.items()}
+    mb = {
+        k: v[rank::world] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in mb.items()
+    }
     model, optimizer, scheduler = fw.build_training(
         args.model, fsdp=True, gradient_checkpointing=False
     )
