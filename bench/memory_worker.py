@@ -113,10 +113,11 @@ def _publish(model: Any, pub: Any, *, version: int, device: Any) -> Any:
     from common.weights.layout import build_layout
     from services.learner import gather
 
-    specs = gather.publish_specs(gather.publish_items(model), torch.bfloat16)
+    items = gather.publish_items(model)
+    specs = gather.publish_specs(items, torch.bfloat16)
     session = pub.begin(specs, version) if pub is not None else None
     layout = session.layout if session is not None else build_layout(specs, version, pub_bucket())
-    gather.stream_publish(model, layout=layout, dtype=torch.bfloat16, session=session,
+    gather.stream_publish(items, layout=layout, dtype=torch.bfloat16, session=session,
                           device=device)  # fmt: skip
     return session.close() if session is not None else None
 

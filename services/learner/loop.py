@@ -142,11 +142,16 @@ class LearnerService:
             param_dtype=dtype,
             gradient_checkpointing=ln.gradient_checkpointing,
             pack_sequences=ln.pack_sequences,
+            offload=ln.cpu_offload,
         )
         self.ref_model = (
             model_mod.load_reference(
-                model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
-            )
+                model_dir,
+                device=self.device,
+                param_dtype=dtype,
+                pack_sequences=ln.pack_sequences,
+                offload=ln.reference_cpu_offload,
+            )  # fmt: skip
             if ln.kl_coef > 0
             else None
         )
@@ -180,7 +185,8 @@ class LearnerService:
         from services.learner import gather
 
         with self.timer.phase("syncing_weights"):
-            specs = gather.publish_specs(gather.publish_items(self.model), self.publish_dtype)
+            items = gather.publish_items(self.model)
+            specs = gather.publish_specs(items, self.publish_dtype)
             session = None
             if self.rank0 is not None:
                 session = (
@@ -195,7 +201,7 @@ class LearnerService:
                 else build_layout(specs, self.version, int(w.bucket_mb * 2**20))
             )
             gather.stream_publish(
-                self.model, layout=layout, dtype=self.publish_dtype, session=session,
+                items, layout=layout, dtype=self.publish_dtype, session=session,
                 device=self.device,
             )  # fmt: skip
             if self.rank0 is not None and session is not None:

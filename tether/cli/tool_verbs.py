@@ -37,7 +37,9 @@ def _export(args: argparse.Namespace) -> int:
     from tether.runs.launcher import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, tokenizer_dir=args.tokenizer)
+        out = export_checkpoint(
+            args.checkpoint, args.out, tokenizer_dir=args.tokenizer, shard_mb=args.shard_mb
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"tether export: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +104,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         default=None,
         help="tokenizer directory (default: the model the run started from)",
+    )
+    exp.add_argument(
+        "--shard-mb",
+        type=float,
+        default=2048.0,
+        help="largest weight file in MB; tensors are read one at a time and written as each "
+        "file fills, so this (and one decoder layer) is what the export holds in memory",
     )
     exp.set_defaults(func=_export)
 
