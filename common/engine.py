@@ -9,6 +9,9 @@ What it adds over ``AsyncLLM``:
 - pause/resume, weight-version labels and ``collective_rpc`` passthroughs for in-place weight
   updates (see ``services/generator/worker_ext.py``).
 
+``policy_engine_settings`` and ``solver_engine_settings`` are the one place the config becomes
+``EngineSettings``: the generator's engine and the scorer's frozen solver engine.
+
 Continuous batching comes from the caller: run many ``generate_group`` coroutines at once on
 one event loop; vLLM admits a new request as soon as a running one finishes, so there is no
 batch-by-batch idle gap.
@@ -22,7 +25,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+from common.config.generator import GeneratorConfig
+
+if TYPE_CHECKING:
+    from common.config.schema import TetherConfig
 
 __all__ = [
     "EngineSettings",
@@ -30,13 +38,19 @@ __all__ = [
     "Sample",
     "SamplingSettings",
     "load_tokenizer",
+    "policy_engine_settings",
     "sample_from_completion",
+    "solver_engine_settings",
 ]
 
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "wait", "abort"]
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+# The knobs the [generator] section also has take their defaults from it (defined once there).
+_GENERATOR = GeneratorConfig.model_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,12 +61,14 @@ class EngineSettings:
     tokenizer: str | None = None  # defaults to ``model``
     dtype: str = "auto"  # "float32" on CPU for exact log-prob comparisons, "bfloat16" on GPU
     max_model_len: int = 1024  # tokens, prompt + response
-    gpu_memory_utilization: float = 0.3  # fraction; on CPU the fraction of RAM vLLM reserves
+    gpu_memory_utilization: float = _GENERATOR["gpu_memory_utilization"].default  # fraction;
+    # on CPU the fraction of RAM vLLM reserves
     kv_cache_gib: float | None = None  # GiB of KV cache; CPU: VLLM_CPU_KVCACHE_SPACE
-    enforce_eager: bool = True  # no graph capture (required on CPU, faster start on GPU)
-    max_num_seqs: int = 256  # sequences decoded concurrently
+    enforce_eager: bool = _GENERATOR["enforce_eager"].default  # no graph capture (required on
+    # CPU, faster start on GPU)
+    max_num_seqs: int = _GENERATOR["max_num_seqs"].default  # sequences decoded concurrently
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _GENERATOR["tensor_parallel_size"].default
     worker_extension_cls: str | None = None  # dotted name, e.g. services.generator.worker_ext.X
     # "processed_logprobs": log-probs of the distribution actually sampled from (after
     # temperature/top-k/top-p) — the behaviour policy. "raw_logprobs": before those.
@@ -67,6 +83,45 @@ class EngineSettings:
             )
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB) or None.")
+
+
+def policy_engine_settings(cfg: TetherConfig, *, worker_extension_cls: str) -> EngineSettings:
+    """The generator's engine: the policy model, room for the longest prompt and response, the
+    ``[generator]`` engine settings (``dtype`` already settled at load), and the worker extension
+    that receives weight updates in place."""
+    from common.data.model_paths import policy_paths
+
+    g, run = cfg.generator, cfg.run
+    model_dir, tok_dir = policy_paths(cfg)
+    return EngineSettings(
+        model=model_dir,
+        tokenizer=tok_dir,
+        dtype=g.dtype,
+        max_model_len=run.max_prompt_tokens + run.max_response_tokens,
+        gpu_memory_utilization=g.gpu_memory_utilization,
+        kv_cache_gib=g.kv_cache_gib,
+        enforce_eager=g.enforce_eager,
+        max_num_seqs=g.max_num_seqs,
+        seed=run.seed,
+        tensor_parallel_size=g.tensor_parallel_size,
+        worker_extension_cls=worker_extension_cls,
+    )
+
+
+def solver_engine_settings(cfg: TetherConfig) -> EngineSettings:
+    """The scorer's solver engine (solver mode): the frozen solver model with the ``[scorer]``
+    section's ``solver_*`` engine settings; its weights never change."""
+    from common.data.model_paths import solver_path
+
+    s = cfg.scorer
+    return EngineSettings(
+        model=solver_path(cfg),
+        dtype=s.solver_dtype,
+        max_model_len=s.solver_max_model_len,
+        gpu_memory_utilization=s.solver_gpu_memory_utilization,
+        kv_cache_gib=s.solver_kv_cache_gib,
+        seed=cfg.run.seed,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 Tracker = Literal["tensorboard", "wandb"]
 
@@ -165,8 +165,10 @@ class LearnerConfig(Section):
         description="[low, high]: mask whole responses whose geometric-mean token ratio leaves it; "
         "unset = off",
     )
-    publish_every_steps: int | None = Field(
-        None, ge=1, description="broadcast weights every N optimizer steps; default once per cycle"
+    publish_every_steps: int = Field(
+        DERIVED,
+        ge=1,
+        description="broadcast weights every N optimizer steps; default once per cycle",
     )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="save a checkpoint every N steps; 0 = only at the end"

@@ -1,5 +1,7 @@
-"""The learner service loop (every rank runs it; rank 0 also talks to Redis and the generators,
-through ``rank0.py``).
+"""The learner service loop: every rank runs it. What only rank 0 does is held in three objects
+by concern, which do nothing on the other ranks: ``bus_side`` (prompts out, scored groups in,
+held-out rounds, acks, ``bus_side.py``), ``publishing`` (weights to the generators,
+``publishing.py``) and ``step_log`` (each step's record, ``step_log.py``).
 
 Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consumer
           ``learner-0``): whole scored groups, buffered per cycle.
@@ -18,7 +20,9 @@ Unblocked by scorers publishing. Its own weight publishes unblock the generators
 
 Stopping and idling across ranks (``dist.control``): at the top of each cycle rank 0 says GO
 (it has the cycle's groups) or STOP, and while it waits for input it says WAITING every
-``learner.keepalive_s``; the other ranks listen in a loop. So an idle wait of any length never
+``learner.keepalive_s`` (CATCH_UP at once when a generator joined since the last publish: every
+rank then takes part in sending it the current weights, since a streamed publish gathers from
+every rank and rank 0 keeps no copy of them); the other ranks listen in a loop. So an idle wait of any length never
 runs into ``learner.collective_timeout_s``, and a SIGTERM to any rank stops every rank at the same
 point (then the final checkpoint, a collective). Each exchange, training step and checkpoint is a
 heartbeat (``live``): ``/healthz`` of rank 0 and of each node's first rank answers 503 when the
@@ -48,6 +52,7 @@ from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
 from services.learner import logprobs, objective
+from services.learner.bus_side import BusSide, LostCycle, NoBusSide
 from services.learner.cycle import (
     Sample,
     assign_advantages,
@@ -57,8 +62,8 @@ from services.learner.cycle import (
     steps_of_cycle,
 )
 from services.learner.dist import CATCH_UP, GO, STOP, WAITING, control, set_cpu_threads
-from services.learner.rank0 import LostCycle, Rank0
-from services.learner.step_record import step_record
+from services.learner.publishing import NoPublishing, WeightPublishing
+from services.learner.step_log import NoStepLog, StepLog, step_record
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -91,6 +96,10 @@ class LearnerService:
         self.last_step: dict[str, Any] = {}
         self._pending: Any = None  # a checkpoint being written (learner.async_checkpoint)
         self._pending_cycle, self._pending_acked = 0, True
+        # rank 0's duties; setup_io_first gives rank 0 the real ones
+        self.bus_side: BusSide | NoBusSide = NoBusSide()
+        self.publishing: WeightPublishing | NoPublishing = NoPublishing()
+        self.step_log: StepLog | NoStepLog = NoStepLog()
 
     # ------------------------------------------------------------------ set-up
     def setup_io_first(self) -> None:
@@ -102,17 +111,16 @@ class LearnerService:
             timeout_s=self.cfg.learner.collective_timeout_s
         )
         set_cpu_threads(self.device, self.cfg.learner.cpu_threads)
-        self.rank0 = (
-            Rank0(
+        if self.rank == 0:
+            self.bus_side = BusSide(
                 self.cfg,
                 run_dir=self.run_dir,
                 redis_url=self.redis_url,
                 timer=self.timer,
                 datasets=self.datasets,
             )
-            if self.rank == 0
-            else None
-        )
+            self.publishing = WeightPublishing(self.cfg, bus=self.bus_side.bus)
+            self.step_log = StepLog(self.run_dir, trackers=self.bus_side.trackers)
 
     def setup(self) -> None:
         import torch
@@ -172,8 +180,7 @@ class LearnerService:
         self.version = int(extra["version"])
         self.next_cycle = int(extra["next_cycle"])
         self.counters.update(extra.get("counters", {}))
-        if self.rank0 is not None:
-            self.rank0.restore(extra)
+        self.bus_side.restore(extra)
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
     # ------------------------------------------------------------------ weights, checkpoints
@@ -187,30 +194,19 @@ class LearnerService:
         with self.timer.phase("syncing_weights"):
             items = gather.publish_items(self.model)
             specs = gather.publish_specs(items, self.publish_dtype)
-            session = None
-            if self.rank0 is not None:
-                session = (
-                    self.rank0.begin_catch_up()
-                    if catch_up
-                    else self.rank0.begin_publish(specs, self.version)
-                )
-            w = self.cfg.weights
-            layout = (
-                session.layout
-                if session is not None
-                else build_layout(specs, self.version, int(w.bucket_mb * 2**20))
-            )
+            session = self.publishing.begin(specs, self.version, catch_up=catch_up)
+            bucket = int(self.cfg.weights.bucket_mb * 2**20)
+            layout = session.layout if session else build_layout(specs, self.version, bucket)
             gather.stream_publish(
                 items, layout=layout, dtype=self.publish_dtype, session=session,
                 device=self.device,
             )  # fmt: skip
-            if self.rank0 is not None and session is not None:
-                self.rank0.finish_publish(session, self.version, catch_up=catch_up)
+            self.publishing.finish(session, self.version, catch_up=catch_up)
 
     def checkpoint(self, *, wait: bool = True) -> None:
         """Save a checkpoint (every rank). ``wait=False`` with ``learner.async_checkpoint``:
-        return once the shards are copied; ``poll_checkpoint`` (rank 0, between cycles) and
-        the next save finish it. The trained entries are acknowledged when it is published."""
+        return once the shards are copied; ``poll_checkpoint`` (between cycles) and the next
+        save finish it. The trained entries are acknowledged when it is published."""
         from services.learner.checkpoint import start_checkpoint
 
         self.finish_checkpoint()  # one save at a time (a collective: every rank is here)
@@ -220,9 +216,8 @@ class LearnerService:
                 "version": self.version,
                 "next_cycle": self.next_cycle,
                 "counters": dict(self.counters),
+                **self.bus_side.checkpoint_state(),
             }
-            if self.rank0 is not None:
-                extra.update(self.rank0.checkpoint_state())
             self._pending = start_checkpoint(
                 self.run_dir,
                 self.version,
@@ -247,15 +242,15 @@ class LearnerService:
         self._ack_checkpointed()
 
     def poll_checkpoint(self) -> None:
-        """Rank 0, between cycles: publish an asynchronous save whose files are all written and
-        acknowledge what it holds, without waiting (the other ranks finish theirs in the next
-        ``finish_checkpoint``)."""
+        """Between cycles: rank 0 publishes an asynchronous save whose files are all written
+        and acknowledges what it holds, without waiting (the other ranks' part ends in the
+        next ``finish_checkpoint``)."""
         if self._pending is not None and self._pending.poll() is not None:
             self._ack_checkpointed()
 
     def _ack_checkpointed(self) -> None:
-        if self.rank0 is not None and not self._pending_acked:
-            self.rank0.ack_trained(self._pending_cycle)
+        if not self._pending_acked:
+            self.bus_side.ack_trained(self._pending_cycle)
         self._pending_acked = True
 
     # ------------------------------------------------------------------ training
@@ -285,17 +280,13 @@ class LearnerService:
         overlong = mask_overlong(samples, self.cfg)
         self.counters["filtered_samples"] += filtered
         self.counters["overlong_masked_samples"] += overlong
-        if self.rank0 is not None:
-            self.rank0.count_masked(filtered=filtered, overlong=overlong)
+        self.step_log.count_masked(filtered=filtered, overlong=overlong)
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
-        limit = self.cfg.run.max_staleness
-        assert limit is not None
-        oldest = oldest_usable(self.version, max_staleness=limit)
+        oldest = oldest_usable(self.version, max_staleness=self.cfg.run.max_staleness)
         dropped = 0
         for i in idx:
-            if self.rank0 is not None:
-                self.rank0.metrics.staleness.observe(self.version - samples[i].policy_version)
+            self.step_log.observe_staleness(self.version - samples[i].policy_version)
             if not usable(samples[i].policy_version, oldest=oldest) and samples[i].weight > 0:
                 samples[i].weight = 0.0
                 dropped += 1
@@ -306,7 +297,6 @@ class LearnerService:
         from services.learner.train_step import train_step
 
         run, ln = self.cfg.run, self.cfg.learner
-        assert run.train_steps_per_cycle is not None
         with self.timer.phase("working"):
             self._prepare(samples)
         for idx in steps_of_cycle(
@@ -351,26 +341,21 @@ class LearnerService:
                 trained=trained,
                 seconds=time.monotonic() - t0,
             )
-            if self.rank0 is not None:
-                self.rank0.record_step(self.last_step, st)
-            if self.version % self.cfg.publish_every_steps == 0:
+            self.step_log.record(self.last_step, st)
+            if self.version % ln.publish_every_steps == 0:
                 self.publish()
-            if self.rank0 is not None:
-                self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
-            if (
-                ln.eval_every_steps
-                and self.version % ln.eval_every_steps == 0
-                and self.rank0 is not None
-            ):
-                self.rank0.start_eval(self.version)
+            self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
+            if ln.eval_every_steps and self.version % ln.eval_every_steps == 0:
+                self.bus_side.start_eval(self.version)
 
     # ------------------------------------------------------------------ the loop
     def _idle(self) -> None:
         """Rank 0, while it waits for input: a heartbeat, and every ``keepalive_s`` a WAITING
-        word to the other ranks (which may answer that one of them is stopping)."""
+        word to the other ranks (which may answer that one of them is stopping). When a
+        generator joined since the last publish, at once a CATCH_UP word, and every rank sends
+        it the current weights (a streamed publish gathers from every rank)."""
         self.live.beat()
-        assert self.rank0 is not None
-        due = self.rank0.catch_up_due()
+        due = self.publishing.catch_up_due()
         if due or time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
             self._last_word = time.monotonic()
             _, others_stopping = control(CATCH_UP if due else WAITING, self._stop, self.device)
@@ -381,16 +366,17 @@ class LearnerService:
     def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
         """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
         then says GO or STOP; the others listen through its WAITING words. Every rank returns
-        the same ``go on``, so all leave the loop at the same point."""
+        the same ``go on``, so all leave the loop at the same point. The one place the loop
+        tells the ranks apart: the two sides of this exchange differ."""
         groups = None
-        if self.rank0 is not None:
+        if isinstance(self.bus_side, BusSide):  # rank 0
             if not self._stop:
                 try:
-                    groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+                    groups = self.bus_side.collect(cycle, stop=lambda: self._stop, idle=self._idle)
                 except LostCycle as exc:  # every rank stops here, then rank 0 says why
                     self.fatal, self._stop = exc, True
                 if groups is not None:  # dynamic sampling's groups left out (filtered, surplus)
-                    for key, n in self.rank0.selection_counts.items():
+                    for key, n in self.bus_side.selection_counts.items():
                         self.counters[key] += n
             word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
             self._last_word = time.monotonic()
@@ -408,9 +394,8 @@ class LearnerService:
         self.resume()
         self.publish()
         run = self.cfg.run
-        if self.rank0 is not None:
-            self.rank0.start_eval(self.version)  # held-out accuracy before (or at resume)
-            self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
+        self.bus_side.start_eval(self.version)  # held-out accuracy before (or at resume)
+        self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
         self.ready = True
         self.live.beat()
         while self.next_cycle < run.num_cycles:
@@ -426,8 +411,7 @@ class LearnerService:
             before = self.version
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
-            if self.rank0 is not None:
-                self.rank0.housekeep()
+            self.bus_side.housekeep()
             every = self.cfg.learner.checkpoint_every_steps
             if (
                 every
@@ -437,12 +421,12 @@ class LearnerService:
                 self.checkpoint(wait=False)
             self.poll_checkpoint()
         self.checkpoint()
-        if self.rank0 is not None:
-            if self.next_cycle >= run.num_cycles:
-                self.rank0.start_eval(self.version)
-                self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
-            self.rank0.housekeep(every_s=0.0)
-            self.rank0.close()
+        if self.next_cycle >= run.num_cycles:
+            self.bus_side.start_eval(self.version)
+            self.bus_side.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
+        self.bus_side.housekeep(every_s=0.0)
+        self.publishing.close()
+        self.bus_side.close()
         if self.fatal is not None:
             raise self.fatal
 

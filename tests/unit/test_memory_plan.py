@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tests.paths import REPO
-from tether.runs.memory_plan import GiB, MODELS, memory_plan, rank_memory
+from tether.runs.memory_plan import MODELS, GiB, memory_plan, rank_memory
 
 
 @pytest.mark.parametrize(
