@@ -44,7 +44,9 @@ def micro_batch(batch: dict, rows: slice, *, weight: float = 1.0) -> dict:
     return out
 
 
-def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
+def build_training(
+    model_dir: str, *, fsdp: bool, gradient_checkpointing: bool, offload: bool = False
+):
     """Policy + AdamW + warm-up/cosine schedule, as the learner builds them."""
     import torch
 
@@ -56,6 +58,7 @@ def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
         device=torch.device("cpu"),
         fsdp=fsdp,
         gradient_checkpointing=gradient_checkpointing,
+        offload=offload,
     )
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.01)
     schedule = build_schedule(warmup_steps=1, total_steps=4, decay="cosine", min_lr_ratio=0.1)

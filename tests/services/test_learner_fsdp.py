@@ -223,3 +223,39 @@ def test_token_logprobs_match_log_softmax(tiny_model_dir: Path) -> None:
     assert bool((logp[:, 1:][~mask] == 0).all()) and bool((logp[:, 0] == 0).all())
     expected_entropy = -(full.exp() * full).sum(-1)[:, :-1]
     assert torch.allclose(entropy[:, 1:][mask], expected_entropy[mask], atol=1e-4)
+
+
+def test_cpu_offload_trains_as_without_it(tiny_model_dir: Path) -> None:
+    """learner.cpu_offload: FSDP2's CPUOffloadPolicy on every unit, and the same steps (on this
+    CPU the shards are in host memory either way; on a GPU the same code keeps them there)."""
+    import torch
+    import torch.distributed as dist
+
+    from services.learner.model import setup_distributed
+    from services.learner.train_step import train_step
+
+    worker = _worker_module()
+    batch = _make_batch()
+    created = not dist.is_initialized()
+    setup_distributed()
+    try:
+        losses = {}
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model, optimizer, scheduler = worker.build_training(
+                str(tiny_model_dir), fsdp=True, gradient_checkpointing=False, offload=offload
+            )
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules()
+                      if hasattr(m, "_get_fsdp_state")]  # fmt: skip
+            assert {p.offload_to_cpu for g in groups if g for p in g.fsdp_params} == {offload}
+            mbs = [worker.micro_batch(batch, slice(0, 4))]
+            losses[offload] = [
+                train_step(
+                    model, optimizer, scheduler, mbs, worker.token_mean_nll, grad_clip=1.0
+                ).loss
+                for _ in range(3)
+            ]
+        assert losses[True] == pytest.approx(losses[False], abs=1e-6)
+    finally:
+        if created:
+            dist.destroy_process_group()

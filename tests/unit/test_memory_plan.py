@@ -64,3 +64,20 @@ def test_a_bad_layout_is_refused() -> None:
         memory_plan(["llama-9b"], ranks=8, gpu_gib=79, ranks_per_node=1, host_limit_gib=128,
                     reference=False, tokens_per_micro_batch=4096)  # fmt: skip
     assert GiB == 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("marker", "flags"),
+    [("one-per-pod", []), ("eight-per-pod", ["--ranks-per-node", "8", "--reference"])],
+)
+def test_deploy_readme_tables_are_the_plans(marker: str, flags: list[str], capsys) -> None:
+    """deploy/README.md's "What fits" tables are `tether plan --memory`'s output."""
+    from tether.cli.main import main
+
+    assert main(["plan", "--memory", *flags]) == 0
+    table = capsys.readouterr().out.strip().split("\n", 1)[1]
+    text = (REPO / "deploy" / "README.md").read_text()
+    begin = text.index(f"<!-- memory-plan:{marker} -->") + len(f"<!-- memory-plan:{marker} -->")
+    assert text[begin : text.index("<!-- memory-plan:end -->", begin)].strip() == table, (
+        f"regenerate with: tether plan --memory {' '.join(flags)}"
+    )
