@@ -33,6 +33,7 @@ class UnitFeed:
         self._produced = 0  # units put so far
         self._positions: dict[int, int] = {}  # reader id -> next unit it reads
         self._moved: dict[int, float] = {}  # reader id -> when it last took a unit
+        self._made: dict[int, float] = {}  # unit -> when it was put (units still held)
         self._left_behind: set[int] = set()
         self._closed = False  # the producer stopped before the end (its pass was abandoned)
 
@@ -45,18 +46,23 @@ class UnitFeed:
     def put(self, unit: Any, *, deadline: float) -> bool:
         """Hand the next unit to the readers; waits while ``window`` units are held. A reader
         that took nothing for ``stall_s`` meanwhile is left behind (its sender fails: the member
-        is dropped) so that one stuck member does not hold the others. Returns False when no
-        reader is left (the caller still makes the pass, but drops its units)."""
+        is dropped) so that one stuck member does not hold the others, and at ``deadline`` all
+        are. Returns False when no reader is left (the caller still makes the pass, but drops
+        its units): it never raises, since every learner rank gathers the pass's units."""
         with self._cond:
             while self._positions and self._produced - min(self._positions.values()) >= self.window:
                 self._leave_behind_stalled()
-                if not self._cond.wait(timeout=max(0.0, min(0.1, deadline - time.monotonic()))):
-                    if time.monotonic() >= deadline:
-                        raise WeightSyncError("weight publish: readers stalled past the deadline")
+                if time.monotonic() >= deadline:  # every reader left behind: the pass goes on
+                    for rid in list(self._positions):  # (the learner's ranks are in it) unsent
+                        self._left_behind.add(rid)
+                        self._drop_reader(rid)
+                    break
+                self._cond.wait(timeout=max(0.0, min(0.1, deadline - time.monotonic())))
             if not self._positions:
                 self._produced += 1
                 return False
             self._units[self._produced] = unit
+            self._made[self._produced] = time.monotonic()
             self._produced += 1
             self._cond.notify_all()
             return True
@@ -67,7 +73,9 @@ class UnitFeed:
         low = min(self._positions.values())
         now = time.monotonic()
         for rid, pos in list(self._positions.items()):
-            if pos == low and now - self._moved[rid] > self.stall_s:
+            # stalled: the unit it needs has been there, and it took nothing, for stall_s
+            since = max(self._moved[rid], self._made.get(pos, now))
+            if pos == low and now - since > self.stall_s:
                 self._left_behind.add(rid)
                 self._drop_reader(rid)
 
@@ -110,6 +118,7 @@ class UnitFeed:
         low = min(self._positions.values(), default=self._produced)
         for j in [j for j in self._units if j < low]:
             del self._units[j]
+            self._made.pop(j, None)
         self._cond.notify_all()
 
     def held(self) -> int:
