@@ -48,7 +48,9 @@ def _run(world: int, model: Path, out: Path, *, seq: int) -> list[dict[str, Any]
            "--standalone", "-m", "bench.memory_worker", "--model", str(model), "--out", str(out),
            "--seq", str(seq), "--bucket-mb", "64", "--shard-mb", "256"]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    from bench.memory_worker import MALLOC_ENV
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **MALLOC_ENV})
     if proc.returncode != 0:
         raise RuntimeError(f"memory worker ({world} ranks) failed:\n{proc.stderr[-4000:]}")
     log.info("memory bench: %d rank(s) done in %.0f s", world, time.monotonic() - t0)

@@ -17,7 +17,11 @@ plus the file pages mapped and touched (shared libraries, memory-mapped safetens
 shared memory; ``peak_anon`` = the highest ``RssAnon`` seen by a thread sampling every 10 ms
 (the process's own heap: tensors, optimizer state, buffers); both also as the growth over the
 phase's start (``*_growth``). The page cache of files read or written is not counted (it is
-not the process's, and the kernel drops it under pressure). Rank R writes ``DIR/rank<R>.json``.
+not the process's, and the kernel drops it under pressure). The libraries a phase uses are
+imported before the first phase (their import is not the phase's memory). Run it with glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed (the bench and the test set 64 KiB): freed tensors then leave
+the RSS at once, instead of staying on glibc's heap, where a later phase would reuse them
+unseen and a phase's peak would not be its own. Rank R writes ``DIR/rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -150,6 +154,20 @@ def _reference(args: argparse.Namespace, meter: Meter, pub: Any, *, rank: int, d
         del state
 
 
+def _warm_imports(model_dir: str) -> None:
+    """Import what the phases use (the model's own class included), outside every phase."""
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.core_model_loading  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    _get_model_class(AutoConfig.from_pretrained(model_dir), AutoModelForCausalLM._model_mapping)
+
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -176,6 +194,7 @@ def main() -> None:
     from services.learner.train_step import train_step
 
     rank, world, device = setup_distributed()
+    _warm_imports(args.model)
     base = _status()
     with meter.phase("startup"):
         model = load_policy(args.model, device=device)
