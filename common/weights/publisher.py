@@ -217,8 +217,10 @@ class WeightPublisher:
         so they wait for ``begin_catch_up`` (a publish held in memory serves them itself)."""
         with self._lock:
             update = self._latest
+            if update is None or update.units is not None:  # held: the acceptor serves them
+                return []
             return [m.member_id for m in self._members.values()
-                    if update is not None and m.version_sent < update.version]  # fmt: skip
+                    if m.version_sent < update.version]  # fmt: skip
 
     def begin_catch_up(self) -> StreamedPublish | None:
         """A streamed publish of the latest version again, pairwise, to the members that lack

@@ -3,7 +3,11 @@
 Layout under ``<run_dir>/checkpoints/``::
 
     step-<N>/state/*.safetensors     model and optimizer shards, every rank its own files
-                                     (``checkpoint_state``: DCP, resharded on load)
+                                     (``checkpoint_state``: DCP, resharded on load); for a
+                                     LoRA learner (``learner.lora_rank``; meta "adapter": true)
+                                     the optimizer's only, and instead of the model:
+    step-<N>/adapter_model.safetensors   the fp32 adapter, PEFT's names (the base is run.model)
+    step-<N>/adapter_config.json         its PEFT config (rank, alpha, target modules)
     step-<N>/optimizer.json          param groups (lr, betas, ...) and non-tensor state
     step-<N>/scheduler.json          LambdaLR state (its schedule object is plain JSON)
     step-<N>/extra_state.json        caller's state: policy version, stream/data position, ...
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.protocol.run_dir import RunDir
-from services.learner import checkpoint_state, checkpoint_v1
+from services.learner import checkpoint_state, checkpoint_v1, lora
 from services.learner.dist import barrier, broadcast_int, rank_world
 
 if TYPE_CHECKING:
@@ -52,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
 STATE_DIR = "state"
+ADAPTER_FILE = checkpoint_v1.ADAPTER_FILE  # PEFT's name, so the directory reads as an adapter
 # Test hook: seconds to sleep after every file is written and before the rename (SIGKILL tests).
 TEST_HOOK_SLEEP_ENV = "TETHER_TEST_HOOK_CHECKPOINT_SLEEP_BEFORE_RENAME_S"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -114,8 +119,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _write_small_files(tmp: Path, *, model: Any, optim_meta: dict, scheduler: Any,
-                       extra: str) -> None:  # fmt: skip
-    """Rank 0: everything but the shards and ``meta.json``."""
+                       extra: str, adapter: dict | None) -> None:  # fmt: skip
+    """Rank 0: everything but the shards and ``meta.json`` (``adapter``: a LoRA learner's)."""
+    if adapter is not None:  # LoRA: the trained adapter only; the frozen base is the model dir
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in adapter.items()}, str(tmp / ADAPTER_FILE))
+        _fsync_file(tmp / ADAPTER_FILE)
+        base = getattr(model, "tether_source_dir", None) or ""
+        _write_json(tmp / "adapter_config.json", lora.adapter_config(model, base_model=base))
     _write_json(tmp / "optimizer.json", optim_meta)
     _write_json(tmp / "scheduler.json", scheduler.state_dict())
     with open(tmp / "extra_state.json", "w", encoding="utf-8") as f:
@@ -274,7 +286,8 @@ def start_checkpoint(
     t0 = time.perf_counter()
     _test_only_delay()
     group = _group()
-    model_sd = checkpoint_state.model_state(model)
+    adapter = lora.adapter_state(model) if lora.is_lora(model) else None  # rank 0: whole
+    model_sd = {} if adapter is not None else checkpoint_state.model_state(model)
     optim_tensors, optim_meta = checkpoint_state.optimizer_state(model, optimizer)
     root = RunDir(Path(run_dir)).checkpoints
     device = next(model.parameters()).device
@@ -283,7 +296,7 @@ def start_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         _write_small_files(tmp, model=model, optim_meta=optim_meta, scheduler=scheduler,
-                           extra=extra)  # fmt: skip
+                           extra=extra, adapter=adapter)  # fmt: skip
     barrier()
     _write_json(tmp / f"rng-rank{rank}.json", _rng_state())
     future = checkpoint_state.save(
@@ -294,6 +307,7 @@ def start_checkpoint(
         "step": step,
         "world_size": world,
         "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
+        "adapter": lora.is_lora(model),  # LoRA: adapter files instead of model weights
     }
     return PendingCheckpoint(root=root, tmp=tmp, step=step, future=future, meta=meta,
                              keep_last=keep_last, t0=t0)  # fmt: skip
@@ -346,12 +360,30 @@ def read_model_state(checkpoint_dir: Path, *, tie_word_embeddings: bool) -> dict
     return state
 
 
-def _load_sharded(ckpt: Path, *, model: Any, optimizer: Any) -> None:
-    """Every rank reads the slices of the model and optimizer state its shards overlap."""
+def check_kind(ckpt: Path, *, saved_adapter: bool, model: Any) -> None:
+    """A LoRA checkpoint resumes a LoRA learner and a full one a full one (``ValueError``)."""
+    if saved_adapter and not lora.is_lora(model):
+        raise ValueError(
+            f"{ckpt} holds a LoRA adapter, but this learner trains every weight: resume with "
+            "the run's learner.lora_rank (and lora_target_modules)"
+        )
+    if not saved_adapter and lora.is_lora(model):
+        raise ValueError(
+            f"{ckpt} holds full weights, but this learner trains a LoRA adapter: resume with "
+            "learner.lora_rank = 0 (or start a new LoRA run from a `tether export` of it)"
+        )
+
+
+def _load_sharded(ckpt: Path, *, model: Any, optimizer: Any, adapter: bool) -> None:
+    """Every rank reads the slices of the model and optimizer state its shards overlap (a
+    LoRA learner: the whole adapter file, then the optimizer's slices)."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     saved = checkpoint_state.saved_keys(ckpt / STATE_DIR)
-    model_sd = checkpoint_state.model_state(model)
+    if adapter:
+        lora.load_adapter_state(model, load_file(str(ckpt / ADAPTER_FILE)))
+    model_sd = {} if adapter else checkpoint_state.model_state(model)
     absent = sorted(k for k in model_sd if k not in saved)
     wrong = sorted(k for k in model_sd if k in saved and saved[k][0] != list(model_sd[k].shape))
     if absent or wrong:
@@ -387,8 +419,10 @@ def load_checkpoint(
         raise ValueError(f"{ckpt} is not a complete Tether checkpoint (no meta.json)")
     meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
     version = meta.get("format_version")
+    if version in (FORMAT_VERSION, checkpoint_v1.FORMAT_VERSION):
+        check_kind(ckpt, saved_adapter=bool(meta.get("adapter")), model=model)
     if version == FORMAT_VERSION:
-        _load_sharded(ckpt, model=model, optimizer=optimizer)
+        _load_sharded(ckpt, model=model, optimizer=optimizer, adapter=bool(meta.get("adapter")))
     elif version == checkpoint_v1.FORMAT_VERSION:
         checkpoint_v1.load_state(ckpt, model=model, optimizer=optimizer)
     else:

@@ -15,10 +15,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA learner's checkpoint (both formats)
 
 
 def is_v1(checkpoint_dir: Path) -> bool:
-    return (checkpoint_dir / "model.safetensors").exists()
+    meta = json.loads((checkpoint_dir / "meta.json").read_text(encoding="utf-8"))
+    return meta.get("format_version") == FORMAT_VERSION
 
 
 def read_model_state(checkpoint_dir: Path, *, tie_word_embeddings: bool) -> dict[str, Any]:
@@ -59,9 +61,14 @@ def load_state(checkpoint_dir: Path, *, model: Any, optimizer: Any) -> None:
         checkpoint_dir,
     )
     options = StateDictOptions(full_state_dict=True)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    state = read_model_state(checkpoint_dir, tie_word_embeddings=tied)
-    set_model_state_dict(model, state, options=options)
+    if (checkpoint_dir / ADAPTER_FILE).exists():  # LoRA: the adapter; the base is run.model
+        from services.learner import lora
+
+        lora.load_adapter_state(model, load_file(str(checkpoint_dir / ADAPTER_FILE)))
+    else:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        state = read_model_state(checkpoint_dir, tie_word_embeddings=tied)
+        set_model_state_dict(model, state, options=options)
     meta = json.loads((checkpoint_dir / "optimizer.json").read_text(encoding="utf-8"))
     tensors = load_file(str(checkpoint_dir / "optimizer.safetensors"))
     set_optimizer_state_dict(

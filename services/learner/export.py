@@ -24,6 +24,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.learner import lora
+from services.learner.checkpoint_v1 import ADAPTER_FILE
+
 if TYPE_CHECKING:
     import torch
 
@@ -171,6 +174,55 @@ def _finish(config: Any, tmp: Path, out: Path, tok_dir: Path) -> None:
     tmp.rename(out)
 
 
+def _adapter_from_checkpoint(ckpt: Path) -> tuple[str, dict, dict]:
+    """(base model dir, adapter tensors, adapter config) of a LoRA checkpoint."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+    base = meta.get("source_model_dir")
+    if not base or not (Path(base) / "config.json").exists():
+        raise ValueError(
+            f"{ckpt} is a LoRA checkpoint whose base model directory {base!r} is not here: the "
+            "adapter is exported merged into that base, so it must be readable where you export"
+        )
+    config = json.loads((ckpt / "adapter_config.json").read_text(encoding="utf-8"))
+    return str(base), load_file(str(ckpt / ADAPTER_FILE)), config
+
+
+def _write_lora(
+    base_dir: str, state: dict, config: dict, *, out: Path, tokenizer_dir: Path
+) -> None:
+    """``OUT/adapter/`` (PEFT) and ``OUT/merged/`` (the base with the adapter merged in)."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.learner.model import attention_kwargs
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    adapter_dir, merged_dir = tmp / "adapter", tmp / "merged"
+    adapter_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(adapter_dir / ADAPTER_FILE))
+    doc = {**config, "base_model_name_or_path": str(Path(base_dir).resolve())}
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(doc, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(str(adapter_dir))
+    base = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, **attention_kwargs(base_dir)
+    )
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.config.use_cache = True
+    merged.save_pretrained(str(merged_dir))
+    tokenizer.save_pretrained(str(merged_dir))
+    generation_config = tokenizer_dir / "generation_config.json"
+    if generation_config.exists():
+        shutil.copyfile(generation_config, merged_dir / "generation_config.json")
+    if out.exists():
+        out.rmdir()  # checked empty by the caller
+    tmp.rename(out)
+
+
 def export_hf(
     source: str | Path | torch.nn.Module,
     out_dir: str | Path,
@@ -204,10 +256,24 @@ def export_hf(
         tok_dir = _checked_tokenizer(
             Path(tokenizer_dir) if tokenizer_dir else _tokenizer_home(ckpt)
         )
+        if (ckpt / ADAPTER_FILE).exists():  # LoRA: the adapter, and the base merged with it
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _write_lora(*_adapter_from_checkpoint(ckpt), out=out, tokenizer_dir=tok_dir)
+            return out
         config = AutoConfig.from_pretrained(str(ckpt))
         meta_model = build_meta_from_config(config)
         named: Iterable[tuple[str, Any]] = _checkpoint_tensors(ckpt)
         rank0 = True
+    elif lora.is_lora(source):  # a LoRA adapter is small: gathered whole (a collective)
+        state = lora.adapter_state(source)
+        if not state:
+            return None
+        base = str(source.tether_source_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        config_doc = lora.adapter_config(source, base_model=base)
+        tok = _checked_tokenizer(Path(tokenizer_dir) if tokenizer_dir else None)
+        _write_lora(base, state, config_doc, out=out, tokenizer_dir=tok)
+        return out
     else:
         from services.learner import gather
 

@@ -51,6 +51,13 @@ class WeightPublishing:
         self.bus.set(streams.WEIGHTS_PUBLISHING, version)  # generators watch this key
         return self.publisher.begin(specs, version)
 
+    def publish_whole(self, state: dict[str, Any], version: int) -> None:
+        """A small update held whole in memory (a LoRA adapter), kept by the publisher so that
+        it serves the generators that join later itself (``WeightPublisher.publish``)."""
+        self.bus.set(streams.WEIGHTS_PUBLISHING, version)
+        report = self.publisher.publish(state.items(), version)
+        self._recorded(report, version, "published")
+
     def catch_up_due(self) -> bool:
         """A generator joined since the last publish and waits for the current weights."""
         return bool(self.publisher.behind())
@@ -58,8 +65,10 @@ class WeightPublishing:
     def finish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
         if session is None:
             return
-        report = session.close()
-        if not catch_up:
+        self._recorded(session.close(), version, "caught up" if catch_up else "published")
+
+    def _recorded(self, report: Any, version: int, what: str) -> None:
+        if what == "published":
             self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
             self.bus.set(streams.LEARNER_VERSION, version)
             self.metrics.version.set(version)
@@ -67,7 +76,7 @@ class WeightPublishing:
         log.info(
             "%s v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
             "to %d generator(s)%s",
-            "caught up" if catch_up else "published",
+            what,
             version,
             report.bytes / 1e6,
             report.seconds,
@@ -86,6 +95,9 @@ class NoPublishing:
 
     def begin(self, specs: list, version: int, *, catch_up: bool = False) -> None:
         return None
+
+    def publish_whole(self, state: dict[str, Any], version: int) -> None:
+        pass
 
     def catch_up_due(self) -> bool:
         return False
