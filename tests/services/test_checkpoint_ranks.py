@@ -47,6 +47,8 @@ def test_resume_on_another_number_of_ranks(
     assert meta["world_size"] == saved_by and meta["format_version"] == 2
     shards = list((run_dir / "checkpoints" / "step-1" / "state").glob("shard-*.safetensors"))
     assert len({p.name.split("-model-")[0] for p in shards}) == saved_by  # every rank wrote
+    files = [p for p in (run_dir / "checkpoints" / "step-1").rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".json", ".safetensors"}  # no pickled DCP .metadata
     resumed = _run(resumed_by, tiny_model_dir, run_dir, tmp_path / "resume.json", "resume")
     print(f"{saved_by} -> {resumed_by} ranks: went on {straight}, resumed {resumed}")
     assert resumed == pytest.approx(straight, abs=2e-5)
