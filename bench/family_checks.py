@@ -166,10 +166,10 @@ def publish_update(
     publisher's report and the published tensor names. ``leave_out``: a tensor name not to
     send (a learner whose names miss one of the engine's parameters)."""
     from common.weights.publisher import WeightPublisher
-    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner import gather
 
-    state = full_state_dict_cpu(model, staging=HostStaging())
-    state.pop(leave_out, None)
+    items = [(n, t) for n, t in gather.publish_items(model) if n != leave_out]
+    device = next(model.parameters()).device
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
     try:
         joined = threading.Thread(
@@ -180,9 +180,14 @@ def publish_update(
             pub.publish_to_new_members()
             joined.join(0.05)
         box: dict[str, Any] = {}
-        sender = threading.Thread(
-            target=lambda: box.setdefault("report", pub.publish(state.items(), version))
-        )
+
+        def send() -> None:  # the learner's streamed publish (one rank here)
+            session = pub.begin(gather.publish_specs(items, None), version)
+            gather.stream_publish(items, layout=session.layout, dtype=None, session=session,
+                                  device=device)  # fmt: skip
+            box["report"] = session.close()
+
+        sender = threading.Thread(target=send)
         sender.start()
         res = rpc(llm, "tether_receive_update", timeout_s)
         sender.join(timeout_s)
@@ -191,7 +196,7 @@ def publish_update(
     report = box.get("report")
     return {
         **res,
-        "published": sorted(state),
+        "published": sorted(n for n, _ in items),
         "per_member": report.per_member if report else {},
         "sent_checksum": report.checksum if report else None,
     }

@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.episodes import readme_row as row_episodes
 from bench.models_table import bench_readme_row
-from bench.results_sections import gpu_section, plan_section
+from bench.results_sections import gpu_section, memory_section, plan_section
 from bench.staleness_report import readme_row as row_staleness
 from bench.staleness_report import readme_section as staleness_section
 
@@ -221,6 +221,7 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
 
 def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
     from bench.learner_packing import row_packing
+    from bench.memory import row_memory
     from bench.peer import row_variable
     from bench.reproducibility import readme_row as row_reproducibility
 
@@ -247,6 +248,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += [bench_readme_row(r)]
         elif kind == "episodes":
             rows += [row_episodes(r)]
+        elif kind == "memory":
+            rows += [row_memory(r)]
         else:
             packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
             rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)
@@ -265,6 +268,7 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         + extra
         + staleness_section(Path(results_dir))
         + gpu_section(Path(results_dir) / "gpu")
+        + memory_section(Path(results_dir))
         + plan_section(results_dir)
     )
     return readme

@@ -199,3 +199,54 @@ def plan_section(results_dir: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def memory_section(results_dir: Path) -> str:
+    """Each rank's memory (`tether bench memory`) and the plan beyond this machine
+    (`tether plan --memory`), if the benchmark has run."""
+    from bench.memory import format_memory
+    from tether.runs.memory_plan import format_rows, memory_plan
+
+    r = _load(results_dir / "memory.json") or _load(results_dir / "memory_quick.json")
+    if not r:
+        return ""
+    load = r.get("machine", {}).get("load_average", [float("nan")])[0]
+    kw: dict[str, Any] = dict(
+        ranks=8, gpu_gib=79.0, host_limit_gib=128.0, tokens_per_micro_batch=4096
+    )
+    models = ["qwen2.5-7b", "qwen3-32b", "qwen3-30b-a3b"]
+    lines = [
+        "## The learner's memory per rank (measured, then planned)",
+        "",
+        f"`tether bench memory{' --quick' if r['shape'] == 'quick' else ''}` (load average "
+        f"{load:.1f}, commit {r.get('git_commit', '?')[:10]}{' dirty' if r.get('git_dirty') else ''}): "
+        f"a random model of the {r['shape']} shape ({r['weights_fp32_bytes'] / 2**30:.2f} GiB in "
+        f"fp32) on 1 and on 2 gloo ranks of this CPU, one micro-batch of {r['seq_per_rank']} "
+        "tokens per rank, each phase's peak measured by the rank itself (`VmHWM`, reset per "
+        "phase; in brackets the sampled peak of anonymous memory, without the shared libraries "
+        "and memory-mapped files `VmHWM` also counts; `bench/memory_worker.py`):",
+        "",
+        format_memory(r),
+        "",
+        "`tether plan --memory` then applies the same terms (`tether/runs/memory_plan.py`) to the "
+        "models users train, on 8 GPUs of 80 GB (79 GiB usable), one rank per pod as "
+        "`deploy/k8s/learner.yaml` places them (its limit: 128 GiB of host memory per pod), "
+        "4096 tokens per micro-batch:",
+        "",
+        format_rows(
+            memory_plan(models, ranks_per_node=1, reference=False, **kw),
+            gpu_gib=79.0,
+            host_limit_gib=128.0,
+        ),  # fmt: skip
+        "",
+        "With a reference model (`learner.kl_coef > 0`; offloaded with the policy where offload is on) "
+        "and all 8 ranks in one pod (`--ranks-per-node 8 --reference`):",
+        "",
+        format_rows(
+            memory_plan(models, ranks_per_node=8, reference=True, **kw),
+            gpu_gib=79.0,
+            host_limit_gib=128.0,
+        ),  # fmt: skip
+        "",
+    ]
+    return "\n".join(lines) + "\n"

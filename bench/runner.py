@@ -60,7 +60,7 @@ def readme_for(out_dir: Path) -> Path:
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models",
+    "staleness", "reproducibility", "models", "memory",
 )  # fmt: skip
 
 
@@ -87,6 +87,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "staleness": {"size": "smoke"},
         "reproducibility": {"quick": True},
         "models": {"quick": True},
+        "memory": {"quick": True},
     }
     return presets[what]
 
@@ -135,7 +136,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner", "episodes"):
+    if what in ("models", "learner", "episodes", "memory"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse

@@ -133,14 +133,21 @@ def step_learner3b(tiny: bool) -> dict:
 
 def step_publish3b(tiny: bool) -> dict:
     """Where a publish's time goes at the 3B shape: gathering the FSDP weights to CPU (the old
-    DCP path in fp32, ours in fp32 and in bf16), hashing, and ``WeightPublisher.publish`` to no
-    member (pack + hash; the send itself needs a second GPU for NCCL)."""
+    DCP path in fp32, whole in fp32 and in bf16, and unit by unit as the streamed publish does),
+    hashing, and ``WeightPublisher.publish`` to no member (pack + hash; the send itself needs a
+    second GPU for NCCL)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from common.weights.checksum import tensors_checksum
+    from common.weights.layout import build_layout
     from common.weights.publisher import WeightPublisher
-    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner.gather import (
+        full_state_dict_cpu,
+        publish_items,
+        publish_specs,
+        stream_units,
+    )
     from services.learner.model import load_policy, setup_distributed
     from tether.demo.tiny_model import build_tiny_model
 
@@ -174,19 +181,19 @@ def step_publish3b(tiny: bool) -> dict:
     timed("gather_dcp_fp32_s", lambda: get_model_state_dict(model, options=opts))
     fp32 = timed("gather_fp32_s", lambda: full_state_dict_cpu(model))
     bf16 = timed("gather_bf16_s", lambda: full_state_dict_cpu(model, dtype=half))
-    staging = HostStaging()
-    timed(
-        "gather_bf16_staged_first_s",
-        lambda: full_state_dict_cpu(model, dtype=half, staging=staging),
-    )
-    timed(
-        "gather_bf16_staged_second_s",
-        lambda: full_state_dict_cpu(model, dtype=half, staging=staging),
-    )
-    staged = timed(
-        "gather_bf16_staged_s", lambda: full_state_dict_cpu(model, dtype=half, staging=staging)
-    )
-    out["staged_equals_plain"] = all(bool((staged[k] == bf16[k]).all()) for k in bf16)
+    items = publish_items(model)
+    layout = build_layout(publish_specs(items, half), 1, 64 << 20)
+    streamed: dict = {}
+
+    def stream() -> None:
+        for k, tensors in stream_units(items, layout, dtype=half, rank0=True):
+            _, _, first, last = layout["units"][k]
+            streamed.update(
+                {n: t.cpu() for (n, _), t in zip(items[first:last], tensors, strict=True)}
+            )
+
+    timed("gather_bf16_streamed_s", stream)
+    out["streamed_equals_plain"] = all(bool((streamed[k] == bf16[k]).all()) for k in bf16)
     out["bytes_fp32"] = sum(t.numel() * t.element_size() for t in fp32.values())
     out["bytes_bf16"] = sum(t.numel() * t.element_size() for t in bf16.values())
     timed("checksum_fp32_s", lambda: tensors_checksum(fp32.items()))
@@ -194,7 +201,6 @@ def step_publish3b(tiny: bool) -> dict:
     try:
         timed("publish_fp32_s", lambda: pub.publish(fp32.items(), 1))
         timed("publish_bf16_s", lambda: pub.publish(bf16.items(), 2))
-        timed("publish_bf16_staged_s", lambda: pub.publish(staged.items(), 3))
     finally:
         pub.close()
     return out

@@ -57,6 +57,22 @@ class LearnerConfig(Section):
         "start-up probe refuses a model that ignores the boundaries",
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    cpu_offload: bool = Field(
+        False,
+        description="keep the policy's parameter shards, their gradients and AdamW's state in "
+        "host memory (FSDP2 CPUOffloadPolicy): each layer's parameters go to the GPU for its "
+        "forward and backward only, and the optimizer step runs on the CPU. Saves about 16 bytes "
+        "per parameter / ranks of GPU memory for host memory and step time (`tether plan "
+        "--memory`). FSDP2 offloads all three together: verl's optimizer_offload and OpenRLHF's "
+        "--adam_offload alone move only the optimizer state. A CPU learner applies it with no "
+        "memory change (everything is in host memory already)",
+    )
+    reference_cpu_offload: bool = Field(
+        False,
+        description="keep the frozen reference model's shards in host memory (learner.kl_coef "
+        "> 0): its layers go to the GPU for their forward only (verl's "
+        "ref.fsdp_config.param_offload, OpenRLHF's --ref_reward_offload)",
+    )
     cpu_threads: int = Field(
         0,
         ge=0,
@@ -215,6 +231,13 @@ class LearnerConfig(Section):
         "learner trains in this time (`tether plan` shows it)",
     )
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    async_checkpoint: bool = Field(
+        False,
+        description="write checkpoints from a thread while training goes on: each rank first "
+        "copies its shards (model and optimizer state) in host memory, so a save costs that "
+        "copy's memory until it is on disk; the checkpoint becomes `latest`, and the trained "
+        "entries are acknowledged, once every rank's files are written",
+    )
     eval_every_steps: int = Field(
         0, ge=0, description="held-out evaluation every N steps; 0 = only before and after"
     )

@@ -3,8 +3,9 @@
 Modules: ``layout`` (an update's header: offsets, units, pieces, dtypes), ``buckets`` (packing
 tensors into the units sent), ``checksum``, ``group`` (a pairwise process group, its broadcast and
 the deadline every collective is held to), ``transfer`` (one update over one link, both sides),
-``chain`` (routes, links, the member's relay, the learner's failure rule), ``publisher`` (learner
-side: membership, chain rounds, pairwise catch-ups) and ``receiver`` (generator side).
+``stream`` (an update produced unit by unit while it is sent: the learner never holds the whole
+model), ``chain`` (routes, links, the member's relay, the learner's failure rule), ``publisher``
+(learner side: membership, chain rounds, pairwise catch-ups) and ``receiver`` (generator side).
 
 Membership
     The learner hosts a ``torch.distributed.TCPStore`` (``is_master``). A generator joins by
@@ -78,6 +79,8 @@ Guarantees
       tensors out: a failed, partial or corrupted update raises ``WeightSyncError`` and leaves
       the caller on its previous complete version. After a failure the receiver must ``join()``
       again (its group is in an unknown state).
-    * The publisher keeps references to the tensors of the latest publish to serve late joiners:
-      do not modify them in place afterwards (a mismatch would be caught by the checksum).
+    * ``publish(named, version)`` keeps references to the tensors of the latest publish to serve
+      late joiners: do not modify them in place afterwards (a mismatch would be caught by the
+      checksum). A streamed publish (``begin``, the learner's: ``stream.py``) keeps nothing:
+      its late joiners are sent the version by ``begin_catch_up`` when the learner next can.
 """

@@ -9,18 +9,24 @@ def tensor_bytes(t):
     return t.detach().contiguous().reshape(-1).view(__import__("torch").uint8)
 
 
-def unit_buffers(named, layout, device) -> list:
-    """The tensor sent for each unit: the tensor's own bytes if alone, else a packed copy."""
+def pack_unit(tensors, layout, k: int, device):
+    """The buffer sent for unit ``k`` of ``layout`` given its tensors (in order): the tensor's
+    own bytes if it is alone, else a packed copy of them (one bucket)."""
     import torch
 
-    out = []
-    for start, end, first, last in layout["units"]:
-        if last - first == 1:
-            out.append(tensor_bytes(named[first][1]).to(device))
-            continue
-        buf = torch.zeros(end - start, dtype=torch.uint8, device=device)
-        for i in range(first, last):
-            _, _, _, off, nbytes = layout["tensors"][i]
-            buf[off - start : off - start + nbytes].copy_(tensor_bytes(named[i][1]))
-        out.append(buf)
-    return out
+    start, end, first, last = layout["units"][k]
+    if last - first == 1:
+        return tensor_bytes(tensors[0]).to(device)
+    buf = torch.zeros(end - start, dtype=torch.uint8, device=device)
+    for i, t in zip(range(first, last), tensors, strict=True):
+        _, _, _, off, nbytes = layout["tensors"][i]
+        buf[off - start : off - start + nbytes].copy_(tensor_bytes(t))
+    return buf
+
+
+def unit_buffers(named, layout, device) -> list:
+    """The buffer sent for each unit of an update held whole in memory."""
+    return [
+        pack_unit([t for _, t in named[first:last]], layout, k, device)
+        for k, (_, _, first, last) in enumerate(layout["units"])
+    ]

@@ -58,3 +58,24 @@ class StreamHasher:
 
     def hexdigest(self) -> str:
         return self.h.hexdigest()
+
+
+class UnitHasher:
+    """``tensors_checksum`` of an update from its unit buffers, unit after unit in order (a
+    streamed publish never holds all of them at once)."""
+
+    def __init__(self, layout: dict) -> None:
+        import xxhash
+
+        self.h = xxhash.xxh3_128()
+        self.layout = layout
+
+    def unit(self, k: int, buf) -> None:
+        start, _, first, last = self.layout["units"][k]
+        for name, dt, shape, off, nbytes in self.layout["tensors"][first:last]:
+            self.h.update(f"{name}|{dt}|{shape}\n".encode())
+            b = buf[off - start : off - start + nbytes]
+            self.h.update((b.cpu() if b.device.type != "cpu" else b).numpy())
+
+    def digest(self) -> bytes:
+        return self.h.digest()

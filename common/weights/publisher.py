@@ -1,6 +1,13 @@
 """Learner side (rank 0 only): hosts the store, accepts members, publishes versions down a chain
 of the members (one copy out of the learner) or to each of them pairwise, within a deadline (see
-the package docstring)."""
+the package docstring).
+
+Two ways to publish, one set of rounds: ``publish(named, version)`` holds the whole update in
+memory (and keeps it, so a member that joins later gets it at once from the acceptor); ``begin``
+streams one (``StreamedPublish``: the learner gathers and hands over one unit at a time, so
+rank 0 holds a window of units, never the model, ``common.weights.stream``). A streamed update
+is not kept: a member that joins later is sent it by ``begin_catch_up``, which the learner calls
+at its next chance (``behind()`` says when one is due)."""
 
 from __future__ import annotations
 
@@ -17,9 +24,9 @@ from typing import Any
 from common.config.shared import BUCKET_MB, CHUNK_MB
 from common.telemetry.metrics import metric
 from common.weights import handshake
-from common.weights.buckets import unit_buffers
+from common.weights.buckets import pack_unit, unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
-from common.weights.checksum import hash_tensor
+from common.weights.checksum import UnitHasher
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
@@ -30,6 +37,7 @@ from common.weights.group import (
     use_device,
 )
 from common.weights.layout import ALIGN, WeightSyncError, build_layout
+from common.weights.stream import FeedReader, HeldFeed, Passes, UnitFeed
 from common.weights.transfer import send_update
 
 logger = logging.getLogger(__name__)
@@ -60,15 +68,62 @@ class _Member:
 class _Update:
     version: int
     header: bytes
-    units: list
+    layout: dict
     nbytes: int
+    units: list | None = None  # the unit buffers when held in memory; None when streamed
     digest: bytes = b""
     hashed: threading.Event = field(default_factory=threading.Event)
+    hashing: bool = False  # a hasher reads the current pass
+
+    @property
+    def n_units(self) -> int:
+        return len(self.layout["units"])
 
     def wait_digest(self, deadline: float) -> bytes:
         if not self.hashed.wait(max(0.0, deadline - time.monotonic())):
             raise WeightSyncError("checksum not ready before the deadline")
         return self.digest
+
+
+class StreamedPublish:
+    """One streamed publish, driven by the caller (the learner's rank 0): make every pass the
+    round asks for, a unit at a time, then ``close()``::
+
+        while (feed := session.next_pass()) is not None:
+            for k in range(session.n_units):
+                session.put(feed, k, tensors_of_unit_k)  # layout order
+        report = session.close()
+
+    The round (its own thread) sends each unit as it comes; ``put`` waits while the window of
+    units is full, and drops the units of a pass no member reads any more."""
+
+    def __init__(self, pub: WeightPublisher, update: _Update, *, members: list, t0: float,
+                 pairwise: bool) -> None:  # fmt: skip
+        self.pub, self.update, self.t0 = pub, update, t0
+        self.deadline = t0 + pub.timeout_s
+        self.passes, self._thread, self._box = pub._start_round(
+            update, members, self.deadline, pairwise=pairwise
+        )
+
+    @property
+    def layout(self) -> dict:
+        return self.update.layout
+
+    @property
+    def n_units(self) -> int:
+        return self.update.n_units
+
+    def next_pass(self) -> UnitFeed | None:
+        return self.passes.next(deadline=self.deadline)
+
+    def put(self, feed: UnitFeed, k: int, tensors: list) -> None:
+        feed.put(pack_unit(tensors, self.layout, k, self.pub.device), deadline=self.deadline)
+
+    def close(self) -> PublishReport:
+        self._thread.join(max(0.0, self.deadline - time.monotonic()))
+        with self.pub._lock:
+            self.pub._publishing = False
+        return self.pub._report(self.update, self.t0, self._box)
 
 
 class WeightPublisher:
@@ -139,53 +194,64 @@ class WeightPublisher:
             self._members.clear()
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> PublishReport:
-        """Send ``version`` to every member concurrently; returns within ``timeout_s``."""
+        """Send ``version`` to every member concurrently; returns within ``timeout_s``. The
+        update is held in memory, and kept to serve members that join later."""
         t0 = time.monotonic()
         named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names) or not named:
-            raise ValueError("publish needs a non-empty set of tensors with unique names")
-        with self._lock:
-            if self._latest is not None and version <= self._latest.version:
-                raise ValueError(
-                    f"weight versions must increase: got {version} after {self._latest.version}"
-                )
-        layout = build_layout(named, version, self.bucket_bytes, self.chunk_bytes)
-        update = _Update(version, json.dumps(layout).encode(),
-                         unit_buffers(named, layout, self.device),
-                         sum(t[4] for t in layout["tensors"]))  # fmt: skip
-        hasher = threading.Thread(target=self._hash, args=(update, named), daemon=True)
-        hasher.start()
-        with self._lock:
-            self._latest, self._publishing = update, True
-        if self._accept_lock.acquire(blocking=False):  # else the acceptor will catch them up
-            try:
-                self._accept_pending()
-            finally:
-                self._accept_lock.release()
-        with self._lock:
-            members = list(self._members.values())
+        update = self._new_update(named, version)
+        update.units = unit_buffers(named, update.layout, self.device)
+        members = self._open(update)
         try:
-            if self.fanout == "chain":
-                per_member, root_bytes = self._send_chain(update, members, t0 + self.timeout_s)
-            else:
-                per_member = self._send_all(update, members, t0 + self.timeout_s)
-                root_bytes = update.nbytes * len(members)
+            _, thread, box = self._start_round(
+                update, members, t0 + self.timeout_s, pairwise=self.fanout == "pairwise"
+            )
+            thread.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
         finally:
             with self._lock:
                 self._publishing = False
-        hasher.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
-        seconds = time.monotonic() - t0
-        metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
-        metric("Counter", "tether_weights_publish_bytes_total",
-               "Bytes the learner sent").inc(root_bytes)  # fmt: skip
-        return PublishReport(version, update.nbytes, seconds, update.digest.hex(), per_member,
-                             root_bytes, self._chain_epoch)  # fmt: skip
+        return self._report(update, t0, box)
+
+    def begin(self, specs: Iterable[tuple[str, Any]], version: int) -> StreamedPublish:
+        """Start a streamed publish of ``version``: ``specs`` name every tensor with its dtype
+        and shape (meta tensors will do); the caller then makes the passes (``StreamedPublish``)."""
+        t0 = time.monotonic()
+        named = sorted(((n, t.detach()) for n, t in specs), key=lambda nt: nt[0])
+        update = self._new_update(named, version)
+        members = self._open(update)
+        return StreamedPublish(self, update, members=members, t0=t0,
+                               pairwise=self.fanout == "pairwise")  # fmt: skip
+
+    def behind(self) -> list[str]:
+        """Members (joined since) that lack the latest version: a streamed update is not kept,
+        so they wait for ``begin_catch_up`` (a publish held in memory serves them itself)."""
+        with self._lock:
+            update = self._latest
+            if update is None or update.units is not None:  # held: the acceptor serves them
+                return []
+            return [m.member_id for m in self._members.values()
+                    if m.version_sent < update.version]  # fmt: skip
+
+    def begin_catch_up(self) -> StreamedPublish | None:
+        """A streamed publish of the latest version again, pairwise, to the members that lack
+        it (``None`` when none does); the caller makes its pass as for ``begin``."""
+        with self._accept_lock:
+            self._accept_pending()
+        t0 = time.monotonic()
+        with self._lock:
+            update = self._latest
+            if update is None or self._publishing:
+                return None
+            behind = [m for m in self._members.values() if m.version_sent < update.version]
+            if not behind:
+                return None
+            self._publishing = True
+        return StreamedPublish(self, update, members=behind, t0=t0, pairwise=True)
 
     def publish_to_new_members(self) -> dict[str, str]:
         """Accept pending joins and send the latest version to members that lack it; not while a
         publish runs (it serves the members it could lock; a member that joined meanwhile is
-        caught up here right after it, within the publish's deadline)."""
+        caught up here right after it, within the publish's deadline). A streamed update is not
+        held: its late joiners wait for ``begin_catch_up``."""
         with self._accept_lock:
             self._accept_pending()
         with self._lock:
@@ -195,21 +261,106 @@ class WeightPublisher:
                 for m in self._members.values()
                 if update and m.version_sent < update.version and not self._publishing
             ]
-        if not behind or update is None:
+        if not behind or update is None or update.units is None:
             return {}
-        return self._send_all(update, behind, time.monotonic() + self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        _, thread, box = self._start_round(update, behind, deadline, pairwise=True)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        return dict(box.get("result", ({}, 0))[0])
 
     # -- internals
 
-    @staticmethod
-    def _hash(update: _Update, named) -> None:
-        import xxhash
+    def _new_update(self, named: list, version: int) -> _Update:
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names) or not named:
+            raise ValueError("publish needs a non-empty set of tensors with unique names")
+        with self._lock:
+            if self._latest is not None and version <= self._latest.version:
+                raise ValueError(
+                    f"weight versions must increase: got {version} after {self._latest.version}"
+                )
+        layout = build_layout(named, version, self.bucket_bytes, self.chunk_bytes)
+        return _Update(version, json.dumps(layout).encode(), layout,
+                       sum(t[4] for t in layout["tensors"]))  # fmt: skip
 
-        h = xxhash.xxh3_128()
-        for name, t in named:
-            hash_tensor(h, name, t)
-        update.digest = h.digest()
-        update.hashed.set()
+    def _open(self, update: _Update) -> list[_Member]:
+        """Make ``update`` the latest, take in pending joins; the members to send it to."""
+        with self._lock:
+            self._latest, self._publishing = update, True
+        if self._accept_lock.acquire(blocking=False):  # else the acceptor will catch them up
+            try:
+                self._accept_pending()
+            finally:
+                self._accept_lock.release()
+        with self._lock:
+            return list(self._members.values())
+
+    def _start_round(self, update: _Update, members: list[_Member], deadline: float, *,
+                     pairwise: bool) -> tuple[Passes, threading.Thread, dict]:  # fmt: skip
+        """The round (chain or pairwise) on a thread of its own; it asks for passes through the
+        returned ``Passes`` and leaves ``{"result": (per member, root bytes)}`` in the box."""
+        passes: Passes = Passes()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                if pairwise:
+                    per_member = self._send_all(update, members, deadline, passes)
+                    box["result"] = (per_member, update.nbytes * len(members))
+                else:
+                    box["result"] = self._send_chain(update, members, deadline, passes)
+            finally:
+                passes.done()
+
+        thread = threading.Thread(target=run, name="wsync-round", daemon=True)
+        thread.start()
+        return passes, thread, box
+
+    def _feed(self, update: _Update, passes: Passes) -> UnitFeed | HeldFeed:
+        """A new pass's feed (asked of the producer when streamed); the first (or, if it broke
+        off, the next) is hashed too: the checksum goes out after the units, so hashing
+        overlaps sending. A member that takes nothing for a quarter of the deadline is left
+        behind, so that it does not hold back the others."""
+        feed: UnitFeed | HeldFeed
+        if update.units is not None:
+            feed = HeldFeed(update.units)
+        else:
+            feed = UnitFeed(update.n_units, stall_s=self.timeout_s / 4)
+            passes.ask(feed)
+        if not update.hashed.is_set() and not update.hashing:
+            update.hashing = True
+            reader = feed.reader()
+            threading.Thread(target=self._hash, args=(update, reader), name="wsync-hash",
+                             daemon=True).start()  # fmt: skip
+        return feed
+
+    def _hash(self, update: _Update, reader: FeedReader | HeldFeed) -> None:
+        hasher = UnitHasher(update.layout)
+        try:
+            with reader:
+                for k, buf in enumerate(reader.units(time.monotonic() + self.timeout_s)):
+                    hasher.unit(k, buf)
+            update.digest = hasher.digest()
+            update.hashed.set()
+        except WeightSyncError:  # the pass was given up: the next pass hashes
+            update.hashing = False
+
+    def _report(self, update: _Update, t0: float, box: dict) -> PublishReport:
+        per_member, root_bytes = box.get("result", ({}, 0))
+        if update.hashing:
+            update.hashed.wait(max(0.0, t0 + self.timeout_s - time.monotonic()))
+        elif update.units is not None and not update.hashed.is_set():  # no pass was made
+            hasher = UnitHasher(update.layout)
+            for k, buf in enumerate(update.units):
+                hasher.unit(k, buf)
+            update.digest = hasher.digest()
+            update.hashed.set()
+        seconds = time.monotonic() - t0
+        metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
+        metric("Counter", "tether_weights_publish_bytes_total",
+               "Bytes the learner sent").inc(root_bytes)  # fmt: skip
+        return PublishReport(update.version, update.nbytes, seconds, update.digest.hex(),
+                             dict(per_member), root_bytes, self._chain_epoch)  # fmt: skip
 
     def _accept_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -265,12 +416,16 @@ class WeightPublisher:
             metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
 
-    def _send_all(self, update: _Update, members: list[_Member], deadline: float) -> dict:
+    def _send_all(self, update: _Update, members: list[_Member], deadline: float,
+                  passes: Passes) -> dict:  # fmt: skip
+        """One pass, read by every member's sender thread."""
         results: dict[str, str] = {}
         done = threading.Lock()
+        feed = self._feed(update, passes)
+        readers = {m.member_id: feed.reader() for m in members}
 
         def one(m: _Member) -> None:
-            outcome = self._send_one(m, update, deadline)
+            outcome = self._send_one(m, update, deadline, readers[m.member_id])
             with done:
                 results.setdefault(m.member_id, outcome)
 
@@ -282,35 +437,41 @@ class WeightPublisher:
         with done:  # results that arrive later are ignored: they were reported as timeouts
             for m in members:
                 if results.setdefault(m.member_id, "timeout") == "timeout":
+                    readers[m.member_id].leave()
                     self._drop(m, "timeout")
             return dict(results)
 
-    def _send_one(self, m: _Member, update: _Update, deadline: float) -> str:
-        if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            # held by a chain publish until its deadline: the member's outcome is that publish's
-            return "ok" if m.version_sent >= update.version else "timeout"
-        try:
-            if m.version_sent >= update.version:
+    def _send_one(self, m: _Member, update: _Update, deadline: float,
+                  reader: FeedReader | HeldFeed) -> str:  # fmt: skip
+        with reader:
+            if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                # held by a chain publish until its deadline: its outcome is that publish's
+                return "ok" if m.version_sent >= update.version else "timeout"
+            try:
+                if m.version_sent >= update.version:
+                    return "ok"
+                m.store.set("route", str(Route(update.version)))
+                m.store.set("pending", str(update.version))
+                use_device(self.device)  # this sender thread's GPU
+                send_update(m.pg, update.header, update.version, reader.units(deadline),
+                            lambda: update.wait_digest(deadline), deadline,
+                            device=self.device)  # fmt: skip
+                m.version_sent = update.version
                 return "ok"
-            m.store.set("route", str(Route(update.version)))
-            m.store.set("pending", str(update.version))
-            use_device(self.device)  # this sender thread's GPU
-            send_update(m.pg, update.header, update.version, update.units,
-                        lambda: update.wait_digest(deadline), deadline)  # fmt: skip
-            m.version_sent = update.version
-            return "ok"
-        except Exception as e:
-            if time.monotonic() >= deadline:
-                return "timeout"
-            self._drop(m, "error")
-            return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
-        finally:
-            m.lock.release()
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    return "timeout"
+                self._drop(m, "error")
+                return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+            finally:
+                m.lock.release()
 
-    def _send_chain(self, update: _Update, members: list[_Member], deadline: float):
+    def _send_chain(self, update: _Update, members: list[_Member], deadline: float,
+                    passes: Passes):  # fmt: skip
         """Send ``update`` down a chain of the members this thread can lock now (the others are
         being caught up pairwise and get it from the acceptor); on a failure blame one member
-        (``ChainRound``), drop it, and send the rest again at once down a new chain."""
+        (``ChainRound``), drop it, and send the rest again at once down a new chain (a new pass
+        of the producer's)."""
         chain = [m for m in sorted(members, key=lambda m: m.member_id) if m.lock.acquire(False)]
         results: dict[str, str] = {}
         root_bytes = 0
@@ -320,10 +481,13 @@ class WeightPublisher:
             while rest and time.monotonic() < deadline:
                 epoch, routes = self._route(update.version, rest)
                 sender: dict[str, str] = {}
-                threading.Thread(target=self._send_first, args=(update, epoch, sender, deadline),
+                reader = self._feed(update, passes).reader()
+                threading.Thread(target=self._send_first,
+                                 args=(update, epoch, sender, deadline, reader),
                                  name="wsync-chain", daemon=True).start()  # fmt: skip
                 root_bytes += update.nbytes
                 acked, blamed, why = self._round.watch(rest, routes, sender, deadline)
+                reader.leave()  # a sender still at it stops at the chain epoch's change
                 for m in acked:
                     results[m.member_id], m.version_sent = "ok", update.version
                 rest = [m for m in rest if m not in acked and m is not blamed]
@@ -364,7 +528,8 @@ class WeightPublisher:
             m.store.set("pending", str(version))
         return self._chain_epoch, routes
 
-    def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float) -> None:
+    def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float,
+                    reader: FeedReader | HeldFeed) -> None:  # fmt: skip
         """The learner's only send of a chain round: to the first member, over link 1."""
         try:
             use_device(self.device)
@@ -374,11 +539,13 @@ class WeightPublisher:
                           timeout_s=self.timeout_s)  # fmt: skip
                 if epoch == self._chain_epoch:
                     self._links1[epoch] = pg
-            send_update(pg, update.header, update.version, update.units,
+            send_update(pg, update.header, update.version, reader.units(deadline),
                         lambda: update.wait_digest(deadline), deadline,
-                        lambda: self._chain_epoch != epoch)  # fmt: skip
+                        lambda: self._chain_epoch != epoch, device=self.device)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - ChainRound blames the first member
             box["error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        finally:
+            reader.leave()
 
     def _drop(self, m: _Member, reason: str) -> None:
         with self._lock:

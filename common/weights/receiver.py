@@ -61,6 +61,12 @@ class WeightReceiver:
     def joined(self) -> bool:
         return self._pg is not None
 
+    @property
+    def last_buffer(self) -> Any:
+        """The staging buffer the last ``receive()``'s tensors are views into (a uint8 tensor):
+        a tensor-parallel engine passes it on whole to its other workers."""
+        return self._latest_buf
+
     def join(self) -> int:
         """Register with the learner (new epoch) and build the pairwise group; returns the epoch."""
         import torch.distributed as dist

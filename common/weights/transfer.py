@@ -7,6 +7,7 @@ arrives (``relay``); the next member sees exactly what the learner sent."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from common.weights.checksum import StreamHasher
@@ -15,21 +16,27 @@ from common.weights.layout import MAGIC, WeightSyncError, dtype_of, pieces
 
 
 def send_update(
-    pg, header: bytes, version: int, units: list, digest, deadline: float | None = None,
-    cancelled=None,
+    pg, header: bytes, version: int, units: Iterable, digest, deadline: float | None = None,
+    cancelled=None, *, device: Any = None,
 ) -> None:  # fmt: skip
-    """Learner side of one update (steps 1-4 of the package docstring). ``digest`` is a
-    zero-argument callable returning the 16-byte checksum; it is called after the units went out."""
+    """Learner side of one update (steps 1-4 of the package docstring). ``units``: the unit
+    buffers in order, a list or an iterator that produces each when it is needed (a streamed
+    publish, ``common.weights.stream``). ``digest`` is a zero-argument callable returning the
+    16-byte checksum; it is called after the units went out. ``device``: where the preamble
+    goes (the units' device; default: the first unit's, else host memory)."""
     import torch
 
-    dev = units[0].device if units else torch.device("cpu")
-    meta = torch.tensor([MAGIC, version, len(header)], dtype=torch.int64, device=dev)
-    hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev)
+    if device is None:
+        device = units[0].device if isinstance(units, list) and units else torch.device("cpu")
+    meta = torch.tensor([MAGIC, version, len(header)], dtype=torch.int64, device=device)
+    hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     chunk = int(json.loads(header).get("chunk", 0))
-    out = [meta, hdr] + [u[a:b] for u in units for a, b in pieces(0, u.numel(), chunk)]
-    for t in out:  # one op in flight: gloo runs queued ops on parallel threads
+    for t in (meta, hdr):  # one op in flight: gloo runs queued ops on parallel threads
         finish(pg, broadcast(pg, t), deadline, cancelled)
-    tail = torch.frombuffer(bytearray(digest()), dtype=torch.uint8).to(dev)
+    for u in units:
+        for a, b in pieces(0, u.numel(), chunk):
+            finish(pg, broadcast(pg, u[a:b]), deadline, cancelled)
+    tail = torch.frombuffer(bytearray(digest()), dtype=torch.uint8).to(device)
     finish(pg, broadcast(pg, tail), deadline, cancelled)
 
 

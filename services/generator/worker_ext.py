@@ -18,6 +18,14 @@ the methods below run inside the worker process through ``collective_rpc``:
 - ``tether_model_info()`` -> ``{"class", "module"}`` of the model vLLM runs: its own
   implementation (``vllm.model_executor.models.llama``) or the Transformers fallback.
 
+Tensor parallelism (``tensor_parallel_size`` > 1): only the engine's TP rank 0 joins the
+learner's weight sync, so the engine is one member of the chain and receives each update once.
+It then passes the update to the other TP workers over the engine's own TP group (a JSON header
+over its CPU group, then the staging buffer's bytes in one broadcast over its device group),
+and every worker loads it with ``reload_weights``, whose weight loaders keep the worker's own
+slice of each tensor. The other workers answer ``tether_join``/``tether_poll`` with nothing
+(the generator reads TP rank 0's answer, the first).
+
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
 service decides what to do with requests in flight. Errors are returned, not raised, so a bad
 update never takes the engine core down. Metrics: this runs in vLLM's engine-core process, which
@@ -44,6 +52,8 @@ class TetherWorkerExtension:
         from common.weights.handshake import secret_from_env
         from common.weights.receiver import WeightReceiver
 
+        if _tp_rank() != 0:  # the engine joins once, through its TP rank 0
+            return {"member_id": member_id, "epoch": None, "behind": None}
         rx = self._tether_rx
         if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
             # A new weight store is a new learner process (e.g. restarted from a checkpoint):
@@ -62,6 +72,8 @@ class TetherWorkerExtension:
         from common.weights.layout import WeightSyncError
 
         try:
+            if _tp_rank() != 0:
+                return {"pending": None, "error": None}  # TP rank 0 answers for the engine
             if self._tether_rx is None:
                 raise WeightSyncError("not joined: call tether_join first")
             return {"pending": self._tether_rx.poll(), "error": None}
@@ -74,13 +86,25 @@ class TetherWorkerExtension:
         from common.weights.layout import WeightSyncError
 
         t0 = time.monotonic()
+        error = ""
+        version: int = -1
+        named: list = []
         try:
-            if self._tether_rx is None:
-                raise WeightSyncError("not joined: call tether_join first")
-            version, named = self._tether_rx.receive(wait_s=wait_s)
+            if _tp_rank() == 0:
+                if self._tether_rx is None:
+                    raise WeightSyncError("not joined: call tether_join first")
+                version, named = self._tether_rx.receive(wait_s=wait_s)
         except Exception as e:  # noqa: BLE001 - errors are returned so the engine core survives
-            logger.warning("weight update failed, keeping version %s: %s", self._tether_version, e)
-            return {"ok": False, "version": self._tether_version, "error": str(e)}
+            error = str(e) or type(e).__name__
+        try:
+            version, named, error = _share_across_tp(version, named, error, self._tether_rx)
+        except Exception as e:  # noqa: BLE001 - the TP group itself failed
+            error = f"passing the update to the engine's TP workers failed: {e}"
+        if error:
+            logger.warning(
+                "weight update failed, keeping version %s: %s", self._tether_version, error
+            )
+            return {"ok": False, "version": self._tether_version, "error": error}
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
         tied = self._tether_tied()
         missing = self._tether_load(
@@ -120,6 +144,11 @@ class TetherWorkerExtension:
         layout = layout if layout is not None else self._tether_layout
         if layout is None:
             raise ValueError("no layout: pass one or receive an update first")
+        if _tp_size() > 1:
+            raise ValueError(
+                "with tensor parallelism each worker holds a slice of each tensor: compare the "
+                "engine's log-probs with the learner's instead of a checksum of its weights"
+            )
         return tensors_checksum([(n, self._tether_engine_tensor(n, s)) for n, _, s in layout])
 
     # -- helpers
@@ -203,6 +232,71 @@ class TetherWorkerExtension:
         eye = torch.eye(size, dtype=p.dtype, device=p.device)
         with torch.no_grad():
             return module.cpu_linear(eye, p, None).t().contiguous()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().rank_in_group
+
+
+def _tp_size() -> int:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().world_size
+
+
+def _share_across_tp(version: int, named: list, error: str, rx: Any) -> tuple[int, list, str]:
+    """TP rank 0's outcome to every TP worker: ``(version, named, error)`` everywhere. The
+    header (JSON: version, error, each tensor's dtype, shape and offset in rank 0's staging
+    buffer) goes over the TP group's CPU group, then the buffer in one broadcast over its device
+    group; the other workers' tensors are views into their copy of it."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from common.weights.layout import dtype_of
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return version, named, error
+    src = group.ranks[0]
+    header = b""
+    if group.rank_in_group == 0:
+        base = rx.last_buffer if rx is not None and not error else None
+        tensors = [
+            [n, str(t.dtype).removeprefix("torch."), list(t.shape),
+             t.data_ptr() - base.data_ptr(), t.numel() * t.element_size()]
+            for n, t in named
+        ] if base is not None else []  # fmt: skip
+        total = base.numel() if base is not None else 0
+        header = json.dumps(
+            {"version": version, "error": error, "tensors": tensors, "total": total}
+        ).encode()
+    size = torch.tensor([len(header)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group.cpu_group)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if group.rank_in_group == 0:
+        data.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    dist.broadcast(data, src=src, group=group.cpu_group)
+    head = json.loads(bytes(data.numpy()))
+    if head["error"]:
+        return head["version"], [], head["error"]
+    device = group.device
+    if group.rank_in_group == 0:
+        buf = rx.last_buffer[: head["total"]].to(device)
+    else:
+        buf = torch.empty(head["total"], dtype=torch.uint8, device=device)
+    group.broadcast(buf, src=0)
+    if group.rank_in_group == 0:
+        return version, named, ""
+    views = [
+        (n, buf[off : off + nb].view(dtype_of(dt)).reshape(shape))
+        for n, dt, shape, off, nb in head["tensors"]
+    ]
+    return head["version"], views, ""
 
 
 def _reset_cpu_moe_kernels(model) -> None:

@@ -6,7 +6,7 @@ next to the complete ``step-<N>/`` directories; ``remove_leftovers`` removes the
 starts and after every save, so a crash loop does not fill the disk with them.
 
 A save that fails with ``ENOSPC``/``EDQUOT`` on any rank raises ``DiskFull`` on every rank
-(``checkpoint.save_checkpoint``), whose message names the directory, the bytes a save needs and
+(``checkpoint.start_checkpoint`` and ``PendingCheckpoint``), whose message names the directory, the bytes a save needs and
 those free, and the settings that help. The learner then stops with exit code 2: retrying would
 retrain the same steps into the same full disk; its scored groups stay pending in Redis (no
 acknowledgement without a checkpoint), so ``tether train --resume`` continues from the last good
@@ -89,3 +89,27 @@ def as_os_error(exc: Exception, path: Path) -> OSError | None:
         return None
     code = int(match.group(1))
     return OSError(code, os.strerror(code), str(path))
+
+
+def no_room(exc: BaseException) -> OSError | None:
+    """The ``OSError`` meaning "no room" behind ``exc``, or None: ``exc`` itself, its causes,
+    a DCP ``CheckpointException``'s per-rank failures, or safetensors' ``SafetensorError`` (whose
+    I/O errors are not ``OSError``s; ``as_os_error``)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE:
+            return e
+        if type(e).__name__ == "SafetensorError":
+            os_error = as_os_error(e, Path(""))
+            if os_error is not None and os_error.errno in NO_SPACE:
+                return os_error
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's per rank
+        if isinstance(failures, dict):
+            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None

@@ -22,7 +22,9 @@ Unblocked by scorers publishing. Its own weight publishes unblock the generators
 
 Stopping and idling across ranks (``dist.control``): at the top of each cycle rank 0 says GO
 (it has the cycle's groups) or STOP, and while it waits for input it says WAITING every
-``learner.keepalive_s``; the other ranks listen in a loop. So an idle wait of any length never
+``learner.keepalive_s`` (CATCH_UP at once when a generator joined since the last publish: every
+rank then takes part in sending it the current weights, since a streamed publish gathers from
+every rank and rank 0 keeps no copy of them); the other ranks listen in a loop. So an idle wait of any length never
 runs into ``learner.collective_timeout_s``, and a SIGTERM to any rank stops every rank at the same
 point (then the final checkpoint, a collective). Each exchange, training step and checkpoint is a
 heartbeat (``live``): ``/healthz`` of rank 0 and of each node's first rank answers 503 when the
@@ -64,7 +66,7 @@ from services.learner.cycle import (
     samples_from_groups,
     steps_of_cycle,
 )
-from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
+from services.learner.dist import CATCH_UP, GO, STOP, WAITING, control, set_cpu_threads
 from services.learner.lora import LoraSettings
 from services.learner.lora import publish_state as lora_publish_state
 from services.learner.publishing import NoPublishing, WeightPublishing
@@ -101,6 +103,8 @@ class LearnerService:
         self.cadence = CheckpointCadence(cfg.learner)
         self.last_step: dict[str, Any] = {}
         self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
+        self._pending: Any = None  # a checkpoint being written (learner.async_checkpoint)
+        self._pending_cycle, self._pending_acked = 0, True
         # rank 0's duties; setup_io_first gives rank 0 the real ones
         self.bus_side: BusSide | NoBusSide = NoBusSide()
         self.publishing: WeightPublishing | NoPublishing = NoPublishing()
@@ -133,7 +137,6 @@ class LearnerService:
         from common.data.model_paths import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
-        from services.learner.gather import HostStaging
 
         if not hasattr(self, "rank"):
             self.setup_io_first()
@@ -144,7 +147,6 @@ class LearnerService:
         wd = self.cfg.weights.dtype
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
-        self._publish_staging = HostStaging()
         if logprobs.proximal_is_current(self.cfg):
             log.info(
                 "%s: proximal log-probs come from each step's own forward pass (one optimizer "
@@ -157,6 +159,7 @@ class LearnerService:
             param_dtype=dtype,
             gradient_checkpointing=ln.gradient_checkpointing,
             pack_sequences=ln.pack_sequences,
+            offload=ln.cpu_offload,
             lora=self.lora,
             seed=self.cfg.run.seed,
         )
@@ -165,8 +168,9 @@ class LearnerService:
             self.ref_model = self.model  # the reference is the base: the adapter switched off
         elif ln.kl_coef > 0:
             self.ref_model = model_mod.load_reference(
-                model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
-            )
+                model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences,
+                offload=ln.reference_cpu_offload,
+            )  # fmt: skip
         if self.lora is not None:
             self._log_lora(self.lora)
         from transformers import AutoTokenizer
@@ -207,21 +211,37 @@ class LearnerService:
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
     # ------------------------------------------------------------------ weights, checkpoints
-    def publish(self) -> None:
-        from services.learner.gather import full_state_dict_cpu
+    def publish(self, *, catch_up: bool = False) -> None:
+        """Every rank: send the current weights to the generators, streamed (rank 0 holds at
+        most a window of ``weights.bucket_mb`` units, never the model: ``gather``).
+        ``catch_up``: the same version again, to the generators that joined since."""
+        from common.weights.layout import build_layout
+        from services.learner import gather
 
         with self.timer.phase("syncing_weights"):
-            if self.lora is not None:  # adapter only: its tensors and its config
-                state = lora_publish_state(self.model, dtype=self.publish_dtype)
-            else:
-                state = full_state_dict_cpu(
-                    self.model, dtype=self.publish_dtype, staging=self._publish_staging
-                )
-            self.publishing.publish(state, self.version)
+            if self.lora is not None:  # adapter only (megabytes): gathered whole, sent from memory
+                if not catch_up:  # (kept by the publisher: it serves late joiners itself)
+                    state = lora_publish_state(self.model, dtype=self.publish_dtype)
+                    self.publishing.publish_whole(state, self.version)
+                return
+            items = gather.publish_items(self.model)
+            specs = gather.publish_specs(items, self.publish_dtype)
+            session = self.publishing.begin(specs, self.version, catch_up=catch_up)
+            bucket = int(self.cfg.weights.bucket_mb * 2**20)
+            layout = session.layout if session else build_layout(specs, self.version, bucket)
+            gather.stream_publish(
+                items, layout=layout, dtype=self.publish_dtype, session=session,
+                device=self.device,
+            )  # fmt: skip
+            self.publishing.finish(session, self.version, catch_up=catch_up)
 
-    def checkpoint(self) -> None:
-        from services.learner.checkpoint import save_checkpoint
+    def checkpoint(self, *, wait: bool = True) -> None:
+        """Save a checkpoint (every rank). ``wait=False`` with ``learner.async_checkpoint``:
+        return once the shards are copied; ``poll_checkpoint`` (between cycles) and the next
+        save finish it. The trained entries are acknowledged when it is published."""
+        from services.learner.checkpoint import start_checkpoint
 
+        self.finish_checkpoint()  # one save at a time (a collective: every rank is here)
         self.live.beat()
         with self.timer.phase("checkpointing"):
             extra = {
@@ -230,7 +250,7 @@ class LearnerService:
                 "counters": dict(self.counters),
                 **self.bus_side.checkpoint_state(),
             }
-            save_checkpoint(
+            self._pending = start_checkpoint(
                 self.run_dir,
                 self.version,
                 model=self.model,
@@ -238,10 +258,33 @@ class LearnerService:
                 scheduler=self.scheduler,
                 extra_state=extra,
                 keep_last=self.cfg.learner.keep_checkpoints,
+                async_save=self.cfg.learner.async_checkpoint,
             )
-            self.bus_side.ack_trained(self.next_cycle)
+            self._pending_cycle, self._pending_acked = self.next_cycle, False
+            if wait or not self.cfg.learner.async_checkpoint:
+                self.finish_checkpoint()
         self.cadence.saved()
         self.live.beat()
+
+    def finish_checkpoint(self) -> None:
+        """Every rank: wait for the save in progress, if any, to be on disk and published."""
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        self._ack_checkpointed()
+
+    def poll_checkpoint(self) -> None:
+        """Between cycles: rank 0 publishes an asynchronous save whose files are all written
+        and acknowledges what it holds, without waiting (the other ranks' part ends in the
+        next ``finish_checkpoint``)."""
+        if self._pending is not None and self._pending.poll() is not None:
+            self._ack_checkpointed()
+
+    def _ack_checkpointed(self) -> None:
+        if not self._pending_acked:
+            self.bus_side.ack_trained(self._pending_cycle)
+        self._pending_acked = True
 
     # ------------------------------------------------------------------ training
     def _prepare(self, samples: list[Sample]) -> None:
@@ -352,12 +395,17 @@ class LearnerService:
     # ------------------------------------------------------------------ the loop
     def _idle(self) -> None:
         """Rank 0, while it waits for input: a heartbeat, and every ``keepalive_s`` a WAITING
-        word to the other ranks (which may answer that one of them is stopping)."""
+        word to the other ranks (which may answer that one of them is stopping). When a
+        generator joined since the last publish, at once a CATCH_UP word, and every rank sends
+        it the current weights (a streamed publish gathers from every rank)."""
         self.live.beat()
-        if time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
+        due = self.publishing.catch_up_due()
+        if due or time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
             self._last_word = time.monotonic()
-            _, others_stopping = control(WAITING, self._stop, self.device)
+            _, others_stopping = control(CATCH_UP if due else WAITING, self._stop, self.device)
             self._stop = self._stop or others_stopping
+            if due:
+                self.publish(catch_up=True)
 
     def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
         """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
@@ -378,9 +426,11 @@ class LearnerService:
             self._last_word = time.monotonic()
         else:
             word = WAITING
-            while word == WAITING:
+            while word in (WAITING, CATCH_UP):
                 word, stopping = control(0, self._stop, self.device)
                 self.live.beat()
+                if word == CATCH_UP:
+                    self.publish(catch_up=True)
         return word == GO and not stopping, groups
 
     def run(self) -> None:
@@ -407,7 +457,8 @@ class LearnerService:
             self.bus_side.housekeep()
             due = self.cadence.due(version=self.version, before=before, device=self.device)
             if due and self.next_cycle < run.num_cycles:
-                self.checkpoint()
+                self.checkpoint(wait=False)
+            self.poll_checkpoint()
         self.checkpoint()
         if self.next_cycle >= run.num_cycles:  # the last held-out round, then the record
             self.bus_side.finish_run(self.version, stop=lambda: self._stop)

@@ -3,8 +3,10 @@ every version (``common.weights.publisher``), and records it in Redis, where the
 watch for it (``weights:publishing`` before the send, the chain epoch and the learner's version
 after it).
 
-Every rank takes part in gathering the full state dict (a collective, in ``loop.py``); rank 0
-holds a ``WeightPublishing`` and sends it, the other ranks hold a ``NoPublishing``."""
+A publish is streamed: every rank gathers the units it asks for (a collective,
+``gather.stream_publish``) and rank 0 sends each while the next is gathered, so rank 0 never
+holds the model. Rank 0 holds a ``WeightPublishing``, the other ranks a ``NoPublishing`` (no
+session: they only gather)."""
 
 from __future__ import annotations
 
@@ -42,18 +44,41 @@ class WeightPublishing:
         self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{self.publisher.port}")
         log.info("weight store on %s:%d", w.host, self.publisher.port)
 
-    def publish(self, state: dict[str, Any], version: int) -> None:
-        self.bus.set(
-            streams.WEIGHTS_PUBLISHING, version
-        )  # generators watch this key, not the store
+    def begin(self, specs: list, version: int, *, catch_up: bool = False) -> Any:
+        """Start the streamed publish of ``version`` (``specs``: each tensor's name, dtype and
+        shape); with ``catch_up``, of the latest version again to the generators that joined
+        since (``None`` when none needs it)."""
+        if catch_up:
+            return self.publisher.begin_catch_up()
+        self.bus.set(streams.WEIGHTS_PUBLISHING, version)  # generators watch this key
+        return self.publisher.begin(specs, version)
+
+    def publish_whole(self, state: dict[str, Any], version: int) -> None:
+        """A small update held whole in memory (a LoRA adapter), kept by the publisher so that
+        it serves the generators that join later itself (``WeightPublisher.publish``)."""
+        self.bus.set(streams.WEIGHTS_PUBLISHING, version)
         report = self.publisher.publish(state.items(), version)
-        self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
-        self.bus.set(streams.LEARNER_VERSION, version)
-        self.metrics.version.set(version)
+        self._recorded(report, version, "published")
+
+    def catch_up_due(self) -> bool:
+        """A generator joined since the last publish and waits for the current weights."""
+        return bool(self.publisher.behind())
+
+    def finish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
+        if session is None:
+            return
+        self._recorded(session.close(), version, "caught up" if catch_up else "published")
+
+    def _recorded(self, report: Any, version: int, what: str) -> None:
+        if what == "published":
+            self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
+            self.bus.set(streams.LEARNER_VERSION, version)
+            self.metrics.version.set(version)
         bad = {k: v for k, v in report.per_member.items() if v != "ok"}
         log.info(
-            "published v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
+            "%s v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
             "to %d generator(s)%s",
+            what,
             version,
             report.bytes / 1e6,
             report.seconds,
@@ -68,9 +93,18 @@ class WeightPublishing:
 
 
 class NoPublishing:
-    """A rank other than 0: it helped gather the state dict and sends nothing."""
+    """A rank other than 0: it gathers what rank 0's publish asks for and sends nothing."""
 
-    def publish(self, state: dict[str, Any], version: int) -> None:
+    def begin(self, specs: list, version: int, *, catch_up: bool = False) -> None:
+        return None
+
+    def publish_whole(self, state: dict[str, Any], version: int) -> None:
+        pass
+
+    def catch_up_due(self) -> bool:
+        return False
+
+    def finish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
         pass
 
     def close(self) -> None:

@@ -71,13 +71,20 @@ def build_on_meta(model_dir: str | Path, *, attn: dict[str, Any]) -> Any:
     """The causal LM of ``model_dir``'s config with every parameter on the meta device, built
     as ``from_pretrained`` builds it (fp32: the master weights). ``attn``: the
     ``attn_implementation`` argument, if any."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
-    from transformers.utils.generic import ContextManagers
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), **attn)
     config.name_or_path = str(model_dir)
+    return build_meta_from_config(config)
+
+
+def build_meta_from_config(config: Any) -> Any:
+    """``build_on_meta`` for a config object (an export uses it for the weight conversions)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+    from transformers.utils.generic import ContextManagers
+
     cls = _get_model_class(config, AutoModelForCausalLM._model_mapping)
     with ContextManagers(cls.get_init_context(torch.float32, False, False, None)):
         model = cls(config)

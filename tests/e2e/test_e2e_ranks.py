@@ -1,6 +1,8 @@
 """A 2-rank learner under `tether train`: the launcher starts torchrun (through
 ``tether.runs.supervised``), rank 0 is SIGKILLed mid-run, torchrun takes the other rank down, the
-launcher restarts the learner, and it resumes from its checkpoint with nothing trained twice."""
+launcher restarts the learner, and it resumes from its checkpoint with nothing trained twice.
+Checkpoints are sharded and asynchronous (``learner.async_checkpoint``): entries are acknowledged
+only once a save is on disk, whichever moment the SIGKILL lands."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ CYCLES, PROMPTS, RESPONSES = 4, 4, 4
 def test_two_rank_learner_survives_losing_rank_0(redis_server, tmp_path):
     config = recovery_config(
         tmp_path, "ranks", cycles=CYCLES,
-        learner_extra="nproc_per_node = 2\nmicro_batch_size = 4",  # 8 responses per rank
+        learner_extra="nproc_per_node = 2\nmicro_batch_size = 4\nasync_checkpoint = true",
+        # 8 responses per rank
     )  # fmt: skip
     r = run_training(config, redis_url=redis_server.url, name="ranks", kill_plan=[("learner-0", 2)])
     assert r.returncode == 0, r.output[-4000:]

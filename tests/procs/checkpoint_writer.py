@@ -3,8 +3,9 @@
     python tests/procs/checkpoint_writer.py --model DIR --run-dir DIR --hang-seconds S
 
 Saves step 1 normally (policy_version 1), prints ``saved 1``, then turns on the checkpoint test
-hook (sleep after every file of step 2 is written, before the rename) and saves step 2. The test
-SIGKILLs this process during that sleep.
+hook (sleep after the shards of step 2 are written, before ``meta.json`` and the rename) and saves
+step 2. The test SIGKILLs this process during that sleep (or while it still writes). ``--async``:
+both saves are asynchronous (the shards written by DCP's writer thread).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--hang-seconds", type=float, default=60.0)
+    parser.add_argument("--async", dest="async_save", action="store_true")
     args = parser.parse_args()
 
     import torch
 
-    from services.learner.checkpoint import TEST_HOOK_SLEEP_ENV, save_checkpoint
+    from services.learner.checkpoint import TEST_HOOK_SLEEP_ENV, start_checkpoint
     from services.learner.model import load_policy
     from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
@@ -37,14 +39,15 @@ def main() -> None:
         optimizer.zero_grad()
         if step == 2:
             os.environ[TEST_HOOK_SLEEP_ENV] = str(args.hang_seconds)
-        save_checkpoint(
+        start_checkpoint(
             args.run_dir,
             step,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
             extra_state={"policy_version": step},
-        )
+            async_save=args.async_save,
+        ).wait()
         print(f"saved {step}", flush=True)
 
 

@@ -44,7 +44,9 @@ def micro_batch(batch: dict, rows: slice, *, weight: float = 1.0) -> dict:
     return out
 
 
-def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
+def build_training(
+    model_dir: str, *, fsdp: bool, gradient_checkpointing: bool, offload: bool = False
+):
     """Policy + AdamW + warm-up/cosine schedule, as the learner builds them."""
     import torch
 
@@ -56,6 +58,7 @@ def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
         device=torch.device("cpu"),
         fsdp=fsdp,
         gradient_checkpointing=gradient_checkpointing,
+        offload=offload,
     )
     optimizer = build_optimizer(model, lr=LR, weight_decay=0.01)
     schedule = build_schedule(warmup_steps=1, total_steps=4, decay="cosine", min_lr_ratio=0.1)
@@ -78,8 +81,14 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
+    from common.weights.layout import build_layout
     from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner.gather import (
+        full_state_dict_cpu,
+        publish_items,
+        publish_specs,
+        stream_units,
+    )
     from services.learner.model import setup_distributed
     from services.learner.train_step import train_step
 
@@ -104,11 +113,16 @@ def main() -> None:
                 extra_state={"policy_version": 1},
             )
     weights = full_state_dict_cpu(model)
-    # The publish path: bf16 gathers into reused staging buffers (two, used in turn).
-    staging = HostStaging()
-    staged_fp32 = full_state_dict_cpu(model, staging=staging)
-    staged_bf16 = full_state_dict_cpu(model, staging=staging, dtype=torch.bfloat16)
-    kept = {k: v.clone() for k, v in staged_bf16.items()}
+    # The publish path: units of (at most) 64 KiB gathered in bf16, one at a time.
+    items = publish_items(model)
+    layout = build_layout(publish_specs(items, torch.bfloat16), 1, 1 << 16)
+    streamed_bf16 = {}
+    for k, tensors in stream_units(items, layout, dtype=torch.bfloat16, rank0=rank == 0):
+        _, _, first, last = layout["units"][k]
+        streamed_bf16.update(
+            {n: t for (n, _), t in zip(items[first:last], tensors, strict=rank == 0)}
+        )
+    units = len(layout["units"])
     # Resume a fresh model from the step-1 checkpoint and redo step 2.
     model2, optimizer2, scheduler2 = build_training(
         args.model, fsdp=True, gradient_checkpointing=True
@@ -116,19 +130,16 @@ def main() -> None:
     extra = load_checkpoint(out / "run", model=model2, optimizer=optimizer2, scheduler=scheduler2)
     resumed = train_step(model2, optimizer2, scheduler2, mbs, token_mean_nll, grad_clip=GRAD_CLIP)
     resumed_weights = full_state_dict_cpu(model2)
-    # a third staged gather reuses the first buffer and must leave the second one's tensors alone
-    full_state_dict_cpu(model2, staging=staging)
     if rank == 0:
         save_file(weights, str(out / "fsdp_weights.safetensors"))
         save_file(resumed_weights, str(out / "resumed_weights.safetensors"))
-        save_file(staged_fp32, str(out / "staged_fp32.safetensors"))
-        save_file(staged_bf16, str(out / "staged_bf16.safetensors"))
-        save_file(kept, str(out / "staged_bf16_kept.safetensors"))
+        save_file(streamed_bf16, str(out / "streamed_bf16.safetensors"))
         report = {
             "world_size": world_size,
             "steps": [{"loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr} for s in stats],
             "resumed": {"loss": resumed.loss, "grad_norm": resumed.grad_norm, "lr": resumed.lr},
             "extra": extra,
+            "publish_units": units,
         }
         (out / "report.json").write_text(json.dumps(report))
     torch.distributed.destroy_process_group()

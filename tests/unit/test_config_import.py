@@ -269,3 +269,28 @@ def test_mapping_table_lists_every_peer_key(peer, name):
     for key, _, why in r.unmapped:
         assert f"  {key} = " in table and why in table
     assert all(p.message in table for p in r.problems)
+
+
+def test_offload_settings_from_verl_and_openrlhf(tmp_path):
+    """verl's param/optimizer offload and OpenRLHF's --adam_offload: learner.cpu_offload (FSDP2
+    offloads the three together, and the note says so when the peer moved only the optimizer);
+    the reference's offload: learner.reference_cpu_offload."""
+    seed = load("verl", "verl_seed001_solver_grpo.sh").tether["learner"]
+    assert (seed["cpu_offload"], seed["reference_cpu_offload"]) == (False, True)
+    assert load("verl", "verl_ppo_trainer.yaml").tether["learner"]["cpu_offload"] is False
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo data.train_batch_size=8 "
+        "actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=8 "
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True\n"
+    )
+    r = import_peer_config("verl", script)
+    assert r.tether["learner"]["cpu_offload"] is True
+    (row,) = [m for m in r.mapping if m.tether_key == "learner.cpu_offload"]
+    assert "moves only the optimizer state" in row.note
+    script.write_text(
+        "python3 -m openrlhf.cli.train_ppo_ray --rollout_batch_size 8 --n_samples_per_prompt 4 "
+        "--train_batch_size 32 --advantage_estimator rloo --adam_offload --ref_reward_offload\n"
+    )
+    t = import_peer_config("openrlhf", script).tether["learner"]
+    assert (t["cpu_offload"], t["reference_cpu_offload"]) == (True, True)

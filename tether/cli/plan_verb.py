@@ -1,5 +1,7 @@
 """`tether plan`: predict cycle time and the bounding stage for a cluster shape (``tether.runs.plan``)
-from measured or assumed per-stage rates, and the generator:learner split that balances them."""
+from measured or assumed per-stage rates, and the generator:learner split that balances them.
+`tether plan --memory`: each learner rank's GPU and host memory for the models users train, with
+and without CPU offload (``tether.runs.memory_plan``)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ def add_plan_verb(sub: argparse._SubParsersAction) -> None:
     shape = p.add_argument_group("cluster shape")
     shape.add_argument("--generators", type=int, default=1, help="vLLM replicas (default 1)")
     shape.add_argument("--scorers", type=int, default=1, help="scorer replicas (default 1)")
-    shape.add_argument("--learner-ranks", type=int, default=2, help="FSDP ranks (default 2)")
+    shape.add_argument(
+        "--learner-ranks", type=int, default=None, help="FSDP ranks (default 2; --memory: 8)"
+    )
     shape.add_argument(
         "--scaling", type=float, default=0.9, help="learner throughput kept per doubling of ranks"
     )
@@ -66,8 +70,68 @@ def add_plan_verb(sub: argparse._SubParsersAction) -> None:
     rates.add_argument("--score-rps", type=float, help="responses/s per scorer")
     rates.add_argument("--train-tps", type=float, help="prompt+response tokens/s per learner rank")
     rates.add_argument("--sync-gbps", type=float, help="weight publish GB/s")
+    mem = p.add_argument_group("memory (--memory)")
+    mem.add_argument(
+        "--memory",
+        action="store_true",
+        help="plan each learner rank's GPU and host memory instead of the cycle time",
+    )
+    mem.add_argument(
+        "--models",
+        default="qwen2.5-7b,qwen3-32b,qwen3-30b-a3b",
+        help="comma-separated: qwen2.5-0.5b, qwen2.5-7b, qwen3-32b, qwen3-30b-a3b",
+    )
+    mem.add_argument("--gpu-gib", type=float, default=79.0, help="GPU memory (80 GB card: 79)")
+    mem.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="learner ranks per pod (deploy/k8s/learner.yaml: one GPU per pod)",
+    )
+    mem.add_argument(
+        "--host-limit-gib",
+        type=float,
+        default=128.0,
+        help="a learner pod's memory limit (deploy/k8s/learner.yaml: 128Gi)",
+    )
+    mem.add_argument(
+        "--reference", action="store_true", help="a frozen reference model too (kl_coef > 0)"
+    )
+    mem.add_argument("--tokens-per-micro-batch", type=int, default=4096)
+    mem.add_argument(
+        "--async-checkpoint",
+        action="store_true",
+        help="learner.async_checkpoint: a host copy of the model states while a save is written",
+    )
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.set_defaults(func=run_plan)
+
+
+def run_memory_plan(args: argparse.Namespace) -> int:
+    from tether.runs.memory_plan import format_rows, memory_plan
+
+    try:
+        rows = memory_plan([m.strip() for m in args.models.split(",") if m.strip()],
+                           ranks=args.learner_ranks or 8, gpu_gib=args.gpu_gib,
+                           ranks_per_node=args.ranks_per_node,
+                           host_limit_gib=args.host_limit_gib, reference=args.reference,
+                           tokens_per_micro_batch=args.tokens_per_micro_batch,
+                           async_checkpoint=args.async_checkpoint)  # fmt: skip
+    except ValueError as exc:
+        print(f"tether plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(
+        f"{args.learner_ranks or 8} FSDP ranks, {args.ranks_per_node} per pod, "
+        f"{args.tokens_per_micro_batch} tokens per micro-batch, gradient checkpointing, bf16 "
+        f"compute with fp32 master weights{', a reference model' if args.reference else ''}"
+        f"{', async checkpoints' if args.async_checkpoint else ''}; "
+        "GPU fits = within 90 % of it (tether/runs/memory_plan.py says what each term is)"
+    )
+    print(format_rows(rows, gpu_gib=args.gpu_gib, host_limit_gib=args.host_limit_gib))
+    return 0
 
 
 def _rates(args: argparse.Namespace) -> tuple[Any, str]:
@@ -96,6 +160,9 @@ def _rates(args: argparse.Namespace) -> tuple[Any, str]:
 def run_plan(args: argparse.Namespace) -> int:
     from tether.runs.plan import ClusterShape, best_split, held_memory, plan
 
+    if args.memory:
+        return run_memory_plan(args)
+    args.learner_ranks = args.learner_ranks or 2
     try:
         rates, source = _rates(args)
         work = {

@@ -12,7 +12,7 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models",
+    "staleness", "reproducibility", "models", "memory",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
@@ -37,7 +37,9 @@ def _export(args: argparse.Namespace) -> int:
     from tether.runs.launcher import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, tokenizer_dir=args.tokenizer)
+        out = export_checkpoint(
+            args.checkpoint, args.out, tokenizer_dir=args.tokenizer, shard_mb=args.shard_mb
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"tether export: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +104,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         default=None,
         help="tokenizer directory (default: the model the run started from)",
+    )
+    exp.add_argument(
+        "--shard-mb",
+        type=float,
+        default=2048.0,
+        help="largest weight file in MB; tensors are read one at a time and written as each "
+        "file fills, so this (and one decoder layer) is what the export holds in memory",
     )
     exp.set_defaults(func=_export)
 

@@ -40,11 +40,16 @@ def run_service(name: str, cfg: TetherConfig, args: argparse.Namespace) -> int:
     return int(main(cfg, args) or 0)
 
 
-def export_checkpoint(checkpoint: str, out: str, *, tokenizer_dir: str | None) -> Path | None:
+def export_checkpoint(
+    checkpoint: str, out: str, *, tokenizer_dir: str | None, shard_mb: float = 2048.0
+) -> Path | None:
     """`tether export`: a Hugging Face model directory from a checkpoint (the learner's code)."""
     from services.learner.export import export_hf
 
-    return export_hf(checkpoint, out, tokenizer_dir=tokenizer_dir)
+    if shard_mb <= 0:
+        raise ValueError(f"--shard-mb must be > 0 (MB per weight file), got {shard_mb}")
+    return export_hf(checkpoint, out, tokenizer_dir=tokenizer_dir,
+                     shard_bytes=int(shard_mb * 2**20))  # fmt: skip
 
 
 def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig, Path]:

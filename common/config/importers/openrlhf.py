@@ -103,6 +103,14 @@ def _openrlhf_direct(m: Mapper) -> None:
             ("max_norm", "learner.grad_clip"),
             ("micro_train_batch_size", "learner.micro_batch_size", None, "responses per GPU"),
             ("gradient_checkpointing", "learner.gradient_checkpointing", bool),
+            (
+                "adam_offload",
+                "learner.cpu_offload",
+                bool,
+                "DeepSpeed offloads the Adam state and step; FSDP2 offloads the parameters and "
+                "gradients with them (CPUOffloadPolicy)",
+            ),
+            ("ref_reward_offload", "learner.reference_cpu_offload", bool),
             ("entropy_loss_coef", "learner.entropy_coef"),
             ("dual_clip", "learner.dual_clip"),
         ]

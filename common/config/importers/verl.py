@@ -284,6 +284,27 @@ def _verl_data(m: Mapper) -> None:
             )
 
 
+_FSDP2_OFFLOAD_NOTE = (
+    "FSDP2 offloads parameters, gradients and optimizer state together (CPUOffloadPolicy, the "
+    "step on the CPU); verl's optimizer_offload alone moves only the optimizer state off the GPU "
+    "between steps: Tether offloads the parameters too"
+)
+
+
+def _verl_offload(m: Mapper) -> None:
+    """The actor's param/optimizer offload -> learner.cpu_offload; the reference's ->
+    learner.reference_cpu_offload."""
+    keys = (_A + "fsdp_config.param_offload", _A + "fsdp_config.optimizer_offload")
+    given = [k for k in keys if m.given(k)]
+    if given:
+        params, optim = (bool(m.get(k, False)) for k in keys)
+        note = _FSDP2_OFFLOAD_NOTE if optim and not params else ""
+        m.put("learner.cpu_offload", params or optim, tuple(given), note)
+    ref = "actor_rollout_ref.ref.fsdp_config.param_offload"
+    if m.given(ref):
+        m.put("learner.reference_cpu_offload", bool(m.get(ref)), ref)
+
+
 def _verl_optimizer_and_sampling(m: Mapper, steps: int | None) -> None:
     """The keys that map one to one: optimizer, rollout sampling, the learner's nodes."""
     m.simple(
@@ -397,6 +418,7 @@ def map_verl(m: Mapper) -> None:
     _verl_algorithm(m)
     _verl_data(m)
     _verl_optimizer_and_sampling(m, steps)
+    _verl_offload(m)
     _verl_placement(m)
     _verl_schedule(m, steps)
     _verl_solver(m)
