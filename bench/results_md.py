@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.episodes import readme_row as row_episodes
+from bench.lora import readme_row as row_lora
 from bench.models_table import bench_readme_row
 from bench.results_sections import gpu_section, plan_section
 from bench.staleness_report import readme_row as row_staleness
@@ -238,6 +239,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += [bench_readme_row(r)]
         elif kind == "episodes":
             rows += [row_episodes(r)]
+        elif kind == "lora":
+            rows += [row_lora(r)]
         else:
             packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
             rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "models",
+    "staleness", "models", "lora",
 )  # fmt: skip
 
 
@@ -43,6 +43,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "quality": {"quick": True},
         "staleness": {"quick": True},
         "models": {"quick": True},
+        "lora": {"quick": True, "steps": 2, "repeats": 2},
     }
     return presets[what]
 
@@ -89,7 +90,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "episodes"):
+    if what in ("models", "episodes", "lora"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse

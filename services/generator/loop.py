@@ -135,9 +135,14 @@ class GeneratorService:
                 seed=run.seed,
                 tensor_parallel_size=g.tensor_parallel_size,
                 worker_extension_cls=WORKER_EXT,
+                max_lora_rank=g.max_lora_rank or 0,
             )
         )
         await self.engine.start()
+        if g.max_lora_rank:  # a LoRA learner publishes adapters: this vLLM must take them
+            problem = (await self.engine.collective_rpc("tether_check_lora"))[0]
+            if problem:
+                raise RuntimeError(f"generator.max_lora_rank = {g.max_lora_rank}: {problem}")
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,8 @@ from services.learner.cycle import (
     steps_of_cycle,
 )
 from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
+from services.learner.lora import LoraSettings
+from services.learner.lora import publish_state as lora_publish_state
 from services.learner.rank0 import LostCycle, Rank0
 from services.learner.step_record import step_record
 
@@ -89,6 +92,7 @@ class LearnerService:
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
+        self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
 
     # ------------------------------------------------------------------ set-up
     def setup_io_first(self) -> None:
@@ -141,19 +145,40 @@ class LearnerService:
             param_dtype=dtype,
             gradient_checkpointing=ln.gradient_checkpointing,
             pack_sequences=ln.pack_sequences,
+            lora=self.lora,
+            seed=self.cfg.run.seed,
         )
-        self.ref_model = (
-            model_mod.load_reference(
+        self.ref_model = None
+        if ln.kl_coef > 0 and self.lora is not None:
+            self.ref_model = self.model  # the reference is the base: the adapter switched off
+        elif ln.kl_coef > 0:
+            self.ref_model = model_mod.load_reference(
                 model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
             )
-            if ln.kl_coef > 0
-            else None
-        )
+        if self.lora is not None:
+            self._log_lora()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer, self.scheduler = optim.for_run(self.cfg, self.model)
+
+    def _log_lora(self) -> None:
+        from services.learner import lora
+
+        adapter, frozen = lora.trainable_counts(self.model)
+        log.info(
+            "LoRA rank %d (alpha %g): %d adapter parameters train (%.3f%% of %d)%s",
+            self.lora.rank if self.lora else 0,
+            self.lora.alpha if self.lora else 0,
+            adapter,
+            100.0 * adapter / max(1, adapter + frozen),
+            adapter + frozen,
+            "; the KL reference is the base with the adapter off: no second copy of "
+            f"{frozen * 4 / self.world / 2**20:.1f} MiB (fp32) per rank"
+            if self.ref_model is not None
+            else "",
+        )
 
     def resume(self) -> None:
         from services.learner.checkpoint import load_checkpoint
@@ -175,9 +200,12 @@ class LearnerService:
         from services.learner.model import full_state_dict_cpu
 
         with self.timer.phase("syncing_weights"):
-            state = full_state_dict_cpu(
-                self.model, dtype=self.publish_dtype, staging=self._publish_staging
-            )
+            if self.lora is not None:  # adapter only: its tensors and its config
+                state = lora_publish_state(self.model, dtype=self.publish_dtype)
+            else:
+                state = full_state_dict_cpu(
+                    self.model, dtype=self.publish_dtype, staging=self._publish_staging
+                )
             if self.rank0 is not None:
                 self.rank0.publish_weights(state, self.version)
 
@@ -221,13 +249,11 @@ class LearnerService:
             ):
                 s.old_logp = lp
         if self.ref_model is not None:
-            for s, lp in zip(
-                samples,
-                logprobs.recompute_logprobs(
+            with self._reference_mode():
+                ref_logp = logprobs.recompute_logprobs(
                     self.ref_model, self.cfg, samples, pad_id=self.pad_id, device=self.device
-                ),
-                strict=True,
-            ):
+                )
+            for s, lp in zip(samples, ref_logp, strict=True):
                 s.ref_logp = lp
         filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
         overlong = mask_overlong(samples, self.cfg)
@@ -235,6 +261,12 @@ class LearnerService:
         self.counters["overlong_masked_samples"] += overlong
         if self.rank0 is not None:
             self.rank0.count_masked(filtered=filtered, overlong=overlong)
+
+    def _reference_mode(self) -> AbstractContextManager[None]:
+        """LoRA: the reference is the policy with its adapter off; else a model of its own."""
+        from services.learner.lora import adapter_disabled
+
+        return adapter_disabled(self.model) if self.lora is not None else nullcontext()
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         limit = self.cfg.run.max_staleness

@@ -25,6 +25,8 @@ from services.learner import packing
 if TYPE_CHECKING:
     import torch
 
+    from services.learner.lora import LoraSettings
+
 logger = logging.getLogger(__name__)
 
 
@@ -148,8 +150,13 @@ def load_policy(
     gradient_checkpointing: bool = False,
     fsdp: bool = True,
     pack_sequences: bool = False,
+    lora: LoraSettings | None = None,
+    seed: int = 0,
 ) -> Any:
     """Load the trainable policy from a local HF directory, in train mode.
+
+    ``lora``: wrap it with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
+    sharding; only the adapter trains.
 
     ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
     device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
@@ -170,6 +177,10 @@ def load_policy(
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        from services.learner import lora as lora_mod
+
+        lora_mod.attach(model, lora, seed=seed)
     if pack_sequences:
         _probe_packing(model, device=device)
     if fsdp:
