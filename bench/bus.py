@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from common.bus.consumer import Consumer
 from common.protocol import streams
+from common.protocol.wire import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def _make_groups(n: int, *, prompt_tokens: int, response_tokens: int, samples: i
 
 def _bus_pass(bus: Any, groups: list, *, exactly_once: bool, batch: int) -> tuple[float, float]:
     stream = "bench-" + uuid.uuid4().hex[:6]
-    consumer = bus.consumer(stream, "g", "c")
+    consumer = Consumer(bus, stream, "g", "c")
     t0 = time.perf_counter()
     for g in groups:
         bus.publish(stream, g)
@@ -74,7 +76,9 @@ def _bus_pass(bus: Any, groups: list, *, exactly_once: bool, batch: int) -> tupl
     while seen < len(groups):
         got = consumer.read(batch, block_ms=1000)
         if exactly_once:
-            consumer.commit(got, dedupe_ids=[d.msg.group_id for d in got])
+            # only TrajectoryGroups are published here
+            ids = [m.group_id for d in got if isinstance(m := d.msg, TrajectoryGroup)]
+            consumer.commit(got, dedupe_ids=ids)
         else:
             consumer.ack(got)
         seen += len(got)

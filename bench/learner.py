@@ -152,16 +152,17 @@ def _service(
     svc.train_cycle = timed  # type: ignore[method-assign]
     while svc.next_cycle < cfg.run.num_cycles:
         cycle = svc.next_cycle
+        from services.learner.bus_side import BusSide
         from services.learner.cycle import samples_from_groups
 
-        assert svc.rank0 is not None
-        collected = svc.rank0.collect(cycle, stop=lambda: False)
+        assert isinstance(svc.bus_side, BusSide)
+        collected = svc.bus_side.collect(cycle, stop=lambda: False)
         assert collected is not None
         svc.train_cycle(cycle, samples_from_groups(collected))
         svc.next_cycle += 1
     elapsed = marks[-1] - marks[0]  # cycle 0 warms the allocator and kernels: not timed
-    assert svc.rank0 is not None
-    svc.rank0.close()
+    svc.publishing.close()
+    svc.bus_side.close()
     if phases_out is not None:  # where the timed cycles' time went (working, syncing_weights, ...)
         for k, v in phases[-1].items():
             phases_out[k] = phases_out.get(k, 0.0) + v - phases[0].get(k, 0.0)

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -26,9 +26,6 @@ from common.bus.settings import (
     safe_url,
 )
 from common.protocol import streams, wire
-
-if TYPE_CHECKING:
-    from common.bus.consumer import Consumer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -204,12 +201,6 @@ class Bus:
                              what="XTRIM"))  # fmt: skip
 
     # ------------------------------------------------------------------ consuming
-    def consumer(self, stream: str, group: str, name: str) -> Consumer:
-        from common.bus.consumer import Consumer
-
-        self.ensure_group(stream, group)
-        return Consumer(self, stream, group, name)
-
     def commit(self, group: str, stream: str, entry_ids: Sequence[str], *,
                publish: Sequence[tuple[str, wire.Message]] = (),
                dedupe_ids: Sequence[str] | None = None,

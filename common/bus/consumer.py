@@ -1,6 +1,9 @@
 """A named member of a consumer group: its own pending entries first (after a restart), then
 entries idle too long elsewhere (claims), then new ones; undecodable or too-often-delivered
-entries go to the dead-letter stream with the reason."""
+entries go to the dead-letter stream with the reason.
+
+``Consumer(bus, stream, group, name)`` joins the group (creating it if needed). The consumer
+knows the bus; the bus knows nothing of consumers (``Bus.commit`` is what ``commit`` calls)."""
 
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Consumer:
     dead_letters: int = field(default=0)
 
     def __post_init__(self) -> None:
+        self.bus.ensure_group(self.stream, self.group)
         # Series at 0 from the start (dashboards show 0, not "No data"; increase() sees the first)
         m, sg = self.bus.metrics, (self.stream, self.group)
         for counter in (m.consumed, m.consumed_bytes, m.claimed):

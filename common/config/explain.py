@@ -39,7 +39,6 @@ def oddities(cfg: TetherConfig) -> list[str]:
             f"responses_per_prompt = 1 with advantage_estimator = {ln.advantage_estimator}: a group of one "
             "has no baseline, every advantage is 0 and nothing is learned. Use ≥ 2 responses per prompt or reinforce_pp."
         )
-    assert run.train_batch_size is not None
     if run.train_batch_size % run.responses_per_prompt:
         out.append(
             f"train_batch_size = {run.train_batch_size} is not a multiple of responses_per_prompt = "
@@ -51,7 +50,6 @@ def oddities(cfg: TetherConfig) -> list[str]:
             "passes_per_cycle > 1 with off_policy = none: later passes are off-policy w.r.t. the behaviour "
             "log-probs; decoupled PPO (the default) anchors the clip correctly."
         )
-    assert run.max_staleness is not None and run.train_steps_per_cycle is not None
     if run.max_staleness > 4 * run.train_steps_per_cycle:
         out.append(
             f"max_staleness = {run.max_staleness} allows trajectories more than 4 cycles old; AReaL saw naive "
@@ -71,7 +69,6 @@ def explain(
     run, ln = cfg.run, cfg.learner
     p, r, e = run.prompts_per_cycle, run.responses_per_prompt, run.passes_per_cycle
     b, s, st = run.train_batch_size, run.train_steps_per_cycle, run.max_staleness
-    assert b is not None and s is not None and st is not None
     world = cfg.dp_world_size
     per_rank = b // world
     t = lambda d: _tag(cfg, d, sources)  # noqa: E731
@@ -106,7 +103,7 @@ def explain(
     lines.append(
         f"5. Per rank: {world} learner rank(s) → {per_rank} responses per rank per step; {micro}."
     )
-    pub = cfg.publish_every_steps
+    pub = cfg.learner.publish_every_steps
     lines.append(
         f"6. Weights: published to the generators every {pub} optimizer step(s); the policy version counts "
         f"optimizer steps, so it advances by {s} per cycle."

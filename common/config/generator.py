@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 
 class GeneratorConfig(Section):
@@ -32,8 +32,8 @@ class GeneratorConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine dtype; auto = float32 on CPU, bfloat16 on GPU"
     )
-    max_lora_rank: int | None = Field(
-        None,
+    max_lora_rank: int = Field(
+        DERIVED,
         ge=0,
         description="vLLM's max_lora_rank for the learner's adapter: one of 1, 8, 16, 32, 64, 128, "
         "256, 320, 512, at least learner.lora_rank; derived as the smallest such; 0 = no LoRA",

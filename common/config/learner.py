@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 Tracker = Literal["tensorboard", "wandb"]
 
@@ -176,8 +176,10 @@ class LearnerConfig(Section):
         description='module names the adapter wraps (suffixes such as "q_proj"); ["all-linear"] '
         "= every linear layer of the decoder (peft's all-linear: not the output head)",
     )
-    publish_every_steps: int | None = Field(
-        None, ge=1, description="broadcast weights every N optimizer steps; default once per cycle"
+    publish_every_steps: int = Field(
+        DERIVED,
+        ge=1,
+        description="broadcast weights every N optimizer steps; default once per cycle",
     )
     checkpoint_every_steps: int = Field(
         0, ge=0, description="save a checkpoint every N steps; 0 = only at the end"

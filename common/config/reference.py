@@ -4,7 +4,7 @@ test keeps the README in step with the schema."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from common.config.schema import SECTIONS
 
@@ -17,8 +17,8 @@ def _default(field: Any) -> str:
         value = field.default_factory()
     else:
         value = field.default
-    if value is None:
-        return "unset"
+    if value is None:  # None on a field that cannot hold it: derived at load (shared.DERIVED)
+        return "unset" if type(None) in get_args(field.annotation) else "derived"
     if value == "":
         return '""'
     return f"`{value!r}`".replace("'", '"') if isinstance(value, (str, list)) else f"`{value}`"

@@ -94,7 +94,6 @@ class TetherConfig(BaseModel):
 
     @property
     def responses_per_rank_per_step(self) -> int:
-        assert self.run.train_batch_size is not None
         return self.run.train_batch_size // self.dp_world_size
 
     @property
@@ -109,11 +108,6 @@ class TetherConfig(BaseModel):
         """The temperature the generators' behaviour log-probs are taken at, which the learner's
         own log-probs must use too (greedy sampling scores at T = 1)."""
         return self.generator.temperature if self.generator.temperature > 0 else 1.0
-
-    @property
-    def publish_every_steps(self) -> int:
-        assert self.run.train_steps_per_cycle is not None
-        return self.learner.publish_every_steps or self.run.train_steps_per_cycle
 
     def to_dict(self) -> dict[str, dict]:
         return {name: getattr(self, name).model_dump() for name in SECTIONS}

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 
 class ScorerConfig(Section):
@@ -63,8 +63,8 @@ class ScorerConfig(Section):
         le=1.0,
         description="solver engine's memory fraction (on CPU: of RAM; keep ≤ 0.3)",
     )
-    solver_max_model_len: int | None = Field(
-        None,
+    solver_max_model_len: int = Field(
+        DERIVED,
         ge=1,
         description="solver engine's context in tokens (its prompt and answer); default "
         "run.max_prompt_tokens + run.max_response_tokens + solver_max_tokens",

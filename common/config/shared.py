@@ -4,9 +4,14 @@ lengths), ``[data]`` (the prompt files and how prompts are encoded), ``[bus]`` a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# The default of a derived setting: "not given". The cross-field rules (rules.py) settle every
+# such setting when TetherConfig is validated, so in a loaded config it holds its value (an int)
+# and readers use it as it is, with no None to check.
+DERIVED: Any = None
 
 
 class Section(BaseModel):
@@ -38,11 +43,11 @@ class RunConfig(Section):
     responses_per_prompt: int = Field(
         4, ge=1, description="completions per prompt (the GRPO group size)"
     )
-    train_batch_size: int | None = Field(
-        None, ge=1, description="responses consumed per optimizer step (derived when omitted)"
+    train_batch_size: int = Field(
+        DERIVED, ge=1, description="responses consumed per optimizer step (derived when omitted)"
     )
-    train_steps_per_cycle: int | None = Field(
-        None, ge=1, description="optimizer steps run on one cycle's data (derived when omitted)"
+    train_steps_per_cycle: int = Field(
+        DERIVED, ge=1, description="optimizer steps run on one cycle's data (derived when omitted)"
     )
     num_cycles: int = Field(10, ge=1, description="sample-then-train iterations")
     passes_per_cycle: int = Field(
@@ -50,8 +55,8 @@ class RunConfig(Section):
         ge=1,
         description="times one cycle's data is passed over (verl ppo_epochs, OpenRLHF max_epochs)",
     )
-    max_staleness: int | None = Field(
-        None,
+    max_staleness: int = Field(
+        DERIVED,
         ge=0,
         description="optimizer steps a trajectory's policy may lag the learner's weights; "
         "default 2·train_steps_per_cycle − 1 (one cycle of overlap)",
@@ -108,6 +113,12 @@ class BusConfig(Section):
     )
 
 
+# The weight broadcast's sizes, defined once: the config's defaults, and those of
+# ``common.weights.publisher.WeightPublisher`` and ``tether plan``'s model.
+CHUNK_MB = 4.0
+BUCKET_MB = 64.0
+
+
 class WeightsConfig(Section):
     host: str = Field("127.0.0.1", description="address of the learner's weight store (rank 0)")
     port: int = Field(
@@ -132,13 +143,13 @@ class WeightsConfig(Section):
         "pairwise = the learner sends the whole model to every generator (N × its bytes)",
     )
     chunk_mb: float = Field(
-        4.0,
+        CHUNK_MB,
         gt=0.0,
         description="piece a chain passes on at a time: smaller = less delay per extra "
         "generator (one piece each), larger = fewer operations",
     )
     bucket_mb: float = Field(
-        64.0, gt=0.0, description="tensors are flattened into buckets of this size"
+        BUCKET_MB, gt=0.0, description="tensors are flattened into buckets of this size"
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

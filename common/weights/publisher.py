@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from common.config.shared import BUCKET_MB, CHUNK_MB
 from common.telemetry.metrics import metric
 from common.weights.buckets import unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
@@ -73,9 +74,9 @@ class WeightPublisher:
     """Learner side (rank 0 only): hosts the store, accepts members, publishes versions."""
 
     def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
-                 bucket_bytes: int = 64 << 20, accept_interval_s: float = 0.2,
+                 bucket_bytes: int = int(BUCKET_MB * 2**20), accept_interval_s: float = 0.2,
                  device: str | None = None, auto_accept: bool = True, fanout: str = "chain",
-                 chunk_bytes: int = 4 << 20) -> None:  # fmt: skip
+                 chunk_bytes: int = int(CHUNK_MB * 2**20)) -> None:  # fmt: skip
         if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0:
             raise ValueError(
                 f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN} and chunk_bytes >= 0; "

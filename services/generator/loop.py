@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Any
 
+from common.bus.consumer import Consumer
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -113,40 +114,19 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from common.engine import EngineSettings, GenerationEngine
+        from common.engine import GenerationEngine, policy_engine_settings
 
-        g, run = self.cfg.generator, self.cfg.run
-        from common.data.model_paths import policy_paths
-
-        model_dir, tok_dir = policy_paths(self.cfg)
-        dtype = (
-            g.dtype if g.dtype != "auto" else "float32" if g.gpus_per_replica == 0 else "bfloat16"
-        )
-        self.engine = GenerationEngine(
-            EngineSettings(
-                model=model_dir,
-                tokenizer=tok_dir,
-                dtype=dtype,
-                max_model_len=run.max_prompt_tokens + run.max_response_tokens,
-                gpu_memory_utilization=g.gpu_memory_utilization,
-                kv_cache_gib=g.kv_cache_gib,
-                enforce_eager=g.enforce_eager,
-                max_num_seqs=g.max_num_seqs,
-                seed=run.seed,
-                tensor_parallel_size=g.tensor_parallel_size,
-                worker_extension_cls=WORKER_EXT,
-                max_lora_rank=g.max_lora_rank or 0,
-            )
-        )
+        settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
+        self.engine = GenerationEngine(settings)
         await self.engine.start()
-        if g.max_lora_rank:  # a LoRA learner publishes adapters: this vLLM must take them
+        if settings.max_lora_rank:  # a LoRA learner publishes adapters: this vLLM must take them
             problem = (await self.engine.collective_rpc("tether_check_lora"))[0]
             if problem:
-                raise RuntimeError(f"generator.max_lora_rank = {g.max_lora_rank}: {problem}")
+                raise RuntimeError(f"generator.max_lora_rank = {settings.max_lora_rank}: {problem}")
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
-        if g.max_turns > 1:
+        if self.cfg.generator.max_turns > 1:
             from services.generator.episodes import start_runner
 
             self.episodes = await start_runner(
@@ -337,7 +317,7 @@ class GeneratorService:
         await self.weights.join_until_done()
         self.ready = True
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)  # back-pressure reads its backlog
-        consumer = self.bus.consumer(streams.PROMPTS, streams.GENERATORS, self.sid)
+        consumer = Consumer(self.bus, streams.PROMPTS, streams.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()
         helpers = [
             asyncio.create_task(c)

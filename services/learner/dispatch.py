@@ -100,7 +100,6 @@ class Dispatcher:
         count = sampling.top_up_size(missing, rate or 0.0, cap_left=cap - self.extra_used(cycle))
         if count:
             run = self.cfg.run
-            assert run.train_steps_per_cycle is not None and run.max_staleness is not None
             need = min_policy_version(
                 cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
             )
@@ -176,7 +175,6 @@ class Dispatcher:
     def dispatch_ready(self, version: int, *, first_cycle: int) -> list[int]:
         """Dispatch every not-yet-dispatched cycle whose weights exist; returns those cycles."""
         run = self.cfg.run
-        assert run.train_steps_per_cycle is not None and run.max_staleness is not None
         done = []
         c = max(self.dispatched_through + 1, first_cycle)
         while c < run.num_cycles:

@@ -1,5 +1,7 @@
-"""The learner service loop (every rank runs it; rank 0 also talks to Redis and the generators,
-through ``rank0.py``).
+"""The learner service loop: every rank runs it. What only rank 0 does is held in three objects
+by concern, which do nothing on the other ranks: ``bus_side`` (prompts out, scored groups in,
+held-out rounds, acks, ``bus_side.py``), ``publishing`` (weights to the generators,
+``publishing.py``) and ``step_log`` (each step's record, ``step_log.py``).
 
 Consumes  ``<run>:scored`` through the consumer group ``learner`` (rank 0, consumer
           ``learner-0``): whole scored groups, buffered per cycle.
@@ -49,6 +51,7 @@ from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
 from services.learner import logprobs, objective
+from services.learner.bus_side import BusSide, LostCycle, NoBusSide
 from services.learner.cycle import (
     Sample,
     assign_advantages,
@@ -60,8 +63,8 @@ from services.learner.cycle import (
 from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
 from services.learner.lora import LoraSettings
 from services.learner.lora import publish_state as lora_publish_state
-from services.learner.rank0 import LostCycle, Rank0
-from services.learner.step_record import step_record
+from services.learner.publishing import NoPublishing, WeightPublishing
+from services.learner.step_log import NoStepLog, StepLog, step_record
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -93,6 +96,10 @@ class LearnerService:
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
         self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
+        # rank 0's duties; setup_io_first gives rank 0 the real ones
+        self.bus_side: BusSide | NoBusSide = NoBusSide()
+        self.publishing: WeightPublishing | NoPublishing = NoPublishing()
+        self.step_log: StepLog | NoStepLog = NoStepLog()
 
     # ------------------------------------------------------------------ set-up
     def setup_io_first(self) -> None:
@@ -104,17 +111,16 @@ class LearnerService:
             timeout_s=self.cfg.learner.collective_timeout_s
         )
         set_cpu_threads(self.device, self.cfg.learner.cpu_threads)
-        self.rank0 = (
-            Rank0(
+        if self.rank == 0:
+            self.bus_side = BusSide(
                 self.cfg,
                 run_dir=self.run_dir,
                 redis_url=self.redis_url,
                 timer=self.timer,
                 datasets=self.datasets,
             )
-            if self.rank == 0
-            else None
-        )
+            self.publishing = WeightPublishing(self.cfg, bus=self.bus_side.bus)
+            self.step_log = StepLog(self.run_dir, trackers=self.bus_side.trackers)
 
     def setup(self) -> None:
         import torch
@@ -191,8 +197,7 @@ class LearnerService:
         self.version = int(extra["version"])
         self.next_cycle = int(extra["next_cycle"])
         self.counters.update(extra.get("counters", {}))
-        if self.rank0 is not None:
-            self.rank0.restore(extra)
+        self.bus_side.restore(extra)
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
     # ------------------------------------------------------------------ weights, checkpoints
@@ -206,8 +211,7 @@ class LearnerService:
                 state = full_state_dict_cpu(
                     self.model, dtype=self.publish_dtype, staging=self._publish_staging
                 )
-            if self.rank0 is not None:
-                self.rank0.publish_weights(state, self.version)
+            self.publishing.publish(state, self.version)
 
     def checkpoint(self) -> None:
         from services.learner.checkpoint import save_checkpoint
@@ -218,9 +222,8 @@ class LearnerService:
                 "version": self.version,
                 "next_cycle": self.next_cycle,
                 "counters": dict(self.counters),
+                **self.bus_side.checkpoint_state(),
             }
-            if self.rank0 is not None:
-                extra.update(self.rank0.checkpoint_state())
             save_checkpoint(
                 self.run_dir,
                 self.version,
@@ -230,8 +233,7 @@ class LearnerService:
                 extra_state=extra,
                 keep_last=self.cfg.learner.keep_checkpoints,
             )
-            if self.rank0 is not None:
-                self.rank0.ack_trained(self.next_cycle)
+            self.bus_side.ack_trained(self.next_cycle)
         self.live.beat()
 
     # ------------------------------------------------------------------ training
@@ -259,8 +261,7 @@ class LearnerService:
         overlong = mask_overlong(samples, self.cfg)
         self.counters["filtered_samples"] += filtered
         self.counters["overlong_masked_samples"] += overlong
-        if self.rank0 is not None:
-            self.rank0.count_masked(filtered=filtered, overlong=overlong)
+        self.step_log.count_masked(filtered=filtered, overlong=overlong)
 
     def _reference_mode(self) -> AbstractContextManager[None]:
         """LoRA: the reference is the policy with its adapter off; else a model of its own."""
@@ -269,13 +270,10 @@ class LearnerService:
         return adapter_disabled(self.model) if self.lora is not None else nullcontext()
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
-        limit = self.cfg.run.max_staleness
-        assert limit is not None
-        oldest = oldest_usable(self.version, max_staleness=limit)
+        oldest = oldest_usable(self.version, max_staleness=self.cfg.run.max_staleness)
         dropped = 0
         for i in idx:
-            if self.rank0 is not None:
-                self.rank0.metrics.staleness.observe(self.version - samples[i].policy_version)
+            self.step_log.observe_staleness(self.version - samples[i].policy_version)
             if not usable(samples[i].policy_version, oldest=oldest) and samples[i].weight > 0:
                 samples[i].weight = 0.0
                 dropped += 1
@@ -286,7 +284,6 @@ class LearnerService:
         from services.learner.train_step import train_step
 
         run, ln = self.cfg.run, self.cfg.learner
-        assert run.train_steps_per_cycle is not None
         with self.timer.phase("working"):
             self._prepare(samples)
         for idx in steps_of_cycle(
@@ -331,18 +328,12 @@ class LearnerService:
                 trained=trained,
                 seconds=time.monotonic() - t0,
             )
-            if self.rank0 is not None:
-                self.rank0.record_step(self.last_step, st)
-            if self.version % self.cfg.publish_every_steps == 0:
+            self.step_log.record(self.last_step, st)
+            if self.version % ln.publish_every_steps == 0:
                 self.publish()
-            if self.rank0 is not None:
-                self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
-            if (
-                ln.eval_every_steps
-                and self.version % ln.eval_every_steps == 0
-                and self.rank0 is not None
-            ):
-                self.rank0.start_eval(self.version)
+            self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
+            if ln.eval_every_steps and self.version % ln.eval_every_steps == 0:
+                self.bus_side.start_eval(self.version)
 
     # ------------------------------------------------------------------ the loop
     def _idle(self) -> None:
@@ -357,16 +348,17 @@ class LearnerService:
     def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
         """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
         then says GO or STOP; the others listen through its WAITING words. Every rank returns
-        the same ``go on``, so all leave the loop at the same point."""
+        the same ``go on``, so all leave the loop at the same point. The one place the loop
+        tells the ranks apart: the two sides of this exchange differ."""
         groups = None
-        if self.rank0 is not None:
+        if isinstance(self.bus_side, BusSide):  # rank 0
             if not self._stop:
                 try:
-                    groups = self.rank0.collect(cycle, stop=lambda: self._stop, idle=self._idle)
+                    groups = self.bus_side.collect(cycle, stop=lambda: self._stop, idle=self._idle)
                 except LostCycle as exc:  # every rank stops here, then rank 0 says why
                     self.fatal, self._stop = exc, True
                 if groups is not None:  # dynamic sampling's groups left out (filtered, surplus)
-                    for key, n in self.rank0.selection_counts.items():
+                    for key, n in self.bus_side.selection_counts.items():
                         self.counters[key] += n
             word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
             self._last_word = time.monotonic()
@@ -382,9 +374,8 @@ class LearnerService:
         self.resume()
         self.publish()
         run = self.cfg.run
-        if self.rank0 is not None:
-            self.rank0.start_eval(self.version)  # held-out accuracy before (or at resume)
-            self.rank0.dispatch(self.version, first_cycle=self.next_cycle)
+        self.bus_side.start_eval(self.version)  # held-out accuracy before (or at resume)
+        self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
         self.ready = True
         self.live.beat()
         while self.next_cycle < run.num_cycles:
@@ -400,8 +391,7 @@ class LearnerService:
             before = self.version
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
-            if self.rank0 is not None:
-                self.rank0.housekeep()
+            self.bus_side.housekeep()
             every = self.cfg.learner.checkpoint_every_steps
             if (
                 every
@@ -410,12 +400,12 @@ class LearnerService:
             ):
                 self.checkpoint()
         self.checkpoint()
-        if self.rank0 is not None:
-            if self.next_cycle >= run.num_cycles:
-                self.rank0.start_eval(self.version)
-                self.rank0.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
-            self.rank0.housekeep(every_s=0.0)
-            self.rank0.close()
+        if self.next_cycle >= run.num_cycles:
+            self.bus_side.start_eval(self.version)
+            self.bus_side.finish_evals(timeout_s=300.0, stop=lambda: self._stop)
+        self.bus_side.housekeep(every_s=0.0)
+        self.publishing.close()
+        self.bus_side.close()
         if self.fatal is not None:
             raise self.fatal
 

@@ -31,8 +31,8 @@ def main(cfg: TetherConfig, args) -> int:
 
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
+    from services.learner.bus_side import BusSide, LostCycle
     from services.learner.loop import LearnerService
-    from services.learner.rank0 import LostCycle
 
     run_dir = RunDir.of(cfg).root
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -47,13 +47,12 @@ def main(cfg: TetherConfig, args) -> int:
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
             ).start()
-        if rank == 0:
-            assert svc.rank0 is not None
+        if isinstance(svc.bus_side, BusSide):  # rank 0
             health = HealthServer(
                 cfg.learner.metrics_port, ready=lambda: svc.ready, live=svc.live
             ).start()
             status = StatusReporter(
-                svc.rank0.bus,
+                svc.bus_side.bus,
                 "learner",
                 streams.LEARNER_CONSUMER,
                 svc.timer,

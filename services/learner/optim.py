@@ -129,7 +129,6 @@ def for_run(cfg: TetherConfig, model: Any) -> tuple[Any, Any]:
     step of the run (``num_cycles × train_steps_per_cycle``); ``warmup_steps`` wins over
     ``warmup_ratio``."""
     ln, run = cfg.learner, cfg.run
-    assert run.train_steps_per_cycle is not None
     schedule = build_schedule(
         warmup_steps=ln.warmup_steps or None,
         warmup_ratio=ln.warmup_ratio if not ln.warmup_steps and ln.warmup_ratio else None,

@@ -23,6 +23,7 @@ import os
 import time
 from typing import Any
 
+from common.bus.consumer import Consumer
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
@@ -146,28 +147,24 @@ class ScorerService:
         self.rewards = RewardScorer(spec, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.data.model_paths import solver_path
+        from common.engine import solver_engine_settings
         from services.scorer.solver import Solver, SolverSettings
 
-        s, run = self.cfg.scorer, self.cfg.run
-        model = solver_path(self.cfg)
-        assert s.solver_max_model_len is not None  # derived at load
+        s = self.cfg.scorer
+        engine = solver_engine_settings(self.cfg)
         self.solver = Solver(
             SolverSettings(
-                model=model,
+                model=engine.model,
                 template=s.solver_template,
                 samples=s.solver_samples,
                 aggregation=s.solver_aggregation,
                 temperature=s.solver_temperature,
                 max_tokens=s.solver_max_tokens,
-                seed=run.seed,
-                kv_cache_gib=s.solver_kv_cache_gib,
-                gpu_memory_utilization=s.solver_gpu_memory_utilization,
-                max_model_len=s.solver_max_model_len,
-                dtype=s.solver_dtype,
+                max_model_len=engine.max_model_len,
             ),
             pool=self.pool,
             engine=self.solver_engine,
+            engine_settings=engine,
         )
         await self.solver.start()
 
@@ -279,7 +276,7 @@ class ScorerService:
         await asyncio.to_thread(self.pool.wait_ready)
         if self.cfg.scorer.mode == "solver":
             await self._start_solver()
-        consumer = self.bus.consumer(streams.GROUPS, streams.SCORERS, self.sid)
+        consumer = Consumer(self.bus, streams.GROUPS, streams.SCORERS, self.sid)
         # The learner's group, at id 0: scored groups published before the learner starts wait
         # for it, and back-pressure has a group to measure.
         await asyncio.to_thread(self.bus.ensure_group, streams.SCORED, streams.LEARNER)

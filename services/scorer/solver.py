@@ -14,27 +14,30 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.scorer.extract import extract_answer
 from services.scorer.rewards import Correctness, ScoreItem
+
+if TYPE_CHECKING:
+    from common.engine import EngineSettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SolverSettings:
-    model: str
+    """How the solver asks and grades. The engine it runs on is ``common.engine``'s
+    ``solver_engine_settings``, or a shared engine."""
+
+    model: str  # the solver model's directory (its tokenizer)
     template: str  # uses {question} and {response}
     samples: int = 1  # answers per response
     aggregation: str = "mean"  # or "majority"
     temperature: float = 0.0
     max_tokens: int = 128
     apply_chat_template: bool = True
-    seed: int = 0
-    kv_cache_gib: int = 1
-    gpu_memory_utilization: float = 0.3
-    max_model_len: int = 1024
-    dtype: str = "auto"
+    max_model_len: int = 1024  # the engine's context: a longer prompt keeps its end
     # Benchmarks only: every answer runs to max_tokens (the cost of a long-reasoning solver with
     # a small test model); the answer graded is still the text before the first end-of-sequence.
     ignore_eos: bool = False
@@ -54,12 +57,21 @@ class SolverSettings:
 class Solver:
     """Owns the solver engine; ``correctness(items)`` answers and grades a whole batch at once."""
 
-    def __init__(self, settings: SolverSettings, *, pool, engine=None) -> None:
+    def __init__(
+        self,
+        settings: SolverSettings,
+        *,
+        pool,
+        engine=None,
+        engine_settings: EngineSettings | None = None,
+    ) -> None:
         """``engine``: an already started ``GenerationEngine`` serving ``settings.model`` to share
-        (tests, benchmarks); it is not shut down by ``shutdown()``. Default: start our own."""
+        (tests, benchmarks); it is not shut down by ``shutdown()``. Otherwise ``start()`` starts
+        one with ``engine_settings``."""
         self.s = settings
         self.pool = pool
         self.engine = engine
+        self.engine_settings = engine_settings
         self._owns_engine = engine is None
         self.solver_tokens = 0
         self.last_batch_requests = 0
@@ -67,22 +79,16 @@ class Solver:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from common.engine import EngineSettings, GenerationEngine
+        from common.engine import GenerationEngine
 
-        s = self.s
-        self.tokenizer = AutoTokenizer.from_pretrained(s.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.s.model)
         if self.engine is not None:
             return
-        self.engine = GenerationEngine(
-            EngineSettings(
-                model=s.model,
-                dtype=s.dtype,
-                max_model_len=s.max_model_len,
-                gpu_memory_utilization=s.gpu_memory_utilization,
-                kv_cache_gib=s.kv_cache_gib,
-                seed=s.seed,
+        if self.engine_settings is None:
+            raise ValueError(
+                "Solver.start: give an engine to share or engine_settings to start one"
             )
-        )
+        self.engine = GenerationEngine(self.engine_settings)
         await self.engine.start()
 
     def prompt_ids(self, question: str, response: str) -> list[int]:

@@ -10,6 +10,7 @@ import argparse
 import time
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.settings import BusSettings
 from common.protocol.wire import PromptMsg
 
@@ -27,7 +28,7 @@ def main() -> None:
     settings = BusSettings(url=a.url, run=a.run, block_ms=200, socket_timeout_s=5,
                            claim_idle_ms=a.claim_idle_ms)  # fmt: skip
     bus = Bus(settings, service="test-consumer")
-    consumer = bus.consumer("in", "workers", a.name)
+    consumer = Consumer(bus, "in", "workers", a.name)
     idle_since = time.monotonic()
     while time.monotonic() - idle_since < a.exit_after_idle_s:
         batch = consumer.read(a.batch)

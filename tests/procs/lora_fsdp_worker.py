@@ -61,8 +61,8 @@ def main() -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
     from services.learner.checkpoint import _optimizer_full_state as optimizer_state
+    from services.learner.checkpoint import load_checkpoint, save_checkpoint
     from services.learner.lora import adapter_state
     from services.learner.model import setup_distributed
     from services.learner.train_step import train_step

@@ -16,6 +16,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.inspect import format_inspect, inspect_bus
 from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
@@ -49,7 +50,7 @@ def metric(name: str, **labels: str) -> float:
 
 def test_publish_read_commit_in_run_namespace(redis_server) -> None:
     bus = new_bus(redis_server)
-    consumer = bus.consumer("prompts", "gen", "c1")
+    consumer = Consumer(bus, "prompts", "gen", "c1")
     ids = [bus.publish("prompts", prompt(i)) for i in range(5)]
     assert bus.redis.xlen(f"{bus.settings.run}:prompts") == 5
     assert bus.backlog("prompts", "gen") == (5, 0)
@@ -60,7 +61,7 @@ def test_publish_read_commit_in_run_namespace(redis_server) -> None:
     group = make_group()
     assert consumer.commit(got, publish=[("groups", group)], dedupe_ids=["g0"]) == 1
     assert bus.backlog("prompts", "gen") == (2, 0)
-    back = bus.consumer("groups", "scorer", "s1").read(10)
+    back = Consumer(bus, "groups", "scorer", "s1").read(10)
     assert len(back) == 1 and back[0].msg.group_id == "g0"
     np.testing.assert_array_equal(back[0].msg.prompt_token_ids, group.prompt_token_ids)
     assert consumer.is_done("g0") and not consumer.is_done("g1")
@@ -68,7 +69,7 @@ def test_publish_read_commit_in_run_namespace(redis_server) -> None:
 
 def test_commit_publishes_once_when_two_consumers_process_the_same_entries(redis_server) -> None:
     bus = new_bus(redis_server, claim_idle_ms=50)
-    slow, fast = bus.consumer("in", "w", "slow"), bus.consumer("in", "w", "fast")
+    slow, fast = Consumer(bus, "in", "w", "slow"), Consumer(bus, "in", "w", "fast")
     for i in range(4):
         bus.publish("in", prompt(i))
     taken = slow.read(4)
@@ -93,7 +94,7 @@ def test_the_generated_count_grows_in_the_commit_and_only_with_what_was_publishe
     # and counting it (the compose smoke once saw the books 8 short after a generator kill,
     # when the count was a second round trip). A duplicate commit adds nothing.
     bus = new_bus(redis_server, claim_idle_ms=50)
-    slow, fast = bus.consumer("in", "w", "slow"), bus.consumer("in", "w", "fast")
+    slow, fast = Consumer(bus, "in", "w", "slow"), Consumer(bus, "in", "w", "fast")
     for i in range(3):
         bus.publish("in", prompt(i))
     taken = slow.read(3)
@@ -106,17 +107,17 @@ def test_the_generated_count_grows_in_the_commit_and_only_with_what_was_publishe
     assert fast.commit(claimed[2:], publish=out[2:], dedupe_ids=ids[2:], count_as="gen-b") == 0
     assert bus.generated_groups() == {"gen-b": 2, "gen-a": 1}
     assert bus.redis.xlen(f"{bus.settings.run}:out") == 3 and bus.backlog("in", "w") == (0, 0)
-    bus.consumer("in", "w", "c").commit([], publish=[], count_as="gen-c")  # nothing published
+    Consumer(bus, "in", "w", "c").commit([], publish=[], count_as="gen-c")  # nothing published
     assert "gen-c" not in bus.generated_groups()
 
 
 def test_restarted_consumer_drains_its_own_pending_first(redis_server) -> None:
     bus = new_bus(redis_server)
-    first = bus.consumer("in", "w", "c")
+    first = Consumer(bus, "in", "w", "c")
     for i in range(6):
         bus.publish("in", prompt(i))
     assert len(first.read(3)) == 3  # then "crashes" without acking
-    again = bus.consumer("in", "w", "c")
+    again = Consumer(bus, "in", "w", "c")
     pending = again.read(10)
     assert [d.msg.prompt_id for d in pending] == ["p0", "p1", "p2"]
     assert [d.deliveries for d in pending] == [2, 2, 2]
@@ -125,7 +126,7 @@ def test_restarted_consumer_drains_its_own_pending_first(redis_server) -> None:
 
 def test_poison_messages_are_dead_lettered_and_good_ones_flow(redis_server) -> None:
     bus = new_bus(redis_server, max_message_bytes=4096, max_deliveries=2)
-    consumer = bus.consumer("in", "w", "c")
+    consumer = Consumer(bus, "in", "w", "c")
     good = wire.encode(make_group())
     nan_group = make_group()
     nan_group.samples[0].behaviour_logprobs[1] = np.nan
@@ -147,8 +148,8 @@ def test_poison_messages_are_dead_lettered_and_good_ones_flow(redis_server) -> N
     # An entry that keeps crashing its consumer: delivered 3 times > max_deliveries=2.
     bus.publish("in", prompt(2))
     for _ in range(2):
-        assert len(bus.consumer("in", "w", "c").read(5)) == 1  # read, never acked: "crash"
-    assert bus.consumer("in", "w", "c").read(5) == []
+        assert len(Consumer(bus, "in", "w", "c").read(5)) == 1  # read, never acked: "crash"
+    assert Consumer(bus, "in", "w", "c").read(5) == []
     dead = bus.redis.xrange(f"{bus.settings.run}:dead")
     reasons = [f[b"reason"].decode() for _, f in dead]
     assert reasons == [*poison, "undecodable", "max_deliveries"]
@@ -176,7 +177,7 @@ def test_producer_blocks_at_max_backlog_and_trim_keeps_unacked(redis_server) -> 
         bus.wait_for_capacity("in", "w", timeout_s=0.1)
     assert metric("tether_bus_backpressure_wait_seconds_total", stream="in", group="w") > 0.2
     assert bus.trim_acked("in") == 0  # nothing acknowledged, nothing trimmed
-    consumer = bus.consumer("in", "w", "c")
+    consumer = Consumer(bus, "in", "w", "c")
     batch = consumer.read(3)
     consumer.ack(batch[:2])  # p0, p1 acked; p2 pending
     time.sleep(0.3)
@@ -194,7 +195,7 @@ def test_producer_blocks_at_max_backlog_and_trim_keeps_unacked(redis_server) -> 
 
 def test_trim_respects_the_slowest_group(redis_server) -> None:
     bus = new_bus(redis_server)
-    fast, slow = bus.consumer("in", "fast", "a"), bus.consumer("in", "slow", "b")
+    fast, slow = Consumer(bus, "in", "fast", "a"), Consumer(bus, "in", "slow", "b")
     for i in range(4):
         bus.publish("in", prompt(i))
     fast.ack(fast.read(4))
@@ -205,7 +206,7 @@ def test_trim_respects_the_slowest_group(redis_server) -> None:
 
 def test_done_set_forgets_only_ids_older_than_the_retention(redis_server) -> None:
     bus = new_bus(redis_server)
-    c = bus.consumer("in", "w", "c")
+    c = Consumer(bus, "in", "w", "c")
     for i in range(3):
         bus.publish("in", prompt(i))
     taken = c.read(3)
@@ -244,7 +245,7 @@ def test_password_is_required_and_used(tmp_path, server_binary) -> None:
 
 def test_inspect_reports_streams_groups_and_dead_letters(redis_server) -> None:
     bus = new_bus(redis_server)
-    consumer = bus.consumer("in", "w", "c")
+    consumer = Consumer(bus, "in", "w", "c")
     for i in range(3):
         bus.publish("in", prompt(i))
     bus.publish_raw("in", {b"m": b"\xc1"})
@@ -268,7 +269,7 @@ def test_counters_of_a_consumer_group_exist_before_their_first_event(redis_serve
     from common.bus.settings import BusSettings
 
     bus = Bus(BusSettings(url=redis_server.url, run="zero-series"), service="test")
-    bus.consumer("groups", "scorers", "scorer-z")
+    Consumer(bus, "groups", "scorers", "scorer-z")
     get = pc.REGISTRY.get_sample_value
     sg = {"stream": "groups", "group": "scorers"}
     for name in (

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
 from common.protocol import wire
@@ -72,7 +73,7 @@ def test_redis_sigkill_and_restart_with_aof(tmp_path, server_binary) -> None:
     server = EmbeddedRedis(tmp_path, binary=server_binary).start()
     s = settings(server.url)
     producer_bus, consumer_bus = Bus(s, service="producer"), Bus(s, service="consumer")
-    consumer = consumer_bus.consumer("in", "w", "c")
+    consumer = Consumer(consumer_bus, "in", "w", "c")
     committed: dict[str, float] = {}
     published: list[tuple[str, float]] = []
     stop, errors = threading.Event(), []
@@ -131,7 +132,7 @@ def test_redis_restarted_empty_group_is_recreated(tmp_path, server_binary) -> No
     server = EmbeddedRedis(tmp_path, appendonly=False, binary=server_binary).start()
     try:
         bus = Bus(settings(server.url), service="test")
-        consumer = bus.consumer("in", "w", "c")
+        consumer = Consumer(bus, "in", "w", "c")
         bus.publish("in", prompt(0))
         consumer.ack(consumer.read(5))
         server.kill()

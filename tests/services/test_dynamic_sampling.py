@@ -10,7 +10,7 @@ import json
 from common.protocol import wire
 from common.protocol.streams import PAYLOAD_FIELD, PROMPTS, SCORED
 from common.telemetry.metrics import PhaseTimer
-from services.learner.rank0 import Rank0
+from services.learner.bus_side import BusSide
 from tests.services.test_learner_service import _prompts, _scored, cfg
 
 # Rewards of the two responses at each sampler position of cycle 0: positions 0-3 are the base
@@ -19,12 +19,12 @@ REWARDS = {0: [1.0, 0.0], 1: [1.0, 1.0], 2: [0.0, 0.0], 3: [0.0, 1.0],
            8: [1.0, 0.0], 9: [0.0, 0.0], 10: [0.5, 0.0], 11: [1.0, 0.0]}  # fmt: skip
 
 
-def _publish(io: Rank0, cycle: int, index: int, rewards: list[float]) -> None:
+def _publish(io: BusSide, cycle: int, index: int, rewards: list[float]) -> None:
     sg = _scored(cycle, index)
     io.bus.publish(SCORED, wire.ScoredGroup(sg.group, rewards, sg.components, sg.reasons, "s", 0.1))
 
 
-def _prompt_ids(io: Rank0) -> list[str]:
+def _prompt_ids(io: BusSide) -> list[str]:
     entries = io.bus.redis.xrange(io.bus.key(PROMPTS))
     return [wire.decode(f[PAYLOAD_FIELD]).prompt_id for _, f in entries]
 
@@ -42,7 +42,7 @@ def test_dynamic_sampling_tops_up_selects_in_order_and_resumes_the_same(redis_se
         num_cycles=3,
     )
     data = (_prompts(tmp_path), None)
-    io = Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
     try:
         io.dispatch(0, first_cycle=0)  # cycles 0 and 1: no filter rate yet, no extra prompts
         assert io.dispatcher.rounds == {0: [(0, 4)], 1: [(4, 4)]}
@@ -64,7 +64,7 @@ def test_dynamic_sampling_tops_up_selects_in_order_and_resumes_the_same(redis_se
         io.close()
 
     # A restart from the saved state sees the same (redelivered) groups and decides the same.
-    again = Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    again = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
     try:
         again.restore(saved)
         assert again.dispatcher.cursor == 8

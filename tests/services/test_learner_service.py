@@ -45,8 +45,7 @@ def test_staleness_boundary_in_optimizer_steps(steps, max_staleness, tmp_path):
         train_steps_per_cycle=steps,
         max_staleness=max_staleness,
     )
-    svc = LearnerService(c, run_dir=tmp_path)
-    svc.rank0 = None
+    svc = LearnerService(c, run_dir=tmp_path)  # no set-up: the rank-0 duties do nothing
     svc.version = 10  # the step that turns version 10 into 11
     fresh = sample(10 - max_staleness, 0)  # t − v = max_staleness: allowed
     stale = sample(10 - max_staleness - 1, 1)  # one step more: dropped
@@ -160,7 +159,7 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
     after a crash)."""
     from common.protocol.streams import SCORED
     from common.telemetry.metrics import PhaseTimer
-    from services.learner.rank0 import Rank0
+    from services.learner.bus_side import BusSide
 
     c = cfg(
         f"run.redis_url={json.dumps(redis_server.url)}",
@@ -171,7 +170,7 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
         train_steps_per_cycle=1,
         num_cycles=4,
     )
-    io = Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
+    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
                    datasets=(_prompts(tmp_path), None))  # fmt: skip
     try:
         for cycle in (0, 1):

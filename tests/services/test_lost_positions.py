@@ -11,17 +11,18 @@ import time
 
 import pytest
 
+from common.bus.consumer import Consumer
 from common.bus.dead_letters import holds_responses
 from common.protocol import wire
 from common.protocol.streams import DEAD, GENERATORS, GROUPS, PROMPTS, SCORED, SCORERS
 from common.telemetry.metrics import PhaseTimer
-from services.learner.rank0 import LostCycle, Rank0
+from services.learner.bus_side import BusSide, LostCycle
 from tests.services.test_learner_service import _prompts, _scored, cfg
 
 WAIT_S = 20.0  # a collect that would hang gives up here, and the test fails
 
 
-def _rank0(tmp_path, name: str, url: str, *sets: str, **run) -> Rank0:
+def _bus_side(tmp_path, name: str, url: str, *sets: str, **run) -> BusSide:
     c = cfg(
         f"run.redis_url={json.dumps(url)}",
         f'run.name="{name}"',
@@ -30,20 +31,20 @@ def _rank0(tmp_path, name: str, url: str, *sets: str, **run) -> Rank0:
         **{"prompts_per_cycle": 4, "responses_per_prompt": 2, "train_steps_per_cycle": 2} | run,
     )
     data = (_prompts(tmp_path), _prompts(tmp_path, 3))
-    return Rank0(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    return BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
 
 
-def _collect(io: Rank0, cycle: int):
+def _collect(io: BusSide, cycle: int):
     deadline = time.monotonic() + WAIT_S
     groups = io.collect(cycle, stop=lambda: time.monotonic() > deadline)
     assert groups is not None, f"cycle {cycle} still waits for a dead-lettered position"
     return groups
 
 
-def _dead_letter_prompt(io: Rank0, *indices: int) -> None:
+def _dead_letter_prompt(io: BusSide, *indices: int) -> None:
     """As a generator does with a prompt it cannot encode (the other prompts it reads are
     acknowledged, as if generated: their groups are published by the test)."""
-    gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
+    gen = Consumer(io.bus, PROMPTS, GENERATORS, "generator-0")
     for d in gen.read(64, 100):
         if d.msg.index in indices:
             gen.dead_letter(d, "unencodable_prompt", "3000 tokens > max_model_len 2048")
@@ -51,10 +52,10 @@ def _dead_letter_prompt(io: Rank0, *indices: int) -> None:
             gen.ack([d])
 
 
-def _dead_letter_group(io: Rank0, cycle: int, index: int) -> None:
+def _dead_letter_group(io: BusSide, cycle: int, index: int) -> None:
     """As a scorer does with a group it cannot score."""
     io.bus.publish(GROUPS, _scored(cycle, index).group)
-    scorer = io.bus.consumer(GROUPS, SCORERS, "scorer-0")
+    scorer = Consumer(io.bus, GROUPS, SCORERS, "scorer-0")
     (d,) = scorer.read(64, 100)
     scorer.dead_letter(d, "unscorable", "ground truth does not parse")
 
@@ -66,7 +67,7 @@ def _metric(name: str) -> float:
 
 
 def test_a_cycle_goes_on_without_its_dead_lettered_prompt_and_group(redis_server, tmp_path):
-    io = _rank0(tmp_path, "lost", redis_server.url, num_cycles=2)
+    io = _bus_side(tmp_path, "lost", redis_server.url, num_cycles=2)
     lost_before = _metric("tether_learner_lost_groups_total")
     try:
         io.dispatch(0, first_cycle=0)
@@ -84,7 +85,7 @@ def test_a_cycle_goes_on_without_its_dead_lettered_prompt_and_group(redis_server
         io.close()
 
     # A restarted learner reads the dead-letter stream from its start: the same decision.
-    again = _rank0(tmp_path, "lost", redis_server.url, num_cycles=2)
+    again = _bus_side(tmp_path, "lost", redis_server.url, num_cycles=2)
     try:
         again.restore(saved)
         assert [g.group.index for g in _collect(again, 0)] == [0, 3]
@@ -96,7 +97,7 @@ def test_a_scored_group_delivered_too_often_is_not_waited_for(redis_server, tmp_
     # The learner's own pending entry, redelivered after more restarts than bus.max_deliveries
     # allows, is dead-lettered undecoded; its position still comes from the payload.
     sets = ("bus.max_deliveries=1",)
-    io = _rank0(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
+    io = _bus_side(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
     try:
         io.dispatch(0, first_cycle=0)
         for index in range(4):
@@ -104,7 +105,7 @@ def test_a_scored_group_delivered_too_often_is_not_waited_for(redis_server, tmp_
         io.consumer.read(1, 100)  # delivered once, then the learner "dies" holding it
     finally:
         io.close()
-    again = _rank0(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
+    again = _bus_side(tmp_path, "lost_redeliver", redis_server.url, *sets, num_cycles=2)
     try:
         assert [g.group.index for g in _collect(again, 0)] == [1, 2, 3]
         (_, fields), *_ = again.bus.redis.xrange(again.bus.key(DEAD))
@@ -115,7 +116,7 @@ def test_a_scored_group_delivered_too_often_is_not_waited_for(redis_server, tmp_
 
 def test_dynamic_sampling_tops_up_for_a_lost_position(redis_server, tmp_path):
     sets = ("learner.dynamic_sampling=true", "learner.filter_equal_reward_groups=true")
-    io = _rank0(tmp_path, "lost_dyn", redis_server.url, *sets, num_cycles=1)
+    io = _bus_side(tmp_path, "lost_dyn", redis_server.url, *sets, num_cycles=1)
     try:
         io.dispatch(0, first_cycle=0)
         _dead_letter_prompt(io, 1)
@@ -129,7 +130,9 @@ def test_dynamic_sampling_tops_up_for_a_lost_position(redis_server, tmp_path):
 
 
 def test_a_cycle_left_with_too_little_to_train_stops_with_the_reasons(redis_server, tmp_path):
-    io = _rank0(tmp_path, "lost_all", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1)
+    io = _bus_side(
+        tmp_path, "lost_all", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1
+    )
     try:
         io.dispatch(0, first_cycle=0)
         _dead_letter_prompt(io, 0)
@@ -141,10 +144,10 @@ def test_a_cycle_left_with_too_little_to_train_stops_with_the_reasons(redis_serv
 
 
 def test_an_evaluation_round_finishes_without_its_dead_lettered_prompt(redis_server, tmp_path):
-    io = _rank0(tmp_path, "lost_eval", redis_server.url, num_cycles=1)
+    io = _bus_side(tmp_path, "lost_eval", redis_server.url, num_cycles=1)
     try:
         io.start_eval(0)
-        gen = io.bus.consumer(PROMPTS, GENERATORS, "generator-0")
+        gen = Consumer(io.bus, PROMPTS, GENERATORS, "generator-0")
         prompts = [d for d in gen.read(64, 100) if d.msg.split == "eval"]
         gen.dead_letter(prompts[0], "unencodable_prompt", "too long")
         for d in prompts[1:]:
@@ -166,11 +169,11 @@ def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_p
 
     from services.learner.loop import LearnerService
 
-    io = _rank0(
+    io = _bus_side(
         tmp_path, "lost_loop", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1
     )
     svc = LearnerService(io.cfg, run_dir=tmp_path)
-    svc.rank0, svc.device = io, torch.device("cpu")  # no model: this is the control path
+    svc.bus_side, svc.device = io, torch.device("cpu")  # no model: this is the control path
     try:
         io.dispatch(0, first_cycle=0)
         _dead_letter_prompt(io, 0, 1)
@@ -183,7 +186,7 @@ def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_p
 def test_a_group_that_comes_after_all_is_trained_and_not_counted_lost(redis_server, tmp_path):
     # a generator frozen past the claim time commits after its prompt was dead-lettered for
     # max_deliveries: the group is here, so the position is not lost
-    io = _rank0(tmp_path, "lost_late", redis_server.url, num_cycles=1)
+    io = _bus_side(tmp_path, "lost_late", redis_server.url, num_cycles=1)
     lost_before = _metric("tether_learner_lost_groups_total")
     try:
         io.dispatch(0, first_cycle=0)

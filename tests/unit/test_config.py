@@ -324,3 +324,62 @@ def test_dynamic_sampling_cap_is_derived_and_cispo_may_drop_its_lower_clip():
     )
     assert res.config.learner.max_extra_prompts_per_cycle == 2 * res.config.run.prompts_per_cycle
     assert "learner.max_extra_prompts_per_cycle" in res.config._derived
+
+
+def test_auto_settings_and_derived_values_are_settled_at_load():
+    """ "auto" that the config alone decides, and every derived value, hold their final value in
+    a loaded config: no service decides them again."""
+    cpu = load_config(env={}).config
+    assert (cpu.generator.dtype, cpu.weights.backend) == ("float32", "gloo")
+    assert {"generator.dtype", "weights.backend", "learner.publish_every_steps"} <= cpu.derived
+    assert cpu.learner.publish_every_steps == cpu.run.train_steps_per_cycle
+    gpu = load_config(overrides=["generator.gpus_per_replica=1"], env={}).config
+    assert gpu.generator.dtype == "bfloat16"
+    given = load_config(
+        overrides=["generator.dtype=float16", "weights.backend=nccl"], env={}
+    ).config
+    assert (given.generator.dtype, given.weights.backend) == ("float16", "nccl")
+    assert not {"generator.dtype", "weights.backend"} & given.derived
+    for c in (cpu, gpu, given, TetherConfig()):
+        run = c.run
+        assert None not in (
+            run.train_batch_size,
+            run.train_steps_per_cycle,
+            run.max_staleness,
+            c.scorer.solver_max_model_len,
+            c.learner.publish_every_steps,
+        )
+
+
+def test_engine_settings_are_built_from_the_config_in_one_place(tmp_path):
+    from common.engine import policy_engine_settings, solver_engine_settings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    cfg = load_config(
+        overrides=[
+            f"run.model={model}",
+            "run.seed=7",
+            "generator.gpus_per_replica=1",
+            "generator.kv_cache_gib=3",
+            "scorer.solver_kv_cache_gib=2",
+            "scorer.solver_dtype=float32",
+        ],
+        env={},
+    ).config
+    policy = policy_engine_settings(cfg, worker_extension_cls="pkg.Ext")
+    assert (policy.model, policy.tokenizer, policy.dtype) == (str(model), str(model), "bfloat16")
+    assert policy.max_model_len == cfg.run.max_prompt_tokens + cfg.run.max_response_tokens
+    assert (policy.kv_cache_gib, policy.seed, policy.worker_extension_cls) == (3, 7, "pkg.Ext")
+    solver = solver_engine_settings(cfg)  # scorer.solver_model empty: the policy's weights
+    assert (solver.model, solver.dtype, solver.kv_cache_gib, solver.seed) == (
+        str(model),
+        "float32",
+        2,
+        7,
+    )
+    assert solver.max_model_len == cfg.scorer.solver_max_model_len
+    assert solver.worker_extension_cls is None  # the solver's weights never change

@@ -8,7 +8,7 @@ import pytest
 
 from common.protocol import wire
 from services.learner.cycle import Sample, episode_stats
-from services.learner.step_record import episode_record
+from services.learner.step_log import episode_record
 from tether.runs.status import format_status
 
 

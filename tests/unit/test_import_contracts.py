@@ -59,6 +59,22 @@ def test_protocol_contract_names_every_other_package():
     assert others | above == set(protocol["forbidden_modules"])
 
 
+def _packages(parent: str) -> set[str]:
+    return {f"{parent}.{p.name}" for p in (REPO / parent).iterdir() if (p / "__init__.py").exists()}
+
+
+def test_contracts_name_every_service_and_application_package():
+    """A service package added under services/ must stay independent of the others, and an
+    application package added under tether/ must take a layer: neither is silently left out."""
+    contracts = _contracts()
+    independent = next(c for c in contracts if c["type"] == "independence")
+    assert _packages("services") == set(independent["modules"])
+    top = next(c for c in contracts if c["type"] == "layers" and "containers" not in c)
+    named = {m.strip() for layer in top["layers"] for m in layer.split("|")}
+    assert _packages("tether") <= named
+    assert {"bench", "fixtures", "services", "common"} <= named
+
+
 MAX_MODULE_LINES = 600  # a smell detector, not a target: split by concern, never to fit a count
 CATCH_ALL = re.compile(r"(^|_)(rest|more|misc|utils?|helpers?|stuff)$")
 

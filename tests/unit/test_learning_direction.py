@@ -219,7 +219,7 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
             env={},
         ).config
         svc = LearnerService(cfg, run_dir=tmp_path / "run")
-        svc.rank0, svc.pad_id, svc.device = None, 0, cpu
+        svc.pad_id, svc.device = 0, cpu
         svc.model = load_policy(model_dir, device=cpu, fsdp=False)
         svc.ref_model = load_reference(model_dir, device=cpu, fsdp=False)
         g = torch.Generator().manual_seed(1)

@@ -31,6 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config.rules import default_max_staleness
+from common.config.shared import CHUNK_MB
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageRates:
@@ -54,7 +57,7 @@ class ClusterShape:
     learner_ranks: int = 1
     learner_scaling_efficiency: float = 0.9  # throughput kept per doubling of learner ranks
     weights_fanout: str = "chain"  # weights.fanout: "chain" (one copy out) or "pairwise" (N)
-    chunk_bytes: int = 4 << 20  # weights.chunk_mb: the piece a chain passes on at a time
+    chunk_bytes: int = int(CHUNK_MB * 2**20)  # weights.chunk_mb: the piece a chain passes on
 
     def __post_init__(self) -> None:
         if min(self.generators, self.scorers, self.learner_ranks) < 1:
@@ -87,7 +90,9 @@ def plan(
         raise ValueError(
             "responses_per_cycle, response_tokens and train_steps_per_cycle must be >= 1; prompt_tokens and param_bytes >= 0"
         )
-    staleness = 2 * train_steps_per_cycle - 1 if max_staleness is None else max_staleness
+    staleness = (
+        default_max_staleness(train_steps_per_cycle) if max_staleness is None else max_staleness
+    )
     scaling = shape.learner_scaling_efficiency ** math.log2(shape.learner_ranks)
     stages = {
         "generate": responses_per_cycle

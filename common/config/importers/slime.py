@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.config.importers.mapping import Mapper, to_lr_schedule, to_one_path
+from common.config.rules import default_max_staleness
 
 _SLIME_NEW = {
     "prompts_per_cycle": "rollout_batch_size",
@@ -75,7 +76,7 @@ def _slime_batches(m: Mapper) -> int | None:
                     m.src.entry,
                     "(entry point)",
                     "generates the next cycle while training "
-                    f"on this one; set run.max_staleness ≥ {2 * steps - 1} to match",
+                    f"on this one; set run.max_staleness ≥ {default_max_staleness(steps)} to match",
                 )
             )
         else:

@@ -1,4 +1,4 @@
-"""Rank 0's Prometheus series: versions, steps, trained / dropped / filtered / lost counts,
+"""The learner's Prometheus series (rank 0 exports them): versions, steps, trained / dropped / filtered / lost counts,
 staleness, held-out accuracy, stream housekeeping and the step's time split."""
 
 from __future__ import annotations
@@ -7,7 +7,10 @@ from common.protocol import streams
 from common.telemetry.metrics import metric
 
 
-class Rank0Metrics:
+class LearnerMetrics:
+    """Created where they are set (the bus side, publishing, the step log): ``metric`` returns the
+    one series of each name, so every instance sets the same series."""
+
     def __init__(self) -> None:
         self.version = metric(
             "Gauge", "tether_learner_policy_version", "policy version (optimizer steps done)"

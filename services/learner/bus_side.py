@@ -1,8 +1,11 @@
-"""What only rank 0 of the learner does: the bus (scored groups in, prompts out through the
-dispatcher), the weight publisher, held-out evaluation (``evaluation.py``), per-step metrics
-(Prometheus series in ``rank0_metrics.py``, ``metrics.jsonl``, TensorBoard, W&B), the positions
-lost to the dead-letter stream, and the acknowledgement of trained entries after each
-checkpoint, housekeeping of the streams included. Other ranks have none of it (``None``)."""
+"""The learner's side of the bus: prompts out (through the dispatcher, ``dispatch.py``), scored
+groups in (collected per cycle, with dynamic sampling's top-ups, ``sampling.py``), held-out
+rounds (``evaluation.py``), the positions lost to the dead-letter stream, the acknowledgement of
+trained entries after each checkpoint, and the streams' housekeeping.
+
+Rank 0 holds a ``BusSide``; every other rank holds a ``NoBusSide``, which does nothing, so the
+loop calls both the same way. The weights go out through ``publishing.py`` and each step's
+record through ``step_log.py``, split the same way."""
 
 from __future__ import annotations
 
@@ -13,16 +16,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.bus.consumer import Consumer
 from common.bus.dead_letters import DeadLetters
 from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
-from common.ports import free_port
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
-from services.learner.evaluation import HeldOut, append_jsonl
-from services.learner.rank0_metrics import Rank0Metrics
+from services.learner.evaluation import HeldOut
+from services.learner.metrics import LearnerMetrics
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -30,7 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Rank0:
+class BusSide:
+    """Rank 0's traffic with the bus. ``trackers``: the run's TensorBoard / W&B writers, shared
+    with the step log (default: its own); ``close()`` closes them."""
+
     def __init__(
         self,
         cfg: TetherConfig,
@@ -39,26 +45,28 @@ class Rank0:
         redis_url: str | None,
         timer: PhaseTimer,
         datasets: tuple[PromptSet, PromptSet | None] | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         from common.bus.client import Bus
         from services.learner.data import load_datasets
         from services.learner.dispatch import Dispatcher
 
         self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
-        self.metrics = Rank0Metrics()
+        self.metrics = LearnerMetrics()
         self.metrics.generators_configured.set(cfg.generator.replicas)
         train, eval_set = datasets if datasets is not None else load_datasets(cfg)
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
-        self.consumer = self.bus.consumer(streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER)
+        self.consumer = Consumer(
+            self.bus, streams.SCORED, streams.LEARNER, streams.LEARNER_CONSUMER
+        )
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
         self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
         self.dead = DeadLetters(self.bus)  # positions whose prompt or group was dead-lettered
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
-        self.publisher = self._start_publisher()
         self.metrics_path = RunDir(run_dir).metrics
-        self.trackers = Trackers(cfg, run_dir)
+        self.trackers = trackers if trackers is not None else Trackers(cfg, run_dir)
         self.held_out = HeldOut(
             self.dispatcher,
             self.dead,
@@ -68,26 +76,6 @@ class Rank0:
         )
         self._last_housekeeping = 0.0
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
-
-    def _start_publisher(self):
-        from common.weights.publisher import WeightPublisher
-
-        w = self.cfg.weights
-        # auto = gloo: host memory over TCP works for every placement (a generator on the
-        # learner's own GPU too); nccl is opt-in (see WeightsConfig.backend)
-        backend = w.backend if w.backend != "auto" else "gloo"
-        pub = WeightPublisher(
-            w.host,
-            w.port or free_port(),
-            backend=backend,
-            timeout_s=w.timeout_s,
-            bucket_bytes=int(w.bucket_mb * 2**20),
-            fanout=w.fanout,
-            chunk_bytes=int(w.chunk_mb * 2**20),
-        )
-        self.bus.set(streams.WEIGHTS_ADDR, f"{w.host}:{pub.port}")
-        log.info("weight store on %s:%d", w.host, pub.port)
-        return pub
 
     # ------------------------------------------------------------------ state
     def checkpoint_state(self) -> dict[str, Any]:
@@ -136,30 +124,9 @@ class Rank0:
         if any(trimmed.values()) or pruned:
             log.debug("bus housekeeping: trimmed %s, forgot %d dedupe ids", trimmed, pruned)
 
-    # ------------------------------------------------------------------ dispatch and weights
+    # ------------------------------------------------------------------ dispatch
     def dispatch(self, version: int, *, first_cycle: int) -> None:
         self.dispatcher.dispatch_ready(version, first_cycle=first_cycle)
-
-    def publish_weights(self, state: dict[str, Any], version: int) -> None:
-        self.bus.set(
-            streams.WEIGHTS_PUBLISHING, version
-        )  # generators watch this key, not the store
-        report = self.publisher.publish(state.items(), version)
-        self.bus.set(streams.WEIGHTS_EPOCH, report.epoch)
-        self.bus.set(streams.LEARNER_VERSION, version)
-        self.metrics.version.set(version)
-        bad = {k: v for k, v in report.per_member.items() if v != "ok"}
-        log.info(
-            "published v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
-            "to %d generator(s)%s",
-            version,
-            report.bytes / 1e6,
-            report.seconds,
-            report.root_bytes / 1e6,
-            report.epoch,
-            len(report.per_member),
-            f"; failed: {bad}" if bad else "",
-        )
 
     # ------------------------------------------------------------------ collecting
     def _take(self, d: Any, next_cycle: int) -> None:
@@ -229,7 +196,7 @@ class Rank0:
             sorted(lost)[:8],
             reasons,
         )
-        steps = self.cfg.run.train_steps_per_cycle or 1
+        steps = self.cfg.run.train_steps_per_cycle
         if groups * self.cfg.run.responses_per_prompt < steps:
             raise LostCycle(
                 f"cycle {cycle}: {len(lost)} of its prompts or groups were dead-lettered "
@@ -310,46 +277,39 @@ class Rank0:
             if self.dead.poll():
                 self.held_out.check_all()
 
-    # ------------------------------------------------------------------ metrics
-    def record_step(self, rec: dict[str, Any], st: Any) -> None:
-        m = self.metrics
-        m.steps.inc()
-        m.version.set(rec["step"])
-        m.tokens.inc(rec["response_tokens"])
-        # responses that carried weight: not dropped for staleness, filtered or masked over-long
-        m.trained.inc(rec["trained_samples"])
-        m.dropped.inc(rec["dropped_stale"])
-        m.step_seconds.labels("forward_backward").inc(st.forward_backward_seconds)
-        m.step_seconds.labels("optimizer").inc(st.optimizer_seconds)
-        m.last_step_time.set(time.time())
-        scalars = {
-            k: v
-            for k, v in rec.items()
-            if isinstance(v, (int, float)) and k not in ("step", "cycle")
-        }
-        for k, v in scalars.items():
-            m.step.labels(k).set(v)
-        self.trackers.log({f"train/{k}": v for k, v in scalars.items()}, rec["step"])
-        append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
-        log.info(
-            "step %d (cycle %d): loss %.4f reward %.3f grad %.3f lr %.2e staleness ≤ %d, %.1f s",
-            rec["step"],
-            rec["cycle"],
-            rec["loss"],
-            rec["reward_mean"],
-            rec["grad_norm"],
-            rec["lr"],
-            rec["staleness_max"],
-            rec["seconds"],
-        )
+    def close(self) -> None:
+        self.trackers.close()
 
-    def count_masked(self, *, filtered: int, overlong: int) -> None:
-        self.metrics.filtered.inc(filtered)
-        self.metrics.overlong.inc(overlong)
+
+class NoBusSide:
+    """The bus side of a rank other than 0: the data reaches it by broadcast from rank 0
+    (``cycle.broadcast_samples``), so it dispatches, collects and acknowledges nothing."""
+
+    selection_counts: dict[str, int] = {}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, extra: dict[str, Any]) -> None:
+        pass
+
+    def ack_trained(self, next_cycle: int) -> None:
+        pass
+
+    def housekeep(self, *, every_s: float = 30.0) -> None:
+        pass
+
+    def dispatch(self, version: int, *, first_cycle: int) -> None:
+        pass
+
+    def start_eval(self, version: int) -> None:
+        pass
+
+    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+        pass
 
     def close(self) -> None:
-        self.publisher.close()
-        self.trackers.close()
+        pass
 
 
 class LostCycle(RuntimeError):

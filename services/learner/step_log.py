@@ -1,15 +1,29 @@
-"""What the learner records of one optimizer step: the dict that goes to ``metrics.jsonl``, the
-trackers, ``/metrics`` and ``tether status`` (``Rank0.record_step``), and that the staleness and
-learner benchmarks read."""
+"""What the learner records of each optimizer step: ``step_record``, the dict that goes to
+``metrics.jsonl``, the trackers (TensorBoard, W&B), ``/metrics`` and ``tether status``, and that
+the staleness and learner benchmarks read; and the ``StepLog`` that writes it there, with the
+step's counts (responses trained, dropped for staleness, filtered, masked over-long).
+
+Rank 0 holds a ``StepLog``; every other rank a ``NoStepLog``, which records nothing."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import time
 from collections.abc import Iterable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from common.protocol.run_dir import RunDir
 from services.learner import losses
 from services.learner.cycle import Sample
+from services.learner.evaluation import append_jsonl
+from services.learner.metrics import LearnerMetrics
+
+if TYPE_CHECKING:
+    from common.telemetry.trackers import Trackers
+
+log = logging.getLogger(__name__)
 
 
 def step_record(
@@ -76,3 +90,65 @@ def episode_record(samples: list[Sample]) -> dict[str, float]:
 def batch_digest(ids: Iterable[str]) -> str:
     """A short fingerprint of a step's batch (its sample ids), to show resume picks the same one."""
     return hashlib.blake2b("\n".join(sorted(ids)).encode(), digest_size=8).hexdigest()
+
+
+class StepLog:
+    """Rank 0: each step to Prometheus, ``metrics.jsonl``, the trackers and the log."""
+
+    def __init__(self, run_dir: Path, *, trackers: Trackers) -> None:
+        self.metrics = LearnerMetrics()
+        self.metrics_path = RunDir(run_dir).metrics
+        self.trackers = trackers
+
+    def record(self, rec: dict[str, Any], st: Any) -> None:
+        m = self.metrics
+        m.steps.inc()
+        m.version.set(rec["step"])
+        m.tokens.inc(rec["response_tokens"])
+        # responses that carried weight: not dropped for staleness, filtered or masked over-long
+        m.trained.inc(rec["trained_samples"])
+        m.dropped.inc(rec["dropped_stale"])
+        m.step_seconds.labels("forward_backward").inc(st.forward_backward_seconds)
+        m.step_seconds.labels("optimizer").inc(st.optimizer_seconds)
+        m.last_step_time.set(time.time())
+        scalars = {
+            k: v
+            for k, v in rec.items()
+            if isinstance(v, (int, float)) and k not in ("step", "cycle")
+        }
+        for k, v in scalars.items():
+            m.step.labels(k).set(v)
+        self.trackers.log({f"train/{k}": v for k, v in scalars.items()}, rec["step"])
+        append_jsonl(self.metrics_path, {"kind": "step", "time": time.time(), **rec})
+        log.info(
+            "step %d (cycle %d): loss %.4f reward %.3f grad %.3f lr %.2e staleness ≤ %d, %.1f s",
+            rec["step"],
+            rec["cycle"],
+            rec["loss"],
+            rec["reward_mean"],
+            rec["grad_norm"],
+            rec["lr"],
+            rec["staleness_max"],
+            rec["seconds"],
+        )
+
+    def count_masked(self, *, filtered: int, overlong: int) -> None:
+        self.metrics.filtered.inc(filtered)
+        self.metrics.overlong.inc(overlong)
+
+    def observe_staleness(self, lag: int) -> None:
+        """One response's staleness in optimizer steps, as the step that trains it sees it."""
+        self.metrics.staleness.observe(lag)
+
+
+class NoStepLog:
+    """A rank other than 0: its steps are rank 0's steps, recorded there."""
+
+    def record(self, rec: dict[str, Any], st: Any) -> None:
+        pass
+
+    def count_masked(self, *, filtered: int, overlong: int) -> None:
+        pass
+
+    def observe_staleness(self, lag: int) -> None:
+        pass
