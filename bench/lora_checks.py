@@ -225,3 +225,48 @@ def _score_by_version(ids: dict, done: dict, policy: Any, before: dict) -> dict[
     ]
     tokens_after = sum(tag == newest for tags in labels for tag in tags)
     return {**compare(samples, scored), "versions": versions, "tokens_after": tokens_after}
+
+
+def family_row(name: str, *, device: Any, rank: int = 8) -> dict[str, Any]:
+    """LoRA on one family of ``fixtures.model_families`` (all-linear targets, as
+    ``learner.lora_target_modules`` defaults): ✓ when the engine took the adapter and the
+    generator's log-probs match the learner's (mean |Δ| < 1e-3) before, during and after an
+    in-flight update; else the error, e.g. a module vLLM cannot put LoRA on."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from bench.family_checks import PARITY_MEAN_ABS, stop_engine
+    from fixtures.model_families import FAMILIES, build_family, default_root
+    from services.learner.lora import LoraSettings, adapter_params
+    from services.learner.model import load_policy
+
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"family": name, "title": FAMILIES[name].title}
+    model_dir = build_family(name, default_root())
+    llm = None
+    try:
+        policy = load_policy(model_dir, device=device, lora=LoraSettings(rank=rank, alpha=16))
+        row["targets"] = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1]
+                                 for n, _ in adapter_params(policy)})  # fmt: skip
+        llm = start_lora_engine(model_dir, max_lora_rank=rank)
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        perturb_adapter(policy, seed=1)
+        res = publish_adapter(llm, policy, version=1)
+        if not res["ok"]:
+            return {**row, "ok": False, "error": res["error"], "seconds": time.monotonic() - t0}
+        row["adapter_bytes"] = res["bytes"]
+        row["before"] = parity(llm, tok, policy, version=1, seed=0)
+        row["in_flight"] = in_flight_parity(llm, tok, policy, version=1, seed=2)
+        row["after"] = parity(llm, tok, policy, version=2, seed=1)
+        worst = max(row[k]["mean_abs"] for k in ("before", "in_flight", "after"))
+        row["ok"] = worst < PARITY_MEAN_ABS
+        if not row["ok"]:
+            row["error"] = f"mean |Δ| {worst:.2e} over the {PARITY_MEAN_ABS:g} target"
+    except Exception as exc:  # noqa: BLE001 - a family LoRA cannot serve is a result
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}".strip()[:1500])
+    finally:
+        if llm is not None:
+            stop_engine(llm)
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row

@@ -240,7 +240,7 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         elif kind == "episodes":
             rows += [row_episodes(r)]
         elif kind == "lora":
-            rows += [row_lora(r)]
+            rows += row_lora(r)
         else:
             packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
             rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)

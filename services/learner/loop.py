@@ -162,21 +162,21 @@ class LearnerService:
                 model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
             )
         if self.lora is not None:
-            self._log_lora()
+            self._log_lora(self.lora)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer, self.scheduler = optim.for_run(self.cfg, self.model)
 
-    def _log_lora(self) -> None:
+    def _log_lora(self, settings: LoraSettings) -> None:
         from services.learner import lora
 
         adapter, frozen = lora.trainable_counts(self.model)
         log.info(
             "LoRA rank %d (alpha %g): %d adapter parameters train (%.3f%% of %d)%s",
-            self.lora.rank if self.lora else 0,
-            self.lora.alpha if self.lora else 0,
+            settings.rank,
+            settings.alpha,
             adapter,
             100.0 * adapter / max(1, adapter + frozen),
             adapter + frozen,
