@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from common.config.generator import GeneratorConfig
+
 if TYPE_CHECKING:
     from common.config.schema import TetherConfig
 
@@ -54,6 +56,10 @@ IN_MEMORY_PATH = "tether-in-memory-adapter://policy"
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 
+# The knobs the [generator] section also has take their defaults from it (defined once there).
+_GENERATOR = GeneratorConfig.model_fields
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineSettings:
     """How to start the engine. Field comments give units."""
@@ -62,12 +68,14 @@ class EngineSettings:
     tokenizer: str | None = None  # defaults to ``model``
     dtype: str = "auto"  # "float32" on CPU for exact log-prob comparisons, "bfloat16" on GPU
     max_model_len: int = 1024  # tokens, prompt + response
-    gpu_memory_utilization: float = 0.3  # fraction; on CPU the fraction of RAM vLLM reserves
+    gpu_memory_utilization: float = _GENERATOR["gpu_memory_utilization"].default  # fraction;
+    # on CPU the fraction of RAM vLLM reserves
     kv_cache_gib: float | None = None  # GiB of KV cache; CPU: VLLM_CPU_KVCACHE_SPACE
-    enforce_eager: bool = True  # no graph capture (required on CPU, faster start on GPU)
-    max_num_seqs: int = 256  # sequences decoded concurrently
+    enforce_eager: bool = _GENERATOR["enforce_eager"].default  # no graph capture (required on
+    # CPU, faster start on GPU)
+    max_num_seqs: int = _GENERATOR["max_num_seqs"].default  # sequences decoded concurrently
     seed: int = 0
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _GENERATOR["tensor_parallel_size"].default
     worker_extension_cls: str | None = None  # dotted name, e.g. services.generator.worker_ext.X
     # "processed_logprobs": log-probs of the distribution actually sampled from (after
     # temperature/top-k/top-p) — the behaviour policy. "raw_logprobs": before those.

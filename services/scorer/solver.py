@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.config.scorer import ScorerConfig
 from services.scorer.extract import extract_answer
 from services.scorer.rewards import Correctness, ScoreItem
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from common.engine import EngineSettings
 
 log = logging.getLogger(__name__)
+_SCORER = ScorerConfig.model_fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,10 +34,11 @@ class SolverSettings:
 
     model: str  # the solver model's directory (its tokenizer)
     template: str  # uses {question} and {response}
-    samples: int = 1  # answers per response
-    aggregation: str = "mean"  # or "majority"
-    temperature: float = 0.0
-    max_tokens: int = 128
+    # defaults: the [scorer] section's, defined once there
+    samples: int = _SCORER["solver_samples"].default  # answers per response
+    aggregation: str = _SCORER["solver_aggregation"].default  # "mean" or "majority"
+    temperature: float = _SCORER["solver_temperature"].default
+    max_tokens: int = _SCORER["solver_max_tokens"].default
     apply_chat_template: bool = True
     max_model_len: int = 1024  # the engine's context: a longer prompt keeps its end
     # Benchmarks only: every answer runs to max_tokens (the cost of a long-reasoning solver with
