@@ -166,7 +166,7 @@ def publish_update(
     publisher's report and the published tensor names. ``leave_out``: a tensor name not to
     send (a learner whose names miss one of the engine's parameters)."""
     from common.weights.publisher import WeightPublisher
-    from services.learner.model import HostStaging, full_state_dict_cpu
+    from services.learner.gather import HostStaging, full_state_dict_cpu
 
     state = full_state_dict_cpu(model, staging=HostStaging())
     state.pop(leave_out, None)
@@ -271,7 +271,8 @@ def update_in_flight(llm: Any, model: Any, *, version: int, seed: int) -> None:
 
 def _snapshot(policy: Any, model_dir: str | Path) -> Any:
     """A plain (unsharded) copy of the learner's current weights: the learner of that version."""
-    from services.learner.model import full_state_dict_cpu, load_policy
+    from services.learner.gather import full_state_dict_cpu
+    from services.learner.model import load_policy
 
     copy = load_policy(model_dir, device=next(policy.parameters()).device, fsdp=False)
     missing, unexpected = copy.load_state_dict(full_state_dict_cpu(policy), strict=False)

@@ -86,12 +86,8 @@ def measure(mode: str, model_dir: str, *, quick: bool, steps: int, repeats: int)
 
     from common.weights.publisher import WeightPublisher
     from services.learner import lora
-    from services.learner.model import (
-        full_state_dict_cpu,
-        load_policy,
-        load_reference,
-        setup_distributed,
-    )
+    from services.learner.gather import full_state_dict_cpu
+    from services.learner.model import load_policy, load_reference, setup_distributed
     from services.learner.optim import build_optimizer, build_schedule, build_scheduler
     from services.learner.train_step import train_step
 

@@ -140,12 +140,8 @@ def step_publish3b(tiny: bool) -> dict:
 
     from common.weights.checksum import tensors_checksum
     from common.weights.publisher import WeightPublisher
-    from services.learner.model import (
-        HostStaging,
-        full_state_dict_cpu,
-        load_policy,
-        setup_distributed,
-    )
+    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner.model import load_policy, setup_distributed
     from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from common.protocol.run_dir import RunDir
 from services.learner import lora
 from services.learner.dist import barrier, broadcast_int, rank_world
-from services.learner.model import full_state_dict_cpu
+from services.learner.gather import full_state_dict_cpu
 
 if TYPE_CHECKING:
     import torch

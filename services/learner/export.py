@@ -169,7 +169,7 @@ def export_hf(
         adapter = (base, state, lora.adapter_config(source, base_model=base))
         tok_dir = Path(tokenizer_dir) if tokenizer_dir else None
     else:
-        from services.learner.model import full_state_dict_cpu
+        from services.learner.gather import full_state_dict_cpu
 
         state = full_state_dict_cpu(source, drop_tied=False)  # collective under FSDP
         if not state:

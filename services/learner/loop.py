@@ -128,6 +128,7 @@ class LearnerService:
         from common.data.model_paths import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
+        from services.learner.gather import HostStaging
 
         if not hasattr(self, "rank"):
             self.setup_io_first()
@@ -138,7 +139,7 @@ class LearnerService:
         wd = self.cfg.weights.dtype
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
-        self._publish_staging = model_mod.HostStaging()
+        self._publish_staging = HostStaging()
         if logprobs.proximal_is_current(self.cfg):
             log.info(
                 "%s: proximal log-probs come from each step's own forward pass (one optimizer "
@@ -202,7 +203,7 @@ class LearnerService:
 
     # ------------------------------------------------------------------ weights, checkpoints
     def publish(self) -> None:
-        from services.learner.model import full_state_dict_cpu
+        from services.learner.gather import full_state_dict_cpu
 
         with self.timer.phase("syncing_weights"):
             if self.lora is not None:  # adapter only: its tensors and its config

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.ports import free_port
-from services.learner import packing
+from services.learner import packing, shard_loading
 
 if TYPE_CHECKING:
     import torch
@@ -82,16 +82,27 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _shard(model: torch.nn.Module, *, device: torch.device, param_dtype: Any) -> None:
-    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head)."""
+def _shard(
+    model: torch.nn.Module, *, device: torch.device, param_dtype: Any, offload: bool = False
+) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head).
+    ``offload``: ``CPUOffloadPolicy`` (shards, gradients and optimizer state in host memory;
+    each unit's parameters go to the device for its forward and backward only)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     from services.learner.dist import rank_world
 
     mesh = init_device_mesh(device.type, (rank_world()[1],))
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if param_dtype is not None and param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32
@@ -123,23 +134,67 @@ def attention_kwargs(model_dir: str | Path) -> dict[str, Any]:
     return {}
 
 
-def _load_hf(model_dir: str | Path, *, device: torch.device, attn: str | None = None) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _attn(model_dir: Path, *, device: torch.device, pack_sequences: bool) -> dict[str, Any]:
+    """Packing's varlen kernel when asked and installed; else what makes transformers compute
+    what vLLM does (``attention_kwargs``)."""
+    if pack_sequences and packing.varlen_attention_available(device):
+        return {"attn_implementation": "flash_attention_2"}
+    return attention_kwargs(model_dir)
 
+
+def _checked_dir(model_dir: str | Path) -> Path:
     path = Path(model_dir)
     if not (path / "config.json").exists():
         raise ValueError(
             f"model directory {path} has no config.json: point the learner's model path at a "
             "local Hugging Face model directory (e.g. one written by `tether export`)"
         )
-    # Master weights in fp32; mixed precision (if any) is applied by FSDP at compute time.
-    # Packing's varlen kernel when asked; else what makes transformers compute what vLLM does.
-    extra = {"attn_implementation": attn} if attn else attention_kwargs(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **extra)
-    # Remembered so checkpoints can name the tokenizer's home for `tether export`.
-    model.tether_source_dir = str(path.resolve())
+    return path
+
+
+def _load_whole(path: Path, *, device: torch.device, attn: dict[str, Any]) -> Any:
+    """One process, no sharding (``fsdp=False``): ``from_pretrained``, fp32 master weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **attn)
     return model.to(device)
+
+
+def _load_sharded(
+    path: Path,
+    *,
+    device: torch.device,
+    attn: dict[str, Any],
+    param_dtype: Any,
+    prepare: Callable[[Any], None],
+    offload: bool = False,
+) -> Any:
+    """Meta device -> ``prepare`` (on meta parameters) -> FSDP2 -> each rank reads its shards
+    (``shard_loading``): no rank ever holds the whole model. With ``offload`` the shards stay
+    in host memory (FSDP2's ``CPUOffloadPolicy``) and only the buffers go to ``device``."""
+    import torch
+
+    model = shard_loading.build_on_meta(path, attn=attn)
+    prepare(model)
+    _shard(model, device=device, param_dtype=param_dtype, offload=offload)
+    cpu = offload and device.type != "cpu"
+    shard_loading.load_shards(model, path, device=torch.device("cpu") if cpu else device)
+    if cpu:
+        for module in model.modules():  # rotary frequencies etc. are used where compute runs
+            for name, buf in list(module.named_buffers(recurse=False)):
+                module.register_buffer(
+                    name, buf.to(device), persistent=name not in module._non_persistent_buffers_set
+                )
+    return model
+
+
+def _default_dtype(device: torch.device, param_dtype: Any) -> Any:
+    import torch
+
+    if param_dtype is not None:
+        return param_dtype
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def load_policy(
@@ -150,53 +205,75 @@ def load_policy(
     gradient_checkpointing: bool = False,
     fsdp: bool = True,
     pack_sequences: bool = False,
+    offload: bool = False,
     lora: LoraSettings | None = None,
     seed: int = 0,
 ) -> Any:
     """Load the trainable policy from a local HF directory, in train mode.
 
-    ``lora``: wrap it with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
-    sharding; only the adapter trains.
+    ``fsdp=True`` (needs ``setup_distributed``): sharded start-up (``_load_sharded``); every rank
+    holds only its shards from the start. ``fsdp=False``: a plain module in one process.
+
+    ``lora``: wrap the model with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
+    it is sharded; only the adapter trains. For now a LoRA policy starts from the whole model on
+    each rank (loaded, wrapped, then sharded), not from the sharded start-up.
 
     ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
     device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
     transformers' default (``sdpa``); a probe then refuses a model that ignores the boundaries.
 
     ``param_dtype``: compute dtype; default bf16 on CUDA (fp32 master weights and fp32 gradient
-    reduction via ``MixedPrecisionPolicy``), fp32 on CPU. ``fsdp=True`` needs an initialised
-    process group (``setup_distributed``); ``fsdp=False`` returns a plain module (one process).
+    reduction via ``MixedPrecisionPolicy``), fp32 on CPU. ``offload``: FSDP2 CPU offload of the
+    parameters, their gradients and so the optimizer state (``learner.cpu_offload``).
     """
     import torch
 
-    if param_dtype is None:
-        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    param_dtype = _default_dtype(device, param_dtype)
     if param_dtype != torch.float32 and not fsdp:
         raise ValueError("a non-fp32 param_dtype needs fsdp=True (mixed precision is FSDP's)")
-    varlen = pack_sequences and packing.varlen_attention_available(device)
-    model = _load_hf(model_dir, device=device, attn="flash_attention_2" if varlen else None)
-    model.config.use_cache = False
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora is not None:
-        from services.learner import lora as lora_mod
+    if offload and not fsdp:
+        raise ValueError("offload needs fsdp=True (CPU offload is FSDP2's)")
+    path = _checked_dir(model_dir)
+    attn = _attn(path, device=device, pack_sequences=pack_sequences)
 
-        lora_mod.attach(model, lora, seed=seed)
+    def prepare(model: Any) -> None:
+        model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+
+    if fsdp and lora is None:
+        model = _load_sharded(
+            path, device=device, attn=attn, param_dtype=param_dtype, prepare=prepare,
+            offload=offload,
+        )  # fmt: skip
+    else:
+        model = _load_whole(path, device=device, attn=attn)
+        prepare(model)
+        if lora is not None:
+            from services.learner import lora as lora_mod
+
+            lora_mod.attach(model, lora, seed=seed)  # on whole tensors: every rank the same
+        if fsdp:
+            _shard(model, device=device, param_dtype=param_dtype, offload=offload)
+    model.tether_source_dir = str(path.resolve())  # the tokenizer's home for `tether export`
     if pack_sequences:
         _probe_packing(model, device=device)
-    if fsdp:
-        _shard(model, device=device, param_dtype=param_dtype)
     model.train()
     return model
 
 
 def _probe_packing(model: Any, *, device: torch.device) -> None:
-    """``packing.check_packing`` on the whole model before sharding: no collectives, and FSDP's
-    lazy initialisation still happens at the first training forward (a forward before the
-    optimizer exists breaks ``get_optimizer_state_dict``). On CUDA under bf16 autocast (flash-attn
-    has no fp32 kernels)."""
+    """``packing.check_packing`` (a no-grad forward; under FSDP a collective every rank runs).
+    Then every FSDP unit is resharded: the root unit keeps its parameters gathered after a
+    forward (for the backward it expects), and an optimizer built then would hold the gathered
+    tensors instead of the shards. On CUDA under bf16 autocast (flash-attn has no fp32
+    kernels)."""
     import contextlib
 
     import torch
+    from torch.distributed.fsdp import FSDPModule
 
     cuda = device.type == "cuda"
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
@@ -207,6 +284,9 @@ def _probe_packing(model: Any, *, device: torch.device) -> None:
             vocab_size=int(model.config.vocab_size),
             tolerance=5e-2 if cuda else 1e-3,
         )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     logger.info(
         "sequence packing on (attention %s; probe gap %.2g)",
         packing.attention_implementation(model),
@@ -221,25 +301,33 @@ def load_reference(
     param_dtype: torch.dtype | None = None,
     fsdp: bool = True,
     pack_sequences: bool = False,
+    offload: bool = False,
 ) -> Any:
     """Load a frozen reference model (KL term): no gradients, eval mode.
 
     ``pack_sequences``: the attention implementation as ``load_policy`` picks it (the policy's
     probe covers the reference: the same architecture).
 
-    It is sharded exactly like the policy (FSDP2 per layer + root) so it costs 1/world_size of the
-    memory per rank; its forward all-gathers one layer at a time. Call it under ``torch.no_grad()``.
+    It is sharded exactly like the policy (FSDP2 per layer + root, the same sharded start-up) so
+    it costs 1/world_size of the memory per rank; its forward all-gathers one layer at a time.
+    Call it under ``torch.no_grad()``.
     """
-    import torch
+    path = _checked_dir(model_dir)
+    attn = _attn(path, device=device, pack_sequences=pack_sequences)
 
-    if param_dtype is None:
-        param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    varlen = pack_sequences and packing.varlen_attention_available(device)
-    model = _load_hf(model_dir, device=device, attn="flash_attention_2" if varlen else None)
-    model.config.use_cache = False
-    model.requires_grad_(False)
+    def prepare(model: Any) -> None:
+        model.config.use_cache = False
+        model.requires_grad_(False)
+
     if fsdp:
-        _shard(model, device=device, param_dtype=param_dtype)
+        model = _load_sharded(
+            path, device=device, attn=attn, param_dtype=_default_dtype(device, param_dtype),
+            prepare=prepare, offload=offload,
+        )  # fmt: skip
+        model.requires_grad_(False)  # the loaded shards are new Parameter objects
+    else:
+        model = _load_whole(path, device=device, attn=attn)
+        prepare(model)
     model.eval()
     return model
 
@@ -311,95 +399,3 @@ def token_logprobs_and_entropy(
     entropy = torch.zeros_like(logp)
     entropy[:, 1:] = entropy[:, 1:].masked_scatter(pred_mask, selected_entropy)
     return logp, entropy
-
-
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-class HostStaging:
-    """Reusable host memory for repeated weight gathers (the learner's publishes).
-
-    Two flat buffers are used in turn, so the tensors of the previous gather stay intact while the
-    next one is written (the weight publisher keeps the latest publish to serve late joiners). On
-    CUDA they are page-locked: the device-to-host copies then run at full bus speed and
-    asynchronously, instead of faulting fresh pageable pages in every time (measured at the 3B
-    shape on an H100: see bench/README.md).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[Any] = [None, None]
-        self._turn = 0
-
-    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        import torch
-
-        self._turn ^= 1
-        buf = self._buffers[self._turn]
-        if buf is None or buf.numel() < nbytes:
-            self._buffers[self._turn] = None  # free the old one before allocating the new one
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            self._buffers[self._turn] = buf
-        return buf
-
-
-def full_state_dict_cpu(
-    model: torch.nn.Module,
-    *,
-    drop_tied: bool = True,
-    dtype: torch.dtype | None = None,
-    staging: HostStaging | None = None,
-) -> dict[str, Any]:
-    """Full (unsharded) weights with Hugging Face names, on CPU, on rank 0 (``{}`` elsewhere).
-
-    A collective under FSDP: every rank must call it. Tensors are gathered one at a time on the
-    device (peak extra device memory: the largest tensor), cast to ``dtype`` there when given
-    (e.g. bf16 for a weight publish: half the bytes to copy, hash and send), and copied to CPU
-    on rank 0: into fresh tensors by default (checkpoints, exports), or into views of a
-    ``staging`` buffer (publishes; valid until the next-but-one call with that staging). Default
-    dtype: the master weights' (fp32). With ``drop_tied`` the ``lm_head.weight`` of a
-    tied-embedding model is left out (HF and vLLM loaders re-tie it; vLLM's ``load_weights``
-    expects it absent).
-    """
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    from services.learner.dist import rank_world
-
-    rank0 = rank_world()[0] == 0
-    tied = drop_tied and getattr(model.config, "tie_word_embeddings", False)
-    items = [(n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
-
-    def out_dtype(t: Any) -> Any:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    from common.weights.layout import ALIGN  # the same tensor alignment as the wire layout
-
-    on_cuda = any(t.device.type == "cuda" for _, t in items)
-    flat = None
-    if staging is not None and rank0:
-        offsets, total = [], 0
-        for _, t in items:
-            offsets.append(total)
-            total += -(-t.numel() * out_dtype(t).itemsize // ALIGN) * ALIGN
-        flat = staging.take(max(total, 1), pinned=on_cuda)
-    state: dict[str, Any] = {}
-    for i, (name, tensor) in enumerate(items):
-        t = tensor.detach()
-        if isinstance(t, DTensor):
-            t = t.full_tensor()  # all-gather: every rank takes part, only rank 0 keeps it
-        if not rank0:
-            continue
-        t = t.to(out_dtype(t))
-        if flat is None:
-            state[name] = t.to("cpu", copy=True)
-            continue
-        nbytes = t.numel() * t.element_size()
-        dst = flat[offsets[i] : offsets[i] + nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=t.device.type == "cuda")
-        state[name] = dst
-    if flat is not None and on_cuda:
-        torch.cuda.synchronize()  # the asynchronous copies into page-locked memory have landed
-    return state

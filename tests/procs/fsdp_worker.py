@@ -79,7 +79,8 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.model import HostStaging, full_state_dict_cpu, setup_distributed
+    from services.learner.gather import HostStaging, full_state_dict_cpu
+    from services.learner.model import setup_distributed
     from services.learner.train_step import train_step
 
     rank, world_size, _ = setup_distributed()

@@ -166,8 +166,9 @@ def _gap(rig: Rig, samples: list[Sampled]) -> float:
 
 
 def test_engine_takes_adapter_updates_and_only_adapter_bytes_travel(rig: Rig) -> None:
+    from services.learner.gather import full_state_dict_cpu
     from services.learner.lora import adapter_disabled
-    from services.learner.model import full_state_dict_cpu, load_reference
+    from services.learner.model import load_reference
 
     assert rig.rpc("tether_check_lora") is None
     lc.perturb_adapter(rig.policy, seed=1)

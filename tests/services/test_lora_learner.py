@@ -147,8 +147,9 @@ def test_init_is_reproducible_and_a_target_that_fits_nothing_is_refused(tiny: Pa
 
 def test_the_publish_holds_the_adapter_and_its_config_only(tiny: Path, device) -> None:
     from common.weights.adapter import ADAPTER_CONFIG, split_adapter
+    from services.learner.gather import full_state_dict_cpu
     from services.learner.lora import publish_state
-    from services.learner.model import full_state_dict_cpu, load_reference
+    from services.learner.model import load_reference
 
     model = _policy(tiny, device)
     state = publish_state(model)

@@ -94,7 +94,7 @@ def test_logprob_parity_before_update(loaded: Loaded) -> None:
 
 
 def test_logprob_parity_after_an_update_of_every_parameter(loaded: Loaded) -> None:
-    from services.learner.model import full_state_dict_cpu
+    from services.learner.gather import full_state_dict_cpu
 
     before = full_state_dict_cpu(loaded.policy)  # what a publish sends
     changed = fc.perturb_every_parameter(loaded.policy, seed=1)
