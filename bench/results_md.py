@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.episodes import readme_row as row_episodes
+from bench.lora import readme_row as row_lora
 from bench.models_table import bench_readme_row
 from bench.results_sections import gpu_section, memory_section, plan_section
 from bench.staleness_report import readme_row as row_staleness
@@ -250,6 +251,8 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += [row_episodes(r)]
         elif kind == "memory":
             rows += [row_memory(r)]
+        elif kind == "lora":
+            rows += row_lora(r)
         else:
             packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
             rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)

@@ -60,7 +60,7 @@ def readme_for(out_dir: Path) -> Path:
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory",
+    "staleness", "reproducibility", "models", "memory", "lora",
 )  # fmt: skip
 
 
@@ -88,6 +88,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "reproducibility": {"quick": True},
         "models": {"quick": True},
         "memory": {"quick": True},
+        "lora": {"quick": True, "steps": 2, "repeats": 2},
     }
     return presets[what]
 
@@ -136,7 +137,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner", "episodes", "memory"):
+    if what in ("models", "learner", "episodes", "memory", "lora"):
         kwargs["work_dir"] = work_dir
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse

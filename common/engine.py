@@ -46,6 +46,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "wait", "abort"]
+
+# The one LoRA adapter a LoRA run's engines serve (``max_lora_rank > 0``), loaded from memory by
+# the generator's worker extension (``services/generator/adapter.py``) under this id; vLLM never
+# reads IN_MEMORY_PATH (a label that fails loudly as a path).
+ADAPTER_ID = 1  # vLLM's int id (ids start at 1)
+ADAPTER_NAME = "tether-policy"
+IN_MEMORY_PATH = "tether-in-memory-adapter://policy"
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 
@@ -74,6 +81,9 @@ class EngineSettings:
     # temperature/top-k/top-p) — the behaviour policy. "raw_logprobs": before those.
     logprobs_mode: LogprobsMode = "processed_logprobs"
     enable_prefix_caching: bool = True
+    # > 0: serve one LoRA adapter of at most this rank (vLLM's allowed ranks), loaded in memory by
+    # the worker extension; every request names it and salts the prefix cache with its version.
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -105,6 +115,7 @@ def policy_engine_settings(cfg: TetherConfig, *, worker_extension_cls: str) -> E
         seed=run.seed,
         tensor_parallel_size=g.tensor_parallel_size,
         worker_extension_cls=worker_extension_cls,
+        max_lora_rank=g.max_lora_rank,
     )
 
 
@@ -225,6 +236,7 @@ class GenerationEngine:
         self.settings = settings
         self._llm: Any = None
         self._tokenizer: Any = None  # decodes response text (see SamplingSettings.to_vllm)
+        self._cache_salt: str | None = None  # LoRA: the adapter version, see set_weight_version
 
     async def start(self) -> None:
         """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
@@ -252,6 +264,9 @@ class GenerationEngine:
             # worker with "CPU Generator does not use offset". Unsplit prefills avoid it.
             extra["enable_chunked_prefill"] = False
             extra["max_num_batched_tokens"] = max(2048, s.max_model_len)
+        if s.max_lora_rank:  # one adapter, swapped in place per version (no LRU of several)
+            extra.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1,
+                         max_cpu_loras=1)  # fmt: skip
         args = AsyncEngineArgs(
             model=s.model,
             tokenizer=s.tokenizer or s.model,
@@ -299,8 +314,9 @@ class GenerationEngine:
         sent = list(prompt_token_ids)
         started = time.perf_counter()
         final = None
+        prompt, lora = self._request(sent)
         async for out in self.llm.generate(
-            {"prompt_token_ids": sent}, params, request_id=request_id
+            prompt, params, request_id=request_id, lora_request=lora
         ):
             final = out
         seconds = time.perf_counter() - started
@@ -319,6 +335,20 @@ class GenerationEngine:
             )
         decoder = None if params.detokenize else self._tokenizer
         return [sample_from_completion(c, seconds, decoder) for c in completions]
+
+    def _request(self, ids: list[int]) -> tuple[dict[str, Any], Any]:
+        """The prompt and LoRA request vLLM gets for ``ids``: with LoRA, Tether's one adapter
+        (loaded in memory, ``services/generator/adapter.py``) and a prefix-cache salt naming its
+        version, so no request reuses KV computed under an older adapter (vLLM keys cached
+        blocks by adapter name and path, which stay the same across versions: vLLM #42125)."""
+        if not self.settings.max_lora_rank:
+            return {"prompt_token_ids": ids}, None
+        from vllm.lora.request import LoRARequest
+
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if self._cache_salt is not None:
+            prompt["cache_salt"] = self._cache_salt
+        return prompt, LoRARequest(ADAPTER_NAME, ADAPTER_ID, IN_MEMORY_PATH)
 
     async def collective_rpc(
         self,
@@ -350,8 +380,11 @@ class GenerationEngine:
         return bool(await self.llm.is_paused())
 
     async def set_weight_version(self, version: str | int) -> None:
-        """Label tokens sampled from now on with ``version`` (reported per token span)."""
+        """Label tokens sampled from now on with ``version`` (reported per token span); with
+        LoRA, requests from now on also salt the prefix cache with it (``_request``)."""
         await self.llm.update_weight_version(str(version))
+        if self.settings.max_lora_rank:
+            self._cache_salt = f"tether-adapter-v{version}"
 
     async def get_weight_version(self) -> str:
         return str(await self.llm.get_weight_version())

@@ -144,6 +144,10 @@ class GeneratorService:
         settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
         self.engine = GenerationEngine(settings)
         await self.engine.start()
+        if settings.max_lora_rank:  # a LoRA learner publishes adapters: this vLLM must take them
+            problem = (await self.engine.collective_rpc("tether_check_lora"))[0]
+            if problem:
+                raise RuntimeError(f"generator.max_lora_rank = {settings.max_lora_rank}: {problem}")
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)

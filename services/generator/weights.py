@@ -101,8 +101,9 @@ class WeightFollower:
         self.metrics.update_bytes.inc(res["bytes"])
         await asyncio.to_thread(self.bus.set, streams.generator_version(self.sid), self.version)
         log.info(
-            "now on policy version %d (%.1f MB in %.2f s)",
+            "now on policy version %d (%s, %.2f MB in %.2f s)",
             self.version,
+            "adapter" if res.get("adapter") else "weights",
             res["bytes"] / 1e6,
             time.monotonic() - t0,
         )

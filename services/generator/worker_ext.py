@@ -9,9 +9,12 @@ the methods below run inside the worker process through ``collective_rpc``:
 - ``tether_poll()`` -> ``{"pending": version | None, "error": str | None}`` (cheap: two store
   lookups; ``error`` set means the learner dropped us or we are not joined: call ``tether_join``)
 - ``tether_receive_update(wait_s=None)`` -> ``{"ok", "version", "bytes", "seconds", "checksum",
-  "error"}``: receives into a staging buffer, verifies the checksum, and only then loads with
-  ``model_runner.reload_weights`` (``model.load_weights`` breaks on a second load on CPU). A
-  failed or corrupted update returns ``ok=False`` and leaves the previous version loaded.
+  "adapter", "error"}``: receives into a staging buffer, verifies the checksum, and only then
+  loads with ``model_runner.reload_weights`` (``model.load_weights`` breaks on a second load on
+  CPU), or, for a LoRA learner's adapter-only update (``adapter`` true), swaps the engine's
+  adapter (``services.generator.adapter``). A failed or corrupted update returns ``ok=False``
+  and leaves the previous version loaded.
+- ``tether_check_lora()`` -> None or the reason this engine cannot take adapter updates.
 - ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
   learner's (Hugging Face) naming, computed like ``common.weights.checksum.tensors_checksum``.
 - ``tether_version()`` -> the loaded policy version (None before the first update).
@@ -82,6 +85,7 @@ class TetherWorkerExtension:
             return {"pending": None, "error": f"{kind}{e}"}
 
     def tether_receive_update(self, wait_s: float | None = None) -> dict:
+        from common.weights.adapter import split_adapter
         from common.weights.checksum import tensors_checksum
         from common.weights.layout import WeightSyncError
 
@@ -106,6 +110,12 @@ class TetherWorkerExtension:
             )
             return {"ok": False, "version": self._tether_version, "error": error}
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
+        adapter, rest = split_adapter(named)
+        if adapter is not None:  # a LoRA learner's adapter-only update
+            error = self._tether_load_adapter(adapter, rest, version)
+            if error:
+                return {"ok": False, "version": self._tether_version, "error": error}
+            return self._tether_loaded(version, named, checksum, t0, adapter=True)
         tied = self._tether_tied()
         missing = self._tether_load(
             [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
@@ -119,13 +129,40 @@ class TetherWorkerExtension:
             )
             logger.error("%s", error)
             return {"ok": False, "version": self._tether_version, "error": error}
+        return self._tether_loaded(version, named, checksum, t0, adapter=False)
+
+    def _tether_loaded(self, version: int, named: list, checksum: str, t0: float, *,
+                       adapter: bool) -> dict:  # fmt: skip
         self._tether_version = version
-        self._tether_layout = [(n, t.dtype, tuple(t.shape)) for n, t in named]
+        self._tether_layout = None if adapter else [(n, t.dtype, tuple(t.shape)) for n, t in named]
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         seconds = time.monotonic() - t0
-        logger.info("loaded weights version %d (%d bytes, %.3f s)", version, nbytes, seconds)
+        kind = "adapter" if adapter else "weights"
+        logger.info("loaded %s version %d (%d bytes, %.3f s)", kind, version, nbytes, seconds)
         return {"ok": True, "version": version, "bytes": nbytes, "seconds": seconds,
-                "checksum": checksum, "error": None}  # fmt: skip
+                "checksum": checksum, "adapter": adapter, "error": None}  # fmt: skip
+
+    def _tether_load_adapter(self, config: dict, named: list, version: int) -> str | None:
+        """Swap the engine's LoRA adapter (``services.generator.adapter``); the error, or None."""
+        from services.generator import adapter
+
+        try:
+            modules = adapter.load(self.model_runner, config, named)
+        except Exception as e:  # noqa: BLE001 - returned: the previous adapter stays loaded
+            error = f"the adapter of version {version} was not loaded: {e}"
+            logger.error("%s", error)
+            return error
+        logger.info("adapter version %d acts on %d engine modules", version, modules)
+        return None
+
+    def tether_check_lora(self) -> str | None:
+        from services.generator import adapter
+
+        try:
+            adapter.check(self.model_runner)
+        except adapter.AdapterLoadError as e:
+            return str(e)
+        return None
 
     def tether_version(self) -> int | None:
         return self._tether_version
@@ -143,7 +180,10 @@ class TetherWorkerExtension:
 
         layout = layout if layout is not None else self._tether_layout
         if layout is None:
-            raise ValueError("no layout: pass one or receive an update first")
+            raise ValueError(
+                "no layout: pass one or receive a full-weights update first (an adapter "
+                "update is verified on receipt; its engine copy is checked by log-prob parity)"
+            )
         if _tp_size() > 1:
             raise ValueError(
                 "with tensor parallelism each worker holds a slice of each tensor: compare the "

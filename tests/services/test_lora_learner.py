@@ -1,17 +1,23 @@
 """LoRA in the learner: peft under FSDP2, the adapter-off reference, the adapter-only publish,
 checkpoints that hold the adapter and its optimizer state, and both exports.
 
-In-process tests run on a one-rank gloo group (``setup_distributed``).
+In-process tests run on a one-rank gloo group (``setup_distributed``); the 2-rank test is a real
+``torchrun`` subprocess (tests/procs/lora_fsdp_worker.py) compared with one process without FSDP.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.paths import REPO
+
+WORKER = REPO / "tests" / "procs" / "lora_fsdp_worker.py"
 
 
 def _load(path: Path, name: str):
@@ -233,3 +239,62 @@ def test_export_writes_a_merged_model_and_a_peft_adapter(tiny: Path, device, tmp
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == tiny.resolve()
     assert (out / "merged" / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+def test_two_rank_lora_matches_one_process_and_resumes_exactly(tiny: Path, tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    from services.learner.lora import adapter_state
+    from services.learner.train_step import train_step
+
+    worker = _load(WORKER, "lora_fsdp_worker")
+    base = _load(REPO / "tests" / "procs" / "fsdp_worker.py", "fsdp_worker")
+    fsdp_worker_batch = _two_rank_batch()
+    save_file(fsdp_worker_batch, str(tmp_path / "batch.safetensors"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+        str(WORKER), "--model", str(tiny), "--batch", str(tmp_path / "batch.safetensors"),
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2
+
+    model, optimizer, scheduler = worker.build_training(
+        str(tiny), fsdp=False, gradient_checkpointing=False
+    )
+    initial = load_file(str(tmp_path / "initial.safetensors"))
+    mine = adapter_state(model)
+    assert all(bool((initial[k] == mine[k]).all()) for k in mine), "ranks built another adapter"
+    whole = [base.micro_batch(fsdp_worker_batch, slice(0, 4))]
+    for _ in range(2):
+        train_step(model, optimizer, scheduler, whole, base.token_mean_nll, grad_clip=1.0)
+    trained = load_file(str(tmp_path / "trained.safetensors"))
+    ref = adapter_state(model)
+    diff = max(float((trained[k] - ref[k]).abs().max()) for k in ref)
+    moved = max(float((trained[k] - initial[k]).abs().max()) for k in ref)
+    print(f"2-rank LoRA vs 1 process: max |adapter diff| {diff:.2e}, moved {moved:.2e}")
+    assert diff < 1e-5 and moved > 1e-3
+    assert all(".lora_" in n for n in report["optimizer_params"])
+    assert report["extra"]["policy_version"] == 1 and report["resumed"] == report["steps"][1]
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))
+    assert all(bool((resumed[k] == trained[k]).all()) for k in trained)
+
+
+def _two_rank_batch() -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    rows, seq_len = 4, 24
+    input_ids = torch.randint(0, 250, (rows, seq_len), generator=gen)
+    attention_mask = torch.ones(rows, seq_len, dtype=torch.long)
+    response_mask = torch.zeros(rows, seq_len, dtype=torch.long)
+    for row, (prompt_len, total_len) in enumerate([(5, 24), (8, 20), (3, 14), (10, 22)]):
+        attention_mask[row, total_len:] = 0
+        input_ids[row, total_len:] = 0
+        response_mask[row, prompt_len:total_len] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "response_mask": response_mask}  # fmt: skip

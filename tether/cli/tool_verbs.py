@@ -12,7 +12,7 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory",
+    "staleness", "reproducibility", "models", "memory", "lora",
 )  # fmt: skip
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
