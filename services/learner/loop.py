@@ -55,6 +55,8 @@ from services.learner.cycle import (
     Sample,
     assign_advantages,
     broadcast_samples,
+    extra_segments,
+    mask_failed,
     mask_overlong,
     samples_from_groups,
     steps_of_cycle,
@@ -232,7 +234,9 @@ class LearnerService:
                 strict=True,
             ):
                 s.ref_logp = lp
-        filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        filtered = assign_advantages(samples, self.cfg)
+        self.counters["agent_failed_samples"] += mask_failed(samples)
+        self.counters["segment_samples"] += extra_segments(samples)
         overlong = mask_overlong(samples, self.cfg)
         self.counters["filtered_samples"] += filtered
         self.counters["overlong_masked_samples"] += overlong

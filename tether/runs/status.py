@@ -96,6 +96,10 @@ def collect_status(bus) -> dict[str, Any]:
             "filtered_samples": counters.get("filtered_samples", 0),
             "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
             "surplus_samples": counters.get("surplus_samples", 0),
+            # agents' episodes ([agent]): segments beyond an episode's first (broken turn
+            # continuity adds samples), and episodes whose agent code failed (never trained)
+            "segment_samples": counters.get("segment_samples", 0),
+            "agent_failed_samples": counters.get("agent_failed_samples", 0),
             "dead_letters": dead,
             "dead_letter_groups": dead_groups,
         },
@@ -150,6 +154,12 @@ def format_status(st: dict[str, Any]) -> str:
             f"(equal rewards), masked over-long {acc.get('overlong_masked_samples', 0)}, surplus "
             f"{acc.get('surplus_samples', 0)} (dynamic sampling)"
         )
+        if acc.get("segment_samples") or acc.get("agent_failed_samples"):
+            lines.append(
+                f"  agents: {acc.get('segment_samples', 0)} extra segment(s) (requests that did "
+                f"not extend their episode's ids), {acc.get('agent_failed_samples', 0)} "
+                "episode(s) whose agent code failed or timed out (not trained)"
+            )
     b = st.get("bottleneck")
     if b:
         lines.append(f"  bottleneck: {b['service']} (busy {b['busy_fraction']:.0%} of its time)")

@@ -83,12 +83,15 @@ def accounting_rows(
     acc, streams, n = status.get("accounting", {}), status.get("streams", {}), responses_per_prompt
     # snapshots written before the run-long count called it groups_generated_by_live_generators
     total = acc.get("groups_generated", acc.get("groups_generated_by_live_generators", 0))
-    generated = (total - eval_groups) * n
+    # an agent's episode whose turn continuity broke adds a sample per extra segment
+    segments = acc.get("segment_samples", 0)
+    generated = (total - eval_groups) * n + segments
     trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
     dropped = acc.get("dropped_stale_samples", 0)
     filtered = acc.get("filtered_samples", 0)
     overlong = acc.get("overlong_masked_samples", 0)
     surplus = acc.get("surplus_samples", 0)
+    failed = acc.get("agent_failed_samples", 0)
     # snapshots written before dead letters were told apart count every entry as a group
     dead = acc.get("dead_letter_groups", acc.get("dead_letters", 0)) * n
     queued = sum(
@@ -96,13 +99,14 @@ def accounting_rows(
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
     )
     in_flight = queued * n
-    rest = generated - trained - dropped - filtered - overlong - surplus - dead - in_flight
+    rest = generated - trained - dropped - filtered - overlong - surplus - failed - dead - in_flight
     return [
         (
             "generated",
             "generated for training",
             generated,
-            f"generator groups − {eval_groups} eval groups, × {n} responses",
+            f"generator groups − {eval_groups} eval groups, × {n} responses"
+            + (f", + {segments} extra segments of agents' episodes" if segments else ""),
         ),
         ("trained", "trained", trained, f"learner trained samples ÷ {passes_per_cycle} pass(es)"),
         (
@@ -124,7 +128,18 @@ def accounting_rows(
             surplus,
             "informative groups beyond prompts_per_cycle",
         ),
-        ("dead_lettered", "dead-lettered", dead, "dead-lettered groups × responses per group (prompts and undecodable entries hold none)"),
+        (
+            "agent_failed",
+            "agent code failed",
+            failed,
+            "episodes whose agent raised or timed out: recorded, not trained",
+        ),
+        (
+            "dead_lettered",
+            "dead-lettered",
+            dead,
+            "dead-lettered groups × responses per group (prompts and undecodable entries hold none)",
+        ),
         (
             "in_flight",
             "in flight (queued)",
