@@ -12,7 +12,7 @@ STAMP   := $(VENV)/.tether-installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev,lora]'
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 

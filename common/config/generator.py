@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from common.config.shared import Section
+from common.config.shared import DERIVED, Section
 
 
 class GeneratorConfig(Section):
@@ -31,6 +31,12 @@ class GeneratorConfig(Section):
     enforce_eager: bool = Field(True, description="disable CUDA graphs / compilation")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine dtype; auto = float32 on CPU, bfloat16 on GPU"
+    )
+    max_lora_rank: int = Field(
+        DERIVED,
+        ge=0,
+        description="vLLM's max_lora_rank for the learner's adapter: one of 1, 8, 16, 32, 64, 128, "
+        "256, 320, 512, at least learner.lora_rank; derived as the smallest such; 0 = no LoRA",
     )
     max_prompts_in_flight: int = Field(
         64, ge=1, description="prompts taken from the bus but not yet published"

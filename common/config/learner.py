@@ -149,6 +149,33 @@ class LearnerConfig(Section):
         description="[low, high]: mask whole responses whose geometric-mean token ratio leaves it; "
         "unset = off",
     )
+    lora_rank: int = Field(
+        0,
+        ge=0,
+        le=512,
+        description="LoRA rank; 0 = full fine-tuning. With a rank the policy is the frozen base "
+        "model plus a peft LoRA adapter (the `lora` extra): only the adapter trains, holds "
+        "optimizer state, is checkpointed and is published to the generators; a KL reference "
+        "is the base with the adapter off. RL wants lr about 10× full fine-tuning's (README, "
+        "LoRA)",
+    )
+    lora_alpha: float = Field(
+        16.0,
+        gt=0.0,
+        description="LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank",
+    )
+    lora_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapter's input in training forwards; > 0 makes the learner's "
+        "training log-probs noisy against the generator's",
+    )
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description='module names the adapter wraps (suffixes such as "q_proj"); ["all-linear"] '
+        "= every linear layer of the decoder (peft's all-linear: not the output head)",
+    )
     publish_every_steps: int = Field(
         DERIVED,
         ge=1,

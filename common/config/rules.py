@@ -382,6 +382,48 @@ def _check_episodes(cfg: TetherConfig) -> None:
         )
 
 
+# vLLM's allowed ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``; a test pins them).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _resolve_lora(cfg: TetherConfig, derived: set[str]) -> None:
+    """``generator.max_lora_rank``: the smallest rank vLLM allows that holds the learner's
+    adapter (0 without LoRA); a given one must be allowed and large enough."""
+    ln, g = cfg.learner, cfg.generator
+    rank = ln.lora_rank
+    if rank == 0:
+        if g.max_lora_rank:
+            raise ConfigError(
+                f"generator.max_lora_rank = {g.max_lora_rank} without learner.lora_rank: the "
+                "learner trains every weight and publishes them all, so there is no adapter to "
+                "serve. Fix: set learner.lora_rank (e.g. 16), or remove generator.max_lora_rank."
+            )
+        if g.max_lora_rank is None:
+            g.max_lora_rank = 0
+            derived.add("generator.max_lora_rank")
+        return
+    if not ln.lora_target_modules or any(not m.strip() for m in ln.lora_target_modules):
+        raise ConfigError(
+            f"learner.lora_target_modules = {ln.lora_target_modules} names no module. Fix: "
+            'leave it out (["all-linear"]) or name modules, e.g. ["q_proj", "v_proj"].'
+        )
+    if "all-linear" in ln.lora_target_modules and len(ln.lora_target_modules) > 1:
+        raise ConfigError(
+            f'learner.lora_target_modules = {ln.lora_target_modules}: "all-linear" already '
+            'means every linear layer. Fix: give ["all-linear"] alone, or only module names.'
+        )
+    fits = min(r for r in VLLM_LORA_RANKS if r >= rank)
+    if g.max_lora_rank is None:
+        g.max_lora_rank = fits
+        derived.add("generator.max_lora_rank")
+    elif g.max_lora_rank not in VLLM_LORA_RANKS or g.max_lora_rank < rank:
+        raise ConfigError(
+            f"generator.max_lora_rank = {g.max_lora_rank} cannot serve learner.lora_rank = "
+            f"{rank}: vLLM allows only {', '.join(map(str, VLLM_LORA_RANKS))}, and it must be "
+            f"at least the adapter's rank. Fix: set it to {fits}, or remove it (derived)."
+        )
+
+
 def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     """Validate and fill in derived values; returns the dotted names that were derived."""
     derived: set[str] = set()
@@ -398,5 +440,6 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _check_policy_loss(cfg)
     _resolve_dynamic_sampling(cfg, derived)
     _check_episodes(cfg)
+    _resolve_lora(cfg, derived)
     agent_rules(cfg, derived)
     return derived

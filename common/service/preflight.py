@@ -7,6 +7,7 @@ after its config is resolved and before it starts Redis, a subprocess, an engine
 check                                 train    learner     generator  scorer
 ====================================  =======  ==========  =========  ===========
 learner.trackers installed            yes      yes         -          -
+peft installed (learner.lora_rank)    yes      yes         -          -
 policy model + tokenizer directories  yes      yes         yes        solver mode
 solver model directory                solver   -           -          solver mode
 data.train_path / eval_path exist     yes      rank 0      -          -
@@ -89,6 +90,8 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
         from common.telemetry.trackers import require_trackers
 
         checks.append(lambda: require_trackers(cfg))
+    if role in ("train", "learner") and cfg.learner.lora_rank:
+        checks.append(require_peft)
     if role != "scorer":
         checks.append(lambda: policy_paths(cfg))
     if cfg.scorer.mode == "solver" and (role == "scorer" or cfg.scorer.solver_model):
@@ -102,6 +105,18 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
         except ConfigError as exc:
             problems.append(str(exc))
     return problems
+
+
+def require_peft() -> None:
+    """A LoRA learner (``learner.lora_rank > 0``) needs peft: ``ConfigError`` naming the fix."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "learner.lora_rank > 0 needs the peft library, which is not installed. Fix: pip "
+            "install 'tether-rl[lora]' (peft 0.21, the version Tether is tested with), or set "
+            "learner.lora_rank = 0 for full fine-tuning."
+        )
 
 
 def _data_paths(cfg: TetherConfig) -> None:

@@ -3,6 +3,9 @@
 Layout under ``<run_dir>/checkpoints/``::
 
     step-<N>/model.safetensors       full fp32 weights, Hugging Face names (tied lm_head left out)
+      or, for a LoRA learner (``learner.lora_rank``; meta ``"adapter": true``):
+    step-<N>/adapter_model.safetensors   the fp32 adapter, PEFT's names (the base is run.model)
+    step-<N>/adapter_config.json         its PEFT config (rank, alpha, target modules)
     step-<N>/optimizer.safetensors   AdamW tensors, keyed ``<param fqn>/<state name>``
     step-<N>/optimizer.json          param groups (lr, betas, ...) and non-tensor state
     step-<N>/scheduler.json          LambdaLR state (its schedule object is plain JSON)
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.protocol.run_dir import RunDir
+from services.learner import lora
 from services.learner.dist import barrier, broadcast_int, rank_world
 from services.learner.gather import full_state_dict_cpu
 
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+ADAPTER_FILE = "adapter_model.safetensors"  # PEFT's name, so the directory reads as an adapter
 # Test hook: seconds to sleep after every file is written and before the rename (SIGKILL tests).
 TEST_HOOK_SLEEP_ENV = "TETHER_TEST_HOOK_CHECKPOINT_SLEEP_BEFORE_RENAME_S"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -153,7 +158,14 @@ def _write_files(
     tmp: Path, *, model: Any, model_sd: dict, osd: dict, scheduler: Any, extra: str, meta: dict
 ) -> None:
     tensors, optim_meta = _split_optimizer_state(osd)
-    _save_tensors(tmp / "model.safetensors", model_sd)
+    if meta.get("adapter"):  # LoRA: the trained adapter only; the frozen base is the model dir
+        _save_tensors(tmp / ADAPTER_FILE, model_sd)
+        _write_json(
+            tmp / "adapter_config.json",
+            lora.adapter_config(model, base_model=meta.get("source_model_dir") or ""),
+        )
+    else:
+        _save_tensors(tmp / "model.safetensors", model_sd)
     _save_tensors(tmp / "optimizer.safetensors", tensors)
     _write_json(tmp / "optimizer.json", optim_meta)
     _write_json(tmp / "scheduler.json", scheduler.state_dict())
@@ -246,7 +258,8 @@ def save_checkpoint(
     t0 = time.perf_counter()
     _test_only_delay()
     # Collectives first, on every rank, in the same order.
-    model_sd = full_state_dict_cpu(model, drop_tied=True)
+    adapter = lora.is_lora(model)
+    model_sd = lora.adapter_state(model) if adapter else full_state_dict_cpu(model, drop_tied=True)
     osd = _optimizer_full_state(model, optimizer)
     root = RunDir(Path(run_dir)).checkpoints
     device = next(model.parameters()).device
@@ -264,6 +277,7 @@ def save_checkpoint(
             "step": step,
             "world_size": world,
             "source_model_dir": getattr(model, "tether_source_dir", None),  # tokenizer for export
+            "adapter": adapter,  # LoRA: adapter files instead of model.safetensors
         }
         _write_files(
             tmp,
@@ -313,6 +327,20 @@ def read_model_state(checkpoint_dir: Path, *, tie_word_embeddings: bool) -> dict
     return state
 
 
+def _check_kind(ckpt: Path, *, saved_adapter: bool, model: Any) -> None:
+    """A LoRA checkpoint resumes a LoRA learner and a full one a full one (``ValueError``)."""
+    if saved_adapter and not lora.is_lora(model):
+        raise ValueError(
+            f"{ckpt} holds a LoRA adapter, but this learner trains every weight: resume with "
+            "the run's learner.lora_rank (and lora_target_modules)"
+        )
+    if not saved_adapter and lora.is_lora(model):
+        raise ValueError(
+            f"{ckpt} holds full weights, but this learner trains a LoRA adapter: resume with "
+            "learner.lora_rank = 0 (or start a new LoRA run from a `tether export` of it)"
+        )
+
+
 def load_checkpoint(
     run_dir: str | Path,
     *,
@@ -344,8 +372,13 @@ def load_checkpoint(
             f"{ckpt}: checkpoint format {meta.get('format_version')} is not {FORMAT_VERSION}"
         )
     options = StateDictOptions(full_state_dict=True)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    set_model_state_dict(model, read_model_state(ckpt, tie_word_embeddings=tied), options=options)
+    _check_kind(ckpt, saved_adapter=bool(meta.get("adapter")), model=model)
+    if meta.get("adapter"):
+        lora.load_adapter_state(model, load_file(str(ckpt / ADAPTER_FILE)))
+    else:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        state = read_model_state(ckpt, tie_word_embeddings=tied)
+        set_model_state_dict(model, state, options=options)
     optim_meta = json.loads((ckpt / "optimizer.json").read_text(encoding="utf-8"))
     osd = _join_optimizer_state(load_file(str(ckpt / "optimizer.safetensors")), optim_meta)
     set_optimizer_state_dict(model, optimizer, osd, options=options)

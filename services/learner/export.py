@@ -4,6 +4,14 @@
 meaning its latest checkpoint); the learner can also call it on the live (possibly FSDP-sharded)
 model, which is a collective: every rank calls it and rank 0 writes. The output loads with
 ``transformers.AutoModelForCausalLM.from_pretrained`` and with vLLM.
+
+A LoRA policy (``learner.lora_rank``) is exported twice, side by side:
+
+- ``OUT/merged/``: the base model with the adapter merged into its weights (peft's
+  ``merge_and_unload``), a plain HF model directory like a full fine-tuning export;
+- ``OUT/adapter/``: the PEFT adapter directory (``adapter_config.json``,
+  ``adapter_model.safetensors``, the tokenizer), for ``peft.PeftModel.from_pretrained`` on the
+  base model or vLLM's ``LoRARequest`` (``base_model_name_or_path`` names the base directory).
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.learner import lora
+from services.learner.checkpoint import ADAPTER_FILE
+
 if TYPE_CHECKING:
     import torch
 
@@ -27,7 +38,8 @@ _TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json")
 def _resolve_checkpoint(path: Path) -> Path:
     from services.learner.checkpoint import latest_checkpoint
 
-    if (path / "meta.json").exists() and (path / "model.safetensors").exists():
+    weights = ("model.safetensors", ADAPTER_FILE)
+    if (path / "meta.json").exists() and any((path / w).exists() for w in weights):
         return path
     latest = latest_checkpoint(path)
     if latest is None:
@@ -77,6 +89,55 @@ def _write_hf(config: Any, state: dict[str, torch.Tensor], out: Path, tokenizer_
     tmp.rename(out)
 
 
+def _adapter_from_checkpoint(ckpt: Path) -> tuple[str, dict, dict]:
+    """(base model dir, adapter tensors, adapter config) of a LoRA checkpoint."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+    base = meta.get("source_model_dir")
+    if not base or not (Path(base) / "config.json").exists():
+        raise ValueError(
+            f"{ckpt} is a LoRA checkpoint whose base model directory {base!r} is not here: the "
+            "adapter is exported merged into that base, so it must be readable where you export"
+        )
+    config = json.loads((ckpt / "adapter_config.json").read_text(encoding="utf-8"))
+    return str(base), load_file(str(ckpt / ADAPTER_FILE)), config
+
+
+def _write_lora(
+    base_dir: str, state: dict, config: dict, *, out: Path, tokenizer_dir: Path
+) -> None:
+    """``OUT/adapter/`` (PEFT) and ``OUT/merged/`` (the base with the adapter merged in)."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.learner.model import attention_kwargs
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    adapter_dir, merged_dir = tmp / "adapter", tmp / "merged"
+    adapter_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(adapter_dir / ADAPTER_FILE))
+    doc = {**config, "base_model_name_or_path": str(Path(base_dir).resolve())}
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(doc, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(str(adapter_dir))
+    base = AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, **attention_kwargs(base_dir)
+    )
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.config.use_cache = True
+    merged.save_pretrained(str(merged_dir))
+    tokenizer.save_pretrained(str(merged_dir))
+    generation_config = tokenizer_dir / "generation_config.json"
+    if generation_config.exists():
+        shutil.copyfile(generation_config, merged_dir / "generation_config.json")
+    if out.exists():
+        out.rmdir()  # checked empty by the caller
+    tmp.rename(out)
+
+
 def export_hf(
     source: str | Path | torch.nn.Module,
     out_dir: str | Path,
@@ -92,10 +153,21 @@ def export_hf(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export output {out} already exists and is not empty: pick a new path")
+    adapter: tuple[str, dict, dict] | None = None  # LoRA: (base dir, adapter state, config)
     if isinstance(source, str | Path):
         ckpt = _resolve_checkpoint(Path(source))
-        config, state = _state_from_checkpoint(ckpt)
         tok_dir: Path | None = Path(tokenizer_dir) if tokenizer_dir else _tokenizer_home(ckpt)
+        if (ckpt / ADAPTER_FILE).exists():
+            adapter = _adapter_from_checkpoint(ckpt)
+        else:
+            config, state = _state_from_checkpoint(ckpt)
+    elif lora.is_lora(source):
+        state = lora.adapter_state(source)  # collective under FSDP
+        if not state:
+            return None
+        base = str(source.tether_source_dir)
+        adapter = (base, state, lora.adapter_config(source, base_model=base))
+        tok_dir = Path(tokenizer_dir) if tokenizer_dir else None
     else:
         from services.learner.gather import full_state_dict_cpu
 
@@ -115,6 +187,9 @@ def export_hf(
             "the run started from) so the export is loadable on its own"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_hf(config, state, out, tok_dir)
+    if adapter is not None:
+        _write_lora(*adapter, out=out, tokenizer_dir=tok_dir)
+    else:
+        _write_hf(config, state, out, tok_dir)
     logger.info("exported %s to %s", source if not hasattr(source, "config") else "model", out)
     return out

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ from services.learner.cycle import (
     steps_of_cycle,
 )
 from services.learner.dist import GO, STOP, WAITING, control, set_cpu_threads
+from services.learner.lora import LoraSettings
+from services.learner.lora import publish_state as lora_publish_state
 from services.learner.publishing import NoPublishing, WeightPublishing
 from services.learner.step_log import NoStepLog, StepLog, step_record
 
@@ -94,6 +97,7 @@ class LearnerService:
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.last_step: dict[str, Any] = {}
+        self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
         # rank 0's duties; setup_io_first gives rank 0 the real ones
         self.bus_side: BusSide | NoBusSide = NoBusSide()
         self.publishing: WeightPublishing | NoPublishing = NoPublishing()
@@ -150,19 +154,40 @@ class LearnerService:
             param_dtype=dtype,
             gradient_checkpointing=ln.gradient_checkpointing,
             pack_sequences=ln.pack_sequences,
+            lora=self.lora,
+            seed=self.cfg.run.seed,
         )
-        self.ref_model = (
-            model_mod.load_reference(
+        self.ref_model = None
+        if ln.kl_coef > 0 and self.lora is not None:
+            self.ref_model = self.model  # the reference is the base: the adapter switched off
+        elif ln.kl_coef > 0:
+            self.ref_model = model_mod.load_reference(
                 model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences
             )
-            if ln.kl_coef > 0
-            else None
-        )
+        if self.lora is not None:
+            self._log_lora(self.lora)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer, self.scheduler = optim.for_run(self.cfg, self.model)
+
+    def _log_lora(self, settings: LoraSettings) -> None:
+        from services.learner import lora
+
+        adapter, frozen = lora.trainable_counts(self.model)
+        log.info(
+            "LoRA rank %d (alpha %g): %d adapter parameters train (%.3f%% of %d)%s",
+            settings.rank,
+            settings.alpha,
+            adapter,
+            100.0 * adapter / max(1, adapter + frozen),
+            adapter + frozen,
+            "; the KL reference is the base with the adapter off: no second copy of "
+            f"{frozen * 4 / self.world / 2**20:.1f} MiB (fp32) per rank"
+            if self.ref_model is not None
+            else "",
+        )
 
     def resume(self) -> None:
         from services.learner.checkpoint import load_checkpoint
@@ -183,9 +208,12 @@ class LearnerService:
         from services.learner.gather import full_state_dict_cpu
 
         with self.timer.phase("syncing_weights"):
-            state = full_state_dict_cpu(
-                self.model, dtype=self.publish_dtype, staging=self._publish_staging
-            )
+            if self.lora is not None:  # adapter only: its tensors and its config
+                state = lora_publish_state(self.model, dtype=self.publish_dtype)
+            else:
+                state = full_state_dict_cpu(
+                    self.model, dtype=self.publish_dtype, staging=self._publish_staging
+                )
             self.publishing.publish(state, self.version)
 
     def checkpoint(self) -> None:
@@ -226,13 +254,11 @@ class LearnerService:
             ):
                 s.old_logp = lp
         if self.ref_model is not None:
-            for s, lp in zip(
-                samples,
-                logprobs.recompute_logprobs(
+            with self._reference_mode():
+                ref_logp = logprobs.recompute_logprobs(
                     self.ref_model, self.cfg, samples, pad_id=self.pad_id, device=self.device
-                ),
-                strict=True,
-            ):
+                )
+            for s, lp in zip(samples, ref_logp, strict=True):
                 s.ref_logp = lp
         filtered = assign_advantages(samples, self.cfg)
         self.counters["agent_failed_samples"] += mask_failed(samples)
@@ -241,6 +267,12 @@ class LearnerService:
         self.counters["filtered_samples"] += filtered
         self.counters["overlong_masked_samples"] += overlong
         self.step_log.count_masked(filtered=filtered, overlong=overlong)
+
+    def _reference_mode(self) -> AbstractContextManager[None]:
+        """LoRA: the reference is the policy with its adapter off; else a model of its own."""
+        from services.learner.lora import adapter_disabled
+
+        return adapter_disabled(self.model) if self.lora is not None else nullcontext()
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
         oldest = oldest_usable(self.version, max_staleness=self.cfg.run.max_staleness)

@@ -25,6 +25,8 @@ from services.learner import packing, shard_loading
 if TYPE_CHECKING:
     import torch
 
+    from services.learner.lora import LoraSettings
+
 logger = logging.getLogger(__name__)
 
 
@@ -204,11 +206,17 @@ def load_policy(
     fsdp: bool = True,
     pack_sequences: bool = False,
     offload: bool = False,
+    lora: LoraSettings | None = None,
+    seed: int = 0,
 ) -> Any:
     """Load the trainable policy from a local HF directory, in train mode.
 
     ``fsdp=True`` (needs ``setup_distributed``): sharded start-up (``_load_sharded``); every rank
     holds only its shards from the start. ``fsdp=False``: a plain module in one process.
+
+    ``lora``: wrap the model with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
+    it is sharded; only the adapter trains. For now a LoRA policy starts from the whole model on
+    each rank (loaded, wrapped, then sharded), not from the sharded start-up.
 
     ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
     device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
@@ -235,7 +243,7 @@ def load_policy(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
 
-    if fsdp:
+    if fsdp and lora is None:
         model = _load_sharded(
             path, device=device, attn=attn, param_dtype=param_dtype, prepare=prepare,
             offload=offload,
@@ -243,6 +251,12 @@ def load_policy(
     else:
         model = _load_whole(path, device=device, attn=attn)
         prepare(model)
+        if lora is not None:
+            from services.learner import lora as lora_mod
+
+            lora_mod.attach(model, lora, seed=seed)  # on whole tensors: every rank the same
+        if fsdp:
+            _shard(model, device=device, param_dtype=param_dtype, offload=offload)
     model.tether_source_dir = str(path.resolve())  # the tokenizer's home for `tether export`
     if pack_sequences:
         _probe_packing(model, device=device)

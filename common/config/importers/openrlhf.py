@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.config.importers.lora import map_openrlhf_lora
 from common.config.importers.mapping import Mapper, Skip, to_lr_schedule, to_one_path
 from common.config.importers.sources import coerce
 
@@ -212,3 +213,4 @@ def map_openrlhf(m: Mapper) -> None:
     _openrlhf_policy_loss(m)
     _openrlhf_micro_batches(m)
     _openrlhf_schedule(m, steps)
+    map_openrlhf_lora(m)

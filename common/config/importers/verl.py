@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.config.importers.lora import map_verl_lora
 from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
 from common.config.importers.verl_multi_turn import map_multi_turn
 
@@ -393,3 +394,4 @@ def map_verl(m: Mapper) -> None:
     _verl_schedule(m, steps)
     _verl_solver(m)
     map_multi_turn(m)
+    map_verl_lora(m)

@@ -1,0 +1,234 @@
+"""LoRA in the learner: peft under FSDP2, the adapter-off reference, the adapter-only publish,
+checkpoints that hold the adapter and its optimizer state, and both exports.
+
+In-process tests run on a one-rank gloo group (``setup_distributed``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.paths import REPO
+
+
+def _load(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def device():
+    import torch.distributed as dist
+
+    from services.learner.model import setup_distributed
+
+    created = not dist.is_initialized()
+    _, _, dev = setup_distributed()
+    yield dev
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from tether.demo.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
+
+
+def _policy(tiny: Path, device, *, rank: int = 8, seed: int = 3, **kw):
+    from services.learner.lora import LoraSettings
+    from services.learner.model import load_policy
+
+    return load_policy(tiny, device=device, lora=LoraSettings(rank=rank, alpha=16, **kw), seed=seed)
+
+
+def _batch():
+    fsdp = _load(REPO / "tests" / "procs" / "fsdp_worker.py", "fsdp_worker")
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 250, (4, 24), generator=gen)
+    attention = torch.ones_like(ids)
+    response = torch.zeros_like(ids)
+    response[:, 8:] = 1
+    batch = {"input_ids": ids, "attention_mask": attention, "response_mask": response}
+    return fsdp, batch
+
+
+def _logp(model, batch):
+    import torch
+
+    from services.learner.model import token_logprobs_and_entropy
+
+    with torch.no_grad():
+        logp, _ = token_logprobs_and_entropy(
+            model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+        )
+    return logp
+
+
+def _train(model, batch, steps: int = 2):
+    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+    from services.learner.train_step import train_step
+
+    fsdp, _ = _batch()
+    optimizer = build_optimizer(model, lr=1e-2)
+    scheduler = build_scheduler(optimizer, build_schedule(total_steps=10))
+    mbs = [fsdp.micro_batch(batch, slice(0, 4))]
+    for _ in range(steps):
+        train_step(model, optimizer, scheduler, mbs, fsdp.token_mean_nll, grad_clip=1.0)
+    return optimizer, scheduler
+
+
+def test_only_the_adapter_trains_and_holds_optimizer_state(tiny: Path, device) -> None:
+    from services.learner.checkpoint import _optimizer_full_state
+    from services.learner.lora import adapter_params, trainable_counts
+
+    model = _policy(tiny, device)
+    adapter, frozen = trainable_counts(model)
+    names = {n for n, _ in adapter_params(model)}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == names
+    # all-linear on Qwen2: q, k, v, o, gate, up, down in both layers, A and B each
+    assert len(names) == 2 * 7 * 2 and all(".lora_" in n for n in names)
+    assert 0 < adapter < frozen / 4  # hidden 64, rank 8: the adapter is a sixth of the model
+    _, batch = _batch()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if n not in names}
+    optimizer, _ = _train(model, batch)
+    assert set(_optimizer_full_state(model, optimizer)["state"]) == names
+    for n, p in model.named_parameters():  # the base did not move
+        if n in base:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            ref = base[n].to_local() if hasattr(base[n], "to_local") else base[n]
+            assert bool((local == ref).all()), n
+
+
+def test_the_reference_is_the_base_with_the_adapter_off(tiny: Path, device) -> None:
+    from services.learner.lora import adapter_disabled, adapter_params
+    from services.learner.model import load_reference
+
+    model = _policy(tiny, device)
+    base = load_reference(tiny, device=device)
+    _, batch = _batch()
+    assert bool((_logp(model, batch) == _logp(base, batch)).all())  # lora_B = 0 at start
+    _train(model, batch)
+    trained = _logp(model, batch)
+    assert float((trained - _logp(base, batch)).abs().max()) > 0.05
+    with adapter_disabled(model):
+        assert bool((_logp(model, batch) == _logp(base, batch)).all())
+    assert bool((_logp(model, batch) == trained).all())  # back on
+    assert all(p.requires_grad for _, p in adapter_params(model))  # and trainable again
+
+
+def test_init_is_reproducible_and_a_target_that_fits_nothing_is_refused(tiny: Path, device):
+    from services.learner.lora import adapter_state
+
+    a, b = adapter_state(_policy(tiny, device)), adapter_state(_policy(tiny, device))
+    assert sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a)
+    assert any(float(a[k].abs().max()) > 0 for k in a if "lora_A" in k)
+    assert all(float(a[k].abs().max()) == 0 for k in a if "lora_B" in k)
+    with pytest.raises(ValueError, match="learner.lora_target_modules"):
+        _policy(tiny, device, target_modules=("no_such_proj",))
+
+
+def test_the_publish_holds_the_adapter_and_its_config_only(tiny: Path, device) -> None:
+    from common.weights.adapter import ADAPTER_CONFIG, split_adapter
+    from services.learner.gather import full_state_dict_cpu
+    from services.learner.lora import publish_state
+    from services.learner.model import load_reference
+
+    model = _policy(tiny, device)
+    state = publish_state(model)
+    config, tensors = split_adapter(state.items())
+    assert ADAPTER_CONFIG in state and config is not None
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["peft_type"] == "LORA"
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert all(n.startswith("base_model.model.model.layers.") for n, _ in tensors)
+    assert all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n, _ in tensors)
+    adapter_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    full = full_state_dict_cpu(load_reference(tiny, device=device))
+    full_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    print(f"adapter publish {adapter_bytes} B vs full {full_bytes} B")
+    assert adapter_bytes < full_bytes / 4
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny: Path, device, tmp_path):
+    from services.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from services.learner.lora import adapter_state
+
+    _, batch = _batch()
+    model = _policy(tiny, device)
+    optimizer, scheduler = _train(model, batch, steps=1)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra_state={"version": 1})  # fmt: skip
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and not (ckpt / "model.safetensors").exists()
+    assert (ckpt / "adapter_model.safetensors").exists()
+    assert json.loads((ckpt / "adapter_config.json").read_text())["r"] == 8
+    _continue(model, optimizer, scheduler, batch)
+    expected = adapter_state(model)
+
+    fresh = _policy(tiny, device, seed=99)  # another init: the checkpoint must overwrite it
+    fsdp, _ = _batch()
+    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+
+    opt2 = build_optimizer(fresh, lr=1e-2)
+    sched2 = build_scheduler(opt2, build_schedule(total_steps=10))
+    extra = load_checkpoint(tmp_path, model=fresh, optimizer=opt2, scheduler=sched2)
+    assert extra is not None and extra["version"] == 1
+    _continue(fresh, opt2, sched2, batch)
+    got = adapter_state(fresh)
+    assert sorted(got) == sorted(expected)
+    assert all(bool((got[k] == expected[k]).all()) for k in got), "resume is not exact"
+
+    from services.learner.model import load_policy
+
+    full = load_policy(tiny, device=device)
+    with pytest.raises(ValueError, match="holds a LoRA adapter"):
+        load_checkpoint(tmp_path, model=full, optimizer=opt2, scheduler=sched2)
+
+
+def _continue(model, optimizer, scheduler, batch) -> None:
+    from services.learner.train_step import train_step
+
+    fsdp, _ = _batch()
+    mbs = [fsdp.micro_batch(batch, slice(0, 4))]
+    train_step(model, optimizer, scheduler, mbs, fsdp.token_mean_nll, grad_clip=1.0)
+
+
+def test_export_writes_a_merged_model_and_a_peft_adapter(tiny: Path, device, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.checkpoint import save_checkpoint
+    from services.learner.export import export_hf
+
+    _, batch = _batch()
+    model = _policy(tiny, device)
+    optimizer, scheduler = _train(model, batch)
+    save_checkpoint(tmp_path / "run", 2, model=model, optimizer=optimizer, scheduler=scheduler,
+                    extra_state={})  # fmt: skip
+    out = export_hf(tmp_path / "run", tmp_path / "export")
+    assert out is not None
+    learner = _logp(model, batch)
+    merged = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).eval()
+    assert float((_logp(merged, batch) - learner).abs().max()) < 1e-5
+    base = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+    assert float((_logp(peft, batch) - learner).abs().max()) < 1e-5
+    with peft.disable_adapter():  # the adapter is what makes the difference
+        assert float((_logp(peft, batch) - learner).abs().max()) > 0.05
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]) == tiny.resolve()
+    assert (out / "merged" / "tokenizer.json").exists()
