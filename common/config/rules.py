@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from common.config.agent import AgentConfig, agent_rules
 from common.config.errors import ConfigError
 from common.config.generator import GeneratorConfig
 from common.config.learner import LearnerConfig
@@ -26,6 +27,7 @@ class TetherConfig(Protocol):
     learner: LearnerConfig
     bus: BusConfig
     weights: WeightsConfig
+    agent: AgentConfig
 
     @property
     def dp_world_size(self) -> int: ...
@@ -471,4 +473,5 @@ def apply_cycle_rules(cfg: TetherConfig) -> set[str]:
     _resolve_dynamic_sampling(cfg, derived)
     _check_episodes(cfg)
     _resolve_lora(cfg, derived)
+    agent_rules(cfg, derived)
     return derived

@@ -1,7 +1,7 @@
 """Tether's one typed configuration schema.
 
 Sections: ``[run]`` (shared: model, namespace, the cycle knobs, staleness, lengths), ``[data]``,
-``[generator]``, ``[scorer]``, ``[learner]``, ``[bus]``, ``[weights]``. Every field says its unit.
+``[generator]``, ``[scorer]``, ``[learner]``, ``[bus]``, ``[weights]``, ``[agent]``. Every field says its unit.
 The sections are defined beside this module (``shared``: run, data, bus, weights; one module per
 service: ``generator``, ``scorer``, ``learner``); the cross-field rules are in ``rules``; sources
 and their precedence (lowest first) in ``load``.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from common.config.agent import AgentConfig
 from common.config.errors import ConfigError
 from common.config.generator import GeneratorConfig
 from common.config.learner import LearnerConfig
@@ -55,6 +56,7 @@ SECTIONS: dict[str, type[Section]] = {
     "learner": LearnerConfig,
     "bus": BusConfig,
     "weights": WeightsConfig,
+    "agent": AgentConfig,
 }
 
 
@@ -70,6 +72,7 @@ class TetherConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     bus: BusConfig = Field(default_factory=BusConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     _derived: set[str] = PrivateAttr(default_factory=set)
 

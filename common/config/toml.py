@@ -1,7 +1,8 @@
 """A small TOML writer for the flat, two-level documents Tether emits (resolved configs, imports).
 
-Tether configs are at most ``[section] key = scalar | list of scalars``; this writes exactly that
-shape and refuses anything else, so no third-party writer is needed.
+Tether configs are at most ``[section] key = scalar | list of scalars | inline table of
+scalars``; this writes exactly that shape and refuses anything else, so no third-party writer is
+needed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 
 def toml_value(value: Any) -> str:
-    """One TOML value: bool, int, float, str or a list of those."""
+    """One TOML value: bool, int, float, str, a list of those, or an inline table of them."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -29,6 +30,8 @@ def toml_value(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as a TOML value: {value!r}")
 
 

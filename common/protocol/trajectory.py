@@ -17,6 +17,20 @@ made: name, arguments as written (cut to ``MAX_ARGUMENT_CHARS``), ok or its erro
 ``template_mismatch`` is the first id where re-rendering the conversation through the chat
 template differs from the ids (-1: no difference, or not checked).
 
+Episodes an agent ran through the generator's OpenAI-compatible endpoint (``[agent]``) may also
+carry, each written only when it differs from its default (so a built-in episode's bytes are
+unchanged):
+
+- ``segment`` (default 0): a request whose prompt did not extend the ids recorded so far started
+  a new *segment* of the episode: a trajectory of its own in the group, with the episode's
+  ``sample_index`` and the next ``segment``, trained as its own sample with the episode's reward;
+- ``prompt_token_ids`` (default: the group's): a segment's own prompt, when it is not the
+  group's prompt (a later segment, or an agent that wrote its own first prompt);
+- ``agent_reward`` (default none): the reward components the agent's code returned; the scorer
+  uses them instead of grading ``response_text``;
+- ``error`` (default ""): why the agent's code failed (``finish_reason`` ``agent_error`` or
+  ``agent_timeout``); such an episode is recorded and counted but never trained.
+
 A v1 message (single-turn, ``version_spans``) is read as an episode of one assistant turn.
 """
 
@@ -44,6 +58,13 @@ from common.protocol.wire_fields import (
 ROLES = ("assistant", "tool", "env")
 MAX_TOOL_CALLS = 4096
 MAX_ARGUMENT_CHARS = 2000
+MAX_ERROR_CHARS = 1000
+MAX_REWARD_COMPONENTS = 64
+AGENT_FAILED = frozenset({"agent_error", "agent_timeout"})  # finish reasons never trained
+# fields written only when they differ from these defaults (see the module docstring)
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "segment": 0, "prompt_token_ids": None, "agent_reward": None, "error": "",
+}  # fmt: skip
 
 
 @dataclass
@@ -142,6 +163,15 @@ class Trajectory:
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     template_mismatch: int = -1
     timings: dict[str, float] = field(default_factory=dict)
+    segment: int = 0
+    prompt_token_ids: np.ndarray | None = None  # uint32; None = the group's prompt
+    agent_reward: dict[str, float] | None = None
+    error: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """The agent's code failed (an exception or its timeout): recorded, never trained."""
+        return self.finish_reason in AGENT_FAILED
 
     @classmethod
     def single_turn(
@@ -185,6 +215,11 @@ class Trajectory:
         d["token_versions"] = pack_array(np.asarray(self.token_versions, dtype="<i4"))
         d["turns"] = [[r, int(s), int(e)] for r, s, e in self.turns]
         d["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if d[name] is None or (default is not None and d[name] == default):
+                del d[name]
+        if self.prompt_token_ids is not None:
+            d["prompt_token_ids"] = pack_array(np.asarray(self.prompt_token_ids, dtype="<u4"))
         return d
 
     @classmethod
@@ -211,13 +246,15 @@ class Trajectory:
             turns=_check_turns(turns, mask, [c.turn for c in records]), tool_calls=records,
             template_mismatch=f.get("template_mismatch", _is_int, "an int"),
             timings=f.get("timings", _map_of(_number), "a map of str to numbers"),
+            **_agent_fields(f),
         )  # fmt: skip
 
     @classmethod
     def _from_v1(cls, d: Any) -> Trajectory:
         f = _Fields(d, "sample", cls, head=False, version=1,
                     legacy=frozenset({"version_spans"}))  # fmt: skip
-        for name in ("loss_mask", "token_versions", "turns", "tool_calls", "template_mismatch"):
+        for name in ("loss_mask", "token_versions", "turns", "tool_calls", "template_mismatch",
+                     *_OPTIONAL_DEFAULTS):  # fmt: skip
             _check(name not in d, "bad_schema", f"sample.{name} is not a v1 field")
         ids = _token_ids(f.get("response_token_ids"), "response_token_ids")
         lp = _array(f.get("behaviour_logprobs"), "<f4", len(ids), "behaviour_logprobs")
@@ -234,6 +271,24 @@ class Trajectory:
             turns=[("assistant", 0, len(ids))] if len(ids) else [],
             timings=f.get("timings", _map_of(_number), "a map of str to numbers"),
         )  # fmt: skip
+
+
+def _agent_fields(f: _Fields) -> dict[str, Any]:
+    """The optional fields of an agent's episode (module docstring), checked."""
+    segment = f.get("segment", _is_int, "an int", optional=True) or 0
+    _check(segment >= 0, "bad_value", f"segment={segment} is negative")
+    raw = f.get("prompt_token_ids", optional=True)
+    prompt = None if raw is None else _token_ids(raw, "sample.prompt_token_ids")
+    _check(prompt is None or len(prompt) > 0, "bad_value", "a segment's prompt is empty")
+    reward = f.get("agent_reward", _map_of(_number), "a map of str to numbers", optional=True)
+    ok = reward is None or 0 < len(reward) <= MAX_REWARD_COMPONENTS
+    _check(ok, "bad_value", f"agent_reward needs 1..{MAX_REWARD_COMPONENTS} components")
+    error = f.text("error", optional=True) or ""
+    _check(len(error) <= MAX_ERROR_CHARS, "oversize", f"error of {len(error)} characters")
+    return {
+        "segment": segment, "prompt_token_ids": prompt, "error": error,
+        "agent_reward": None if reward is None else {k: float(v) for k, v in reward.items()},
+    }  # fmt: skip
 
 
 def _anything_map(x: Any) -> bool:

@@ -48,18 +48,25 @@ PYTHON_TOOL = ToolSpec(
 BUILTIN = ("calculator", "python")
 
 
-def import_target(target: str) -> Any:
-    """The object ``module:qualname`` or ``path/file.py:qualname`` names (imported here)."""
+def import_target(target: str, *, setting: str = "generator.tools entry") -> Any:
+    """The object ``module:qualname`` or ``path/file.py:qualname`` names (imported here);
+    ``setting`` names where it was given, for the errors."""
     module_name, sep, qualname = target.partition(":")
     if not sep or not module_name or not qualname:
+        tool = "tools" in setting
+        noun = "function" if tool else "name"
         raise ToolDefinitionError(
-            f"generator.tools entry {target!r}: write `package.module:function`, "
-            "`path/to/file.py:function` or a built-in name (calculator, python)"
+            f"{setting} {target!r}: write `package.module:{noun}`"
+            + (
+                f", `path/to/file.py:{noun}` or a built-in name (calculator, python)"
+                if tool
+                else f" or `path/to/file.py:{noun}`"
+            )
         )
     if module_name.endswith(".py"):
         path = Path(module_name).resolve()
         if not path.is_file():
-            raise ToolDefinitionError(f"generator.tools entry {target!r}: no file {path}")
+            raise ToolDefinitionError(f"{setting} {target!r}: no file {path}")
         name = f"tether_tools_{abs(hash(str(path)))}"
         module = sys.modules.get(name)
         if module is None:
@@ -73,14 +80,13 @@ def import_target(target: str) -> Any:
             module = importlib.import_module(module_name)
         except ImportError as exc:
             raise ToolDefinitionError(
-                f"generator.tools entry {target!r}: cannot import {module_name!r} ({exc}); "
-                "is it on PYTHONPATH?"
+                f"{setting} {target!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?"
             ) from exc
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise ToolDefinitionError(f"generator.tools entry {target!r}: no {qualname} there")
+            raise ToolDefinitionError(f"{setting} {target!r}: no {qualname} there")
     return obj
 
 

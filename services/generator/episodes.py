@@ -200,6 +200,9 @@ class EpisodeRunner:
             for i, rec in enumerate(records)
         ]
 
+    async def close(self) -> None:
+        await self.sandbox.close()
+
     def _check_template(self, rec: EpisodeRecorder) -> None:
         """The re-render check (``generator.template_check``) over everything before the last
         assistant turn; ``strict`` refuses a mismatching episode (the learner trains it with no

@@ -3,12 +3,14 @@
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
           per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
-          episodes: ``episodes.py``), published together with the ack of the prompt (exactly
-          once per prompt id).
+          episodes: ``episodes.py``; with ``[agent]``, your agent's episodes through the
+          OpenAI-compatible endpoint: ``agents.py``), published together with the ack of the
+          prompt (exactly once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
           backlog (back-pressure); for the learner's weight store before its first sample; an
-          episode also for its own tool calls (the sandbox; other episodes go on meanwhile).
+          episode also for its own tool calls (the sandbox; other episodes go on meanwhile),
+          an agent's episode for its agent code (``agent.timeout_s`` at most).
 Unblocked by the learner dispatching, the learner publishing weights, the scorers consuming,
           the tools answering.
 Stops when the learner's run-finished record appears (exit code 0, ``common.service.run_end``,
@@ -134,7 +136,8 @@ class GeneratorService:
         self._held: set[str] = set()  # prompt entry ids taken and not yet committed
         self.tokens_generated = 0
         self.groups_published = 0
-        self.episodes: Any = None  # an EpisodeRunner when generator.max_turns > 1
+        # an EpisodeRunner (generator.max_turns > 1) or an AgentRunner ([agent]): run_prompt, close
+        self.episodes: Any = None
         self.tool_schemas: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ start-up
@@ -151,7 +154,14 @@ class GeneratorService:
         from common.data.model_paths import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
-        if self.cfg.generator.max_turns > 1:
+        if self.cfg.agent.enabled:  # your agent's code, through the OpenAI-compatible endpoint
+            from services.generator.agents import start_agents
+
+            self.episodes = await start_agents(
+                self.cfg, engine=self.engine, tokenizer=self.tokenizer,
+                version=lambda: int(self.version or 0),
+            )  # fmt: skip
+        elif self.cfg.generator.max_turns > 1:
             from services.generator.episodes import start_runner
 
             self.episodes = await start_runner(
@@ -411,7 +421,7 @@ class GeneratorService:
             for t in tasks:
                 t.cancel()
             if self.episodes is not None:
-                await self.episodes.sandbox.close()
+                await self.episodes.close()
             if self._stop.is_set():  # stopped on purpose: what it held is not at fault
                 await asyncio.to_thread(let_go, consumer)
 

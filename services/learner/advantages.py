@@ -16,6 +16,13 @@ verl's numbers for groups of 2 or more but not for a group of one: verl's GRPO g
 mean 0 and std 1, so its advantage is the raw reward, a signal no other response confirms; Tether
 keeps 0. A group whose rewards are all equal gets advantage exactly 0. Arithmetic is done in
 float64 and the result is cast back to the rewards' dtype.
+
+**Episodes of several segments** (an agent whose conversation broke token continuity,
+``services/generator/agent_episodes.py``): `episode_of[i] = j` says sample i is a segment of the
+episode whose statistics row is sample j (j = i for the row itself), so group means, stds, sizes
+and batch whitening count each episode once, and every segment gets its episode's advantage;
+`episode_of[i] = -1` leaves sample i out (advantage 0: an episode whose agent failed). Without
+`episode_of` every sample is its own episode.
 """
 
 from __future__ import annotations
@@ -72,6 +79,21 @@ def _whiten(values: torch.Tensor, *, eps: float, unbiased: bool) -> torch.Tensor
     return (values - values.mean()) / (std + eps)
 
 
+def _episode_rows(
+    episode_of: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(statistics rows, the samples that count, each such sample's position among the rows)."""
+    import torch
+
+    if episode_of.shape != (n,) or episode_of.dtype.is_floating_point:
+        raise ValueError(f"episode_of must be an integer tensor of shape [{n}]")
+    valid = episode_of >= 0
+    rows = torch.unique(episode_of[valid])
+    if rows.numel() and (int(rows.max()) >= n or not bool((episode_of[rows] == rows).all())):
+        raise ValueError("episode_of must name rows that are their own episode's row")
+    return rows, valid, torch.searchsorted(rows, episode_of[valid])
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
@@ -80,6 +102,7 @@ def compute_advantages(
     norm_by_std: bool = True,
     unbiased_std: bool = False,
     eps: float = 1e-6,
+    episode_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence-level advantages, shape [N] like `rewards`.
 
@@ -105,6 +128,13 @@ def compute_advantages(
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     _check_rewards(rewards, group_index)
+    if episode_of is not None:
+        rows, valid, pos = _episode_rows(episode_of, rewards.numel())
+        per_row = compute_advantages(rewards[rows], group_index[rows], estimator=estimator,
+                                     norm_by_std=norm_by_std, unbiased_std=unbiased_std, eps=eps)  # fmt: skip
+        out = torch.zeros_like(rewards)
+        out[valid] = per_row[pos]
+        return out
     if rewards.numel() == 0:
         return rewards.clone()
     r = rewards.detach().to(torch.float64)
@@ -188,6 +218,7 @@ def kl_reward_advantages(
     norm_by_std: bool = True,
     unbiased_std: bool = False,
     eps: float = 1e-6,
+    episode_of: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token advantages [N, T] with the KL penalty folded into the reward; 0 where masked.
 
@@ -211,6 +242,9 @@ def kl_reward_advantages(
     `kl` is the per-token KL estimate [N, T] (treated as data), `mask` the response mask [N, T].
     Without KL (kl = 0) the GRPO family reduces to `compute_advantages` broadcast over tokens; the
     REINFORCE++ family then whitens over tokens rather than sequences.
+
+    With `episode_of` (module docstring) the outcome statistics count each episode once; the
+    KL-to-go is each segment's own, and the token whitening covers every counted sample's tokens.
     """
     import torch
 
@@ -226,9 +260,18 @@ def kl_reward_advantages(
         return torch.zeros_like(kl, dtype=rewards.dtype)
     r = rewards.detach().to(torch.float64)
     kl64 = kl.detach().to(torch.float64)
+    if episode_of is not None:
+        counted = (episode_of >= 0).to(mask.dtype)
+        mask = mask * counted[:, None]  # a left-out sample's tokens get no advantage
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         if estimator == "reinforce_pp_baseline":
-            r = r - _group_stats(r, group_index, unbiased=False)[0]
+            if episode_of is None:
+                r = r - _group_stats(r, group_index, unbiased=False)[0]
+            else:
+                rows, valid, pos = _episode_rows(episode_of, r.numel())
+                means = _group_stats(r[rows], group_index[rows], unbiased=False)[0]
+                r = torch.where(valid, r, 0.0)
+                r[valid] = r[valid] - means[pos]
         _, returns = token_rewards_with_kl(r, kl64, mask, kl_coef=kl_coef)
         out = whiten_tokens(returns, mask, eps=eps, unbiased_std=unbiased_std)
     else:
@@ -239,6 +282,7 @@ def kl_reward_advantages(
             norm_by_std=norm_by_std,
             unbiased_std=unbiased_std,
             eps=eps,
+            episode_of=episode_of,
         )
         _, out = token_rewards_with_kl(outcome, kl64, mask, kl_coef=kl_coef)
     return out.to(rewards.dtype)

@@ -50,6 +50,11 @@ class Sample:
     truncated: bool = False  # cut short: at run.max_response_tokens or generator.max_turns
     loss_mask: list[int] = field(default_factory=list)  # one per response id; empty = all 1
     refused: bool = False  # the generator's strict re-render check refused it: never trained
+    # an agent's episode (``[agent]``): the episode's index in its group, this sample's segment
+    # of it (0 = first), and whether the agent's code failed (recorded, never trained)
+    episode_index: int = 0
+    segment: int = 0
+    failed: bool = False
     # what the episode did (rank 0's step records; not sent to the other ranks): see
     # ``episode_stats``
     episode: dict[str, float] = field(default_factory=dict)
@@ -61,26 +66,52 @@ class Sample:
 
 
 def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
-    """Flatten a cycle's groups, ordered by sampler position so the batch is deterministic."""
+    """Flatten a cycle's groups, ordered by sampler position so the batch is deterministic.
+
+    A segment of an agent's episode carries its own prompt when it has one; every segment of an
+    episode gets the episode's reward: the one scored on its last segment (the episode's end)."""
     out: list[Sample] = []
     for gi, sg in enumerate(sorted(groups, key=lambda s: s.group.index)):
         prompt = sg.group.prompt_token_ids.astype(np.int64).tolist()
-        for traj, reward in zip(sg.group.samples, sg.rewards, strict=True):
+        episode_reward = {
+            t.sample_index: float(r)
+            for t, r in sorted(
+                zip(sg.group.samples, sg.rewards, strict=True), key=lambda tr: tr[0].segment
+            )  # fmt: skip
+        }
+        for traj in sg.group.samples:
+            own = traj.prompt_token_ids
             out.append(
                 Sample(
                     sample_id=traj.sample_id,
                     group=gi,
-                    prompt_ids=prompt,
+                    prompt_ids=prompt if own is None else own.astype(np.int64).tolist(),
                     response_ids=traj.response_token_ids.astype(np.int64).tolist(),
                     behaviour_logp=traj.behaviour_logprobs.astype(np.float64).tolist(),
-                    reward=float(reward),
+                    reward=episode_reward[traj.sample_index],
                     policy_version=int(traj.policy_version),
                     truncated=traj.finish_reason in CUT_SHORT,
                     loss_mask=traj.loss_mask.astype(np.int64).tolist(),
                     refused=traj.finish_reason == REFUSED,
                     episode=episode_stats(traj),
+                    episode_index=traj.sample_index,
+                    segment=traj.segment,
+                    failed=traj.failed,
                 )
             )
+    return out
+
+
+def episode_rows(samples: list[Sample]) -> list[int]:
+    """For each sample, the index of its episode's statistics row (its first segment in the
+    list), or -1 for a sample whose agent failed: ``advantages``' ``episode_of``."""
+    first: dict[tuple[int, int], int] = {}
+    out = []
+    for i, s in enumerate(samples):
+        if s.failed:
+            out.append(-1)
+            continue
+        out.append(first.setdefault((s.group, s.episode_index), i))
     return out
 
 
@@ -123,6 +154,9 @@ def encode_samples(samples: list[Sample]) -> bytes:
             s.truncated,
             np.asarray(response_mask(s), dtype="|u1").tobytes(),
             s.refused,
+            s.episode_index,
+            s.segment,
+            s.failed,
         ]
         for s in samples
     ]
@@ -143,6 +177,9 @@ def decode_samples(data: bytes) -> list[Sample]:
             truncated=bool(r[7]),
             loss_mask=np.frombuffer(r[8], dtype="|u1").astype(np.int64).tolist(),
             refused=bool(r[9]),
+            episode_index=int(r[10]),
+            segment=int(r[11]),
+            failed=bool(r[12]),
         )
         for r in rows
     ]
@@ -203,18 +240,24 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
 
 
 def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
-    """Every response token's advantage; zero-weight the groups filtered out. Returns #filtered.
+    """Every response token's advantage; zero-weight the groups filtered out. Returns how many
+    samples the equal-reward filter took out.
 
     Sequence-level estimators give all tokens of a response its one advantage. With
     ``learner.kl_in_reward`` the KL penalty is folded into per-token rewards first
     (``advantages.kl_reward_advantages``, see ``reward_kl``): the reference log-probs must have
-    been recomputed for this cycle before this is called.
+    been recomputed for this cycle before this is called. Group statistics count an episode of
+    several segments once (``episode_rows``); a sample whose agent failed gets advantage 0 and
+    weight 0 (``mask_failed`` counts those).
     """
     import torch
 
     ln = cfg.learner
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+    rows = episode_rows(samples)
+    segmented = any(s.segment or s.failed for s in samples)
+    episode_of = torch.tensor(rows, dtype=torch.long) if segmented else None
     unbiased = ln.std_estimator == "unbiased"
     if ln.kl_in_reward:
         kl, mask = reward_kl(samples, cfg)
@@ -227,6 +270,7 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
             kl_coef=ln.kl_coef,
             norm_by_std=ln.norm_adv_by_std,
             unbiased_std=unbiased,
+            episode_of=episode_of,
         )
         for i, s in enumerate(samples):
             s.advantages = adv[i, : len(s.response_ids)].tolist()
@@ -237,16 +281,34 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
             estimator=ln.advantage_estimator,
             norm_by_std=ln.norm_adv_by_std,
             unbiased_std=unbiased,
+            episode_of=episode_of,
         )
         for s, a in zip(samples, seq.tolist(), strict=True):
             s.advantages = [float(a)] * len(s.response_ids)
+    for s in samples:
+        if s.failed:
+            s.weight = 0.0
     n_filtered = 0
     if ln.filter_equal_reward_groups:
-        keep, n_filtered = adv_mod.equal_reward_group_mask(rewards, groups)
-        for s, k in zip(samples, keep.tolist(), strict=True):
-            if not k:
-                s.weight = 0.0
+        counted = [i for i, r in enumerate(rows) if r >= 0]
+        keep, _ = adv_mod.equal_reward_group_mask(rewards[counted], groups[counted])
+        for i, k in zip(counted, keep.tolist(), strict=True):
+            if not k and samples[i].weight > 0:
+                samples[i].weight = 0.0
+                n_filtered += 1
     return n_filtered
+
+
+def mask_failed(samples: list[Sample]) -> int:
+    """How many samples of the cycle are episodes whose agent failed (weight 0 already: see
+    ``assign_advantages``); counted as ``agent_failed_samples``."""
+    return sum(1 for s in samples if s.failed)
+
+
+def extra_segments(samples: list[Sample]) -> int:
+    """Samples beyond the first segment of their episode: what an agent's broken turn
+    continuity added to the cycle (``segment_samples`` in the books)."""
+    return sum(1 for s in samples if s.segment > 0)
 
 
 def mask_overlong(samples: list[Sample], cfg: TetherConfig) -> int:

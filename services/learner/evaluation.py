@@ -87,7 +87,15 @@ class HeldOut:
         if not ev["results"]:
             log.warning("held-out round v%d: all %d prompts were dead-lettered", round_id, lost)
             return
-        correct = [c.get("correct", 0.0) > 0 for r in ev["results"] for c in r.components]
+        # one verdict per episode (an agent's episode of several segments is scored on its
+        # last); an agent that returns one number is right when it is > 0
+        correct = [
+            c.get("correct", c.get("agent", 0.0)) > 0
+            for r in ev["results"]
+            for t, c in zip(r.group.samples, r.components, strict=True)
+            if not any(u.sample_index == t.sample_index and u.segment > t.segment
+                       for u in r.group.samples)
+        ]  # fmt: skip
         versions = sorted({t.policy_version for r in ev["results"] for t in r.group.samples})
         acc = sum(correct) / max(len(correct), 1)
         rec = {

@@ -61,6 +61,8 @@ from services.learner.cycle import (
     Sample,
     assign_advantages,
     broadcast_samples,
+    extra_segments,
+    mask_failed,
     mask_overlong,
     mask_refused,
     samples_from_groups,
@@ -307,7 +309,9 @@ class LearnerService:
                 )
             for s, lp in zip(samples, ref_logp, strict=True):
                 s.ref_logp = lp
-        filtered = assign_advantages(samples, self.cfg) * self.cfg.run.responses_per_prompt
+        filtered = assign_advantages(samples, self.cfg)
+        self.counters["agent_failed_samples"] += mask_failed(samples)
+        self.counters["segment_samples"] += extra_segments(samples)
         overlong = mask_overlong(samples, self.cfg)
         refused = mask_refused(samples)
         self.counters["filtered_samples"] += filtered

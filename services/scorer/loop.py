@@ -187,9 +187,38 @@ class ScorerService:
         ]
 
     async def score(self, groups: list[wire.TrajectoryGroup]) -> list[list[Any]]:
-        """Score every response of ``groups`` in one batch; returns ScoredItems per group."""
-        items = [self._items(g) for g in groups]
-        flat = [it for group_items in items for it in group_items]
+        """Score every response of ``groups`` in one batch; returns ScoredItems per group.
+
+        An agent's episode that returned its own reward (``Trajectory.agent_reward``) is not
+        graded: its reward is the sum of those components (reason ``agent``); one whose agent
+        failed gets 0 (reason ``agent_failed``: the learner never trains it)."""
+        from services.scorer.rewards import ScoredItem
+
+        samples = [s for g in groups for s in g.samples]
+        graded = [i for i, s in enumerate(samples) if s.agent_reward is None and not s.failed]
+        flat_all = [it for g in groups for it in self._items(g)]
+        done = await self._grade([flat_all[i] for i in graded])
+        scored: list[Any] = []
+        for s in samples:
+            if s.failed:
+                scored.append(ScoredItem(0.0, {}, "agent_failed", None))
+            elif s.agent_reward is not None:
+                comps = dict(s.agent_reward)
+                scored.append(ScoredItem(sum(comps.values()), comps, "agent", None))
+            else:
+                scored.append(None)
+        for i, item in zip(graded, done, strict=True):
+            scored[i] = item
+        out, i = [], 0
+        for g in groups:
+            out.append(scored[i : i + len(g.samples)])
+            i += len(g.samples)
+        return out
+
+    async def _grade(self, flat: list[Any]) -> list[Any]:
+        """Rule or solver grading of ``flat`` (ScoreItems), in one batch."""
+        if not flat:
+            return []
         if self.solver is not None:
             before, t0 = self.solver.solver_tokens, time.monotonic()
             correctness = await self.solver.correctness(flat)
@@ -199,11 +228,7 @@ class ScorerService:
             scored = await asyncio.to_thread(self.rewards.compose, flat, correctness)
         else:
             scored = await asyncio.to_thread(self.rewards.score_items, flat)
-        out, i = [], 0
-        for group_items in items:
-            out.append(scored[i : i + len(group_items)])
-            i += len(group_items)
-        return out
+        return list(scored)
 
     def _scored_group(
         self, group: wire.TrajectoryGroup, items: list[Any], seconds: float
@@ -212,7 +237,9 @@ class ScorerService:
             group=group,
             rewards=[float(it.reward) for it in items],
             components=[{k: float(v) for k, v in it.components.items()} for it in items],
-            reasons=[it.reason if it.reason not in ("correct", "wrong") else "" for it in items],
+            reasons=[
+                it.reason if it.reason not in ("correct", "wrong", "agent") else "" for it in items
+            ],  # fmt: skip
             scorer_id=self.sid,
             score_seconds=seconds,
         )
@@ -222,7 +249,10 @@ class ScorerService:
         bad: list[Any] = []
         for d in deliveries:
             g: wire.TrajectoryGroup = d.msg
-            (bad if g.split == "train" and not (g.ground_truth or "").strip() else good).append(d)
+            # an agent's episodes that returned their own rewards need no ground truth
+            graded = any(s.agent_reward is None and not s.failed for s in g.samples)
+            no_truth = not (g.ground_truth or "").strip()
+            (bad if g.split == "train" and graded and no_truth else good).append(d)
         for d in bad:
             self.metrics.unscorable.labels("missing_ground_truth").inc()
             await asyncio.to_thread(

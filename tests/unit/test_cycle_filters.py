@@ -33,7 +33,7 @@ def _cfg(*sets: str):
 def test_overlong_filter_masks_cut_off_responses_and_counts_each_once():
     samples = _samples()
     cfg = _cfg("learner.overlong_filter=true", "learner.filter_equal_reward_groups=true")
-    assert assign_advantages(samples, cfg) == 1  # group 1 is filtered first (weights 0)
+    assert assign_advantages(samples, cfg) == 2  # group 1 (2 samples) is filtered first
     # s0 is cut off and informative: masked. s3 is cut off but already filtered: not recounted.
     assert mask_overlong(samples, cfg) == 1
     assert [s.weight for s in samples] == [0.0, 1.0, 0.0, 0.0]

@@ -30,6 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
         flags=config_flags(args),
         assets=args.assets,
         task=args.task,
+        agent=args.agent,
     )
 
 
@@ -90,6 +91,12 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         default="arithmetic",
         help="arithmetic (default): column addition, RL fixes a sloppy teacher's carries; "
         "tools: products of 3- and 4-digit numbers, RL learns to use the calculator",
+    )
+    demo.add_argument(
+        "--agent",
+        action="store_true",
+        help="with --task tools: run the episodes as user code through the generator's "
+        "OpenAI-compatible endpoint (tether/demo/tool_agent.py) instead of the built-in loop",
     )
     demo.set_defaults(func=_demo)
 

@@ -29,6 +29,13 @@ TASKS = {
     "tools": ("tools", DEMO_CONFIG.with_name("tools.toml")),
 }
 
+# `tether demo --task tools --agent`: the same episodes run by user code through the generator's
+# OpenAI-compatible endpoint (tether/demo/tool_agent.py) instead of the built-in loop
+AGENT_SETTINGS = [
+    'agent.run="tether.demo.tool_agent:run"', "agent.max_turns=3", "generator.max_turns=1",
+    "generator.tools=[]", 'run.name="demo-tools-agent"',
+]  # fmt: skip
+
 # Model size, task and warm-up per preset. "demo" is what `make demo` runs; "ci" is the reduced
 # end-to-end run of the test suite (same shape, shorter warm-up).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -129,12 +136,23 @@ def run_demo(
     flags: dict[str, Any],
     assets: str | None,
     task: str = "arithmetic",
+    agent: bool = False,
 ) -> int:
     """`tether demo`: ``task`` (a key of ``TASKS``), ``config_file`` (default: the task's),
     ``overrides`` (``--set``) and ``flags`` as the CLI gave them; ``assets`` where the model and
-    data go (default: the run directory's ``assets/``). Returns the exit code of the run."""
+    data go (default: the run directory's ``assets/``); ``agent``: the tools task's episodes
+    through the endpoint (``AGENT_SETTINGS``). Returns the exit code of the run."""
+    import sys
+
     from common.config.load import load_config
     from tether.runs.launcher import launch, prepare_run_dir
+
+    if agent and task != "tools":
+        print("tether demo: --agent runs the tools task's agent loop as user code; add "
+              "--task tools", file=sys.stderr)  # fmt: skip
+        return 2
+    if agent:
+        overrides = [*AGENT_SETTINGS, *overrides]
 
     preset, default_config = TASKS[task]
     config_file = config_file or str(default_config)

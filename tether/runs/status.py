@@ -109,6 +109,10 @@ def collect_status(bus) -> dict[str, Any]:
             "refused_template_samples": counters.get("refused_template_samples", 0),
             "episode_tool_calls": counters.get("episode_tool_calls", 0),
             "surplus_samples": counters.get("surplus_samples", 0),
+            # agents' episodes ([agent]): segments beyond an episode's first (broken turn
+            # continuity adds samples), and episodes whose agent code failed (never trained)
+            "segment_samples": counters.get("segment_samples", 0),
+            "agent_failed_samples": counters.get("agent_failed_samples", 0),
             "dead_letters": dead,
             "dead_letter_groups": dead_groups,
         },
@@ -183,6 +187,12 @@ def format_status(st: dict[str, Any]) -> str:
             + (f"; tool calls in them {acc['episode_tool_calls']}"
                if acc.get("episode_tool_calls") else "")
         )
+        if acc.get("segment_samples") or acc.get("agent_failed_samples"):
+            lines.append(
+                f"  agents: {acc.get('segment_samples', 0)} extra segment(s) (requests that did "
+                f"not extend their episode's ids), {acc.get('agent_failed_samples', 0)} "
+                "episode(s) whose agent code failed or timed out (not trained)"
+            )
     b = st.get("bottleneck")
     if b:
         lines.append(f"  bottleneck: {b['service']} (busy {b['busy_fraction']:.0%} of its time)")

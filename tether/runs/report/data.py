@@ -86,13 +86,16 @@ def accounting_rows(
     # the generators count held-out groups apart, rounds a dead learner never recorded included
     # (at least the recorded rounds of metrics.jsonl); counts written before that have 0 there
     eval_groups = max(acc.get("eval_groups_generated", 0), eval_groups)
-    generated = (total - eval_groups) * n
+    # an agent's episode whose turn continuity broke adds a sample per extra segment
+    segments = acc.get("segment_samples", 0)
+    generated = (total - eval_groups) * n + segments
     trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
     dropped = acc.get("dropped_stale_samples", 0)
     filtered = acc.get("filtered_samples", 0)
     overlong = acc.get("overlong_masked_samples", 0)
     refused = acc.get("refused_template_samples", 0)
     surplus = acc.get("surplus_samples", 0)
+    failed = acc.get("agent_failed_samples", 0)
     # snapshots written before dead letters were told apart count every entry as a group
     dead = acc.get("dead_letter_groups", acc.get("dead_letters", 0)) * n
     queued = sum(
@@ -100,13 +103,17 @@ def accounting_rows(
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
     )
     in_flight = queued * n
-    rest = generated - trained - dropped - filtered - overlong - refused - surplus - dead - in_flight
+    rest = (
+        generated - trained - dropped - filtered - overlong - refused - surplus - failed - dead
+        - in_flight
+    )
     return [
         (
             "generated",
             "generated for training",
             generated,
-            f"generator groups − {eval_groups} eval groups, × {n} responses",
+            f"generator groups − {eval_groups} eval groups, × {n} responses"
+            + (f", + {segments} extra segments of agents' episodes" if segments else ""),
         ),
         ("trained", "trained", trained, f"learner trained samples ÷ {passes_per_cycle} pass(es)"),
         (
@@ -134,7 +141,18 @@ def accounting_rows(
             surplus,
             "informative groups beyond prompts_per_cycle",
         ),
-        ("dead_lettered", "dead-lettered", dead, "dead-lettered groups × responses per group (prompts and undecodable entries hold none)"),
+        (
+            "agent_failed",
+            "agent code failed",
+            failed,
+            "episodes whose agent raised or timed out: recorded, not trained",
+        ),
+        (
+            "dead_lettered",
+            "dead-lettered",
+            dead,
+            "dead-lettered groups × responses per group (prompts and undecodable entries hold none)",
+        ),
         (
             "in_flight",
             "in flight (queued)",

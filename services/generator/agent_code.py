@@ -1,0 +1,129 @@
+"""Your agent's code as the generator runs it: loaded from ``[agent]``, run per sample on an event
+loop of its own, and what it returns turned into a reward.
+
+**The interface.** ``async def run(client, task)``, or a class with that method (made once per
+generator with no arguments). ``client`` is an ``openai.AsyncOpenAI`` pointed at this episode
+on the generator's endpoint (``base_url`` carries the episode's id, ``api_key`` the run's token;
+it does not retry). ``task`` is a dict: ``prompt`` (text, or the chat messages), ``messages``
+(the prompt as chat messages), ``ground_truth``, ``metadata``, ``split`` (``train``/``eval``),
+``prompt_id``, ``sample_index``, ``episode_id``, and ``base_url``/``api_key`` for a client of
+your own. What ``run`` returns:
+
+- a number: the episode's reward (component ``agent``);
+- a dict of numbers: reward components (reward = their sum; held-out accuracy reads
+  ``correct``);
+- ``{"answer": text}``: the scorer grades ``text`` against the ground truth, as it grades a
+  response (rule or solver mode, with its reward settings);
+- ``None``: the scorer grades the last reply's text.
+
+**Isolation.** The agents of all episodes share one event loop in a thread of their own, so an
+agent that blocks (synchronous I/O, a long computation) stalls only agents, never the
+generator's loop (vLLM, weights, the endpoint). Each episode runs under ``agent.timeout_s``,
+measured on the generator's loop: past it, or when the code raises, the episode ends with the
+error recorded (``agent_timeout`` / ``agent_error``), its requests still in flight are cancelled,
+and the generator goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any
+
+AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+
+
+class AgentCodeError(ValueError):
+    """The agent named in ``[agent]`` cannot be used (the message names the setting)."""
+
+
+def load_agent(cfg: Any) -> AgentFn:
+    """The coroutine function ``[agent]`` names (``cfg``: the ``AgentConfig``)."""
+    if cfg.gym_env:
+        from services.generator.gym_agent import GymAgent
+
+        factory = _imported(cfg.gym_env, "agent.gym_env")
+        return GymAgent(factory, max_turns=cfg.max_turns).run
+    obj = _imported(cfg.run, "agent.run")
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise AgentCodeError(f"agent.run = {cfg.run!r}: making the class with no arguments "
+                                 f"failed: {exc!r}") from exc  # fmt: skip
+        fn = getattr(obj, "run", None)
+    else:
+        fn = obj
+    if not inspect.iscoroutinefunction(fn):
+        raise AgentCodeError(
+            f"agent.run = {cfg.run!r} must be an `async def run(client, task)` function, or a "
+            "class with such a `run` method"
+        )
+    try:
+        inspect.signature(fn).bind(None, {})
+    except TypeError as exc:
+        raise AgentCodeError(f"agent.run = {cfg.run!r} must take (client, task): {exc}") from exc
+    return fn
+
+
+def _imported(target: str, setting: str) -> Any:
+    from common.tools.functions import ToolDefinitionError
+    from common.tools.registry import import_target
+
+    try:
+        return import_target(target, setting=setting)
+    except ToolDefinitionError as exc:
+        raise AgentCodeError(str(exc)) from exc
+
+
+def reward_of(result: Any) -> tuple[dict[str, float] | None, str | None]:
+    """(reward components, answer for the scorer) of what ``run`` returned; TypeError or
+    ValueError (with the reason) for anything else."""
+    if result is None:
+        return None, None
+    if isinstance(result, (int, float)):
+        return {"agent": _finite(result, "the reward")}, None
+    if isinstance(result, dict) and "answer" in result:
+        if set(result) != {"answer"} or not isinstance(result["answer"], str):
+            raise TypeError('return {"answer": "<text>"} alone to have the scorer grade it')
+        return None, result["answer"]
+    if isinstance(result, dict) and result and all(isinstance(k, str) for k in result):
+        return {k: _finite(v, f"reward component {k!r}") for k, v in result.items()}, None
+    raise TypeError(
+        f"the agent returned {type(result).__name__}; return a number, a dict of numbers, "
+        '{"answer": text} or None'
+    )
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return float(value)
+
+
+class AgentLoop:
+    """An event loop in a daemon thread where every episode's agent code runs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="tether-agents", daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, work: Awaitable[Any]) -> Future:
+        return asyncio.run_coroutine_threadsafe(work, self.loop)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        """Stop the loop (agents still running are abandoned: the thread is a daemon)."""
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
