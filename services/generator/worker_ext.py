@@ -112,9 +112,9 @@ class TetherWorkerExtension:
         checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
         adapter, rest = split_adapter(named)
         if adapter is not None:  # a LoRA learner's adapter-only update
-            error = self._tether_load_adapter(adapter, rest, version)
-            if error:
-                return {"ok": False, "version": self._tether_version, "error": error}
+            adapter_error = self._tether_load_adapter(adapter, rest, version)
+            if adapter_error:
+                return {"ok": False, "version": self._tether_version, "error": adapter_error}
             return self._tether_loaded(version, named, checksum, t0, adapter=True)
         tied = self._tether_tied()
         missing = self._tether_load(

@@ -219,7 +219,7 @@ class PendingCheckpoint:
             return None
         try:
             return self._finish()
-        except Exception as exc:  # rank 0 alone here: no collective to tell the others
+        except BaseException as exc:  # rank 0 alone here: no collective to tell the others
             room = no_room(exc)
             if room is None:
                 raise
@@ -233,14 +233,14 @@ class PendingCheckpoint:
             if self.future is not None:
                 self.future.result()  # raises what the writer thread raised
                 self.future = None
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if (failure := no_room(exc)) is None:
                 raise
         device = _device_of(self.states)
         if not any_rank(failure is not None, device) and rank_world()[0] == 0:
             try:
                 self._finish()
-            except Exception as exc:
+            except BaseException as exc:
                 if (failure := no_room(exc)) is None:
                     raise
         if any_rank(failure is not None, device):  # every rank leaves here together
@@ -342,7 +342,7 @@ def start_checkpoint(
             tmp.mkdir()
             _write_small_files(tmp, model=model, optim_meta=optim_meta, scheduler=scheduler,
                                extra=extra, adapter=adapter)  # fmt: skip
-    except Exception as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if (failure := no_room(exc)) is None:
             raise
     if not any_rank(failure is not None, device):
@@ -351,7 +351,7 @@ def start_checkpoint(
             future = checkpoint_state.save(
                 tmp / STATE_DIR, {**model_sd, **optim_tensors}, group=group, async_save=async_save
             )
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if (failure := no_room(exc)) is None:
                 raise
     meta = {

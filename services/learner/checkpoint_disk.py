@@ -104,12 +104,15 @@ def no_room(exc: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in NO_SPACE:
             return e
-        if type(e).__name__ == "SafetensorError":
+        if isinstance(e, Exception) and type(e).__name__ == "SafetensorError":
             os_error = as_os_error(e, Path(""))
             if os_error is not None and os_error.errno in NO_SPACE:
                 return os_error
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's per rank
+        failures = getattr(e, "failures", None)  # DCP's per rank: (exception, its traceback)
         if isinstance(failures, dict):
-            todo += [f for f in failures.values() if isinstance(f, BaseException)]
+            for failure in failures.values():
+                first = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(first, BaseException):
+                    todo.append(first)
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
     return None
