@@ -161,8 +161,20 @@ def _slice() -> Study:
     return Study(arms=tuple(a for a in grid() if a.name in keep), seeds=(0, 1))
 
 
+def _tests() -> Study:
+    """The pre-registered tests alone, at full length and 8 seeds: at S = 1 and S = 4 the
+    synchronous arm and decoupled and uncorrected at η = 4, plus the A/A replicate (7 of the 21
+    arms; the exploratory ones, other η and TIS, left out). Its runs are the full study's: a
+    later ``full`` run reuses them."""
+    keep = {f"S{s}-eta{e}-{c}" for s in STEPS_PER_CYCLE
+            for e, c in ((0, "sync"), (4, "decoupled"), (4, "none"))}  # fmt: skip
+    keep.add(f"S{max(STEPS_PER_CYCLE)}-eta{max(ETAS)}-{AA_LABEL}")
+    return Study(arms=tuple(a for a in grid() if a.name in keep))
+
+
 SIZES = {
     "full": lambda: Study(arms=tuple(grid())),
+    "tests": _tests,
     "slice": _slice,
     # every code path once, in a few minutes: both S, a lagged cycle at S = 4, every arm kind
     "smoke": lambda: Study(
