@@ -53,6 +53,7 @@ def prepare(root: Path, study: Study) -> dict[str, Any]:
             for p in problems[: study.held_out]
         ]
         tmp = path.with_suffix(".tmp")
+        root.mkdir(parents=True, exist_ok=True)  # a fresh clone has no bench/work/staleness
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(path)
     out: dict[str, Any] = {
