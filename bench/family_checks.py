@@ -60,6 +60,18 @@ def rpc(llm: Any, method: str, *args: Any) -> Any:
     return llm.collective_rpc(method, args=args)[0]
 
 
+def join_engine(llm: Any, pub: Any, *, member: str, timeout_s: float) -> None:
+    """The engine's worker extension joins ``pub``'s weight group as ``member`` (the publisher
+    accepts it from this thread while the worker waits in its join)."""
+    joined = threading.Thread(
+        target=rpc, args=(llm, "tether_join", "127.0.0.1", pub.port, member, timeout_s)
+    )
+    joined.start()
+    while joined.is_alive():
+        pub.publish_to_new_members()
+        joined.join(0.05)
+
+
 def engine_model_class(llm: Any) -> str:
     """``module.Class`` of the model the engine runs (vLLM's own or the Transformers fallback)."""
     info = rpc(llm, "tether_model_info")
@@ -172,13 +184,7 @@ def publish_update(
     device = next(model.parameters()).device
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
     try:
-        joined = threading.Thread(
-            target=rpc, args=(llm, "tether_join", "127.0.0.1", pub.port, "families", timeout_s)
-        )
-        joined.start()
-        while joined.is_alive():
-            pub.publish_to_new_members()
-            joined.join(0.05)
+        join_engine(llm, pub, member="families", timeout_s=timeout_s)
         box: dict[str, Any] = {}
 
         def send() -> None:  # the learner's streamed publish (one rank here)

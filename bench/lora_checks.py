@@ -21,7 +21,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from bench.family_checks import EXT, PROMPTS, Sampled, compare, learner_logprobs, prompt_ids, rpc
+from bench.family_checks import (
+    EXT,
+    PROMPTS,
+    Sampled,
+    compare,
+    join_engine,
+    learner_logprobs,
+    prompt_ids,
+    rpc,
+)
 
 ADAPTER_STD = 0.05  # the noise put into lora_A and lora_B (their values after some training)
 
@@ -72,13 +81,7 @@ def publish_adapter(llm: Any, model: Any, *, version: int, timeout_s: float = 60
     state = publish_state(model)
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
     try:
-        joined = threading.Thread(
-            target=rpc, args=(llm, "tether_join", "127.0.0.1", pub.port, "lora", timeout_s)
-        )
-        joined.start()
-        while joined.is_alive():
-            pub.publish_to_new_members()
-            joined.join(0.05)
+        join_engine(llm, pub, member="lora", timeout_s=timeout_s)
         box: dict[str, Any] = {}
         sender = threading.Thread(
             target=lambda: box.setdefault("report", pub.publish(state.items(), version))
