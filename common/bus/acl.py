@@ -9,14 +9,18 @@ a whole run trains, and each user refused a command outside its set):
 - every service: PING and SELECT (connection), GET (the run-finished record, weight keys), HSET
   (its status heartbeat), its consumer group (XGROUP CREATE, XREADGROUP, XAUTOCLAIM, XPENDING,
   XACK), the dead-letter move (MULTI, XADD, XACK, EXEC), back-pressure and lag (XINFO GROUPS,
-  XRANGE);
+  XRANGE), INFO (``INFO memory``: the start-up refusal of an evicting ``maxmemory-policy`` and
+  the memory figures of an out-of-memory wait, ``common.bus.memory``);
 - generator and scorer: the atomic commit (``Bus.commit``: EVALSHA, SCRIPT LOAD when the server
-  lost the script, and inside it ZSCORE, ZADD, XADD, XACK; HINCRBY for the generator's run-long
-  count), XCLAIM (a generator keeps its held prompts claimed), SET (a generator's version key);
+  lost the script, and inside it ZSCORE, ZADD, XADD, XACK, HDEL of the entries' marks; HINCRBY
+  for the generator's run-long count), the in-hand and strike marks (``common.bus.strikes``:
+  its script's HEXISTS, HINCRBY, HGET, HSET, HDEL; HSET, HDEL and HMGET outside it), XCLAIM (a
+  generator keeps its held prompts claimed), SET (a generator's version key);
 - learner: XADD (prompts), SET and DEL (versions, the weight store's address, the run-finished
   record), XTRIM (the acknowledged prefix) and ZREMRANGEBYSCORE (old dedupe ids); and what
   `tether status` and `tether bus inspect` read when run with the learner's URL (HGETALL, XLEN,
-  XREVRANGE, SCAN);
+  XREVRANGE, SCAN, HMGET for the re-drivable dead letters' strikes). `tether bus redrive`
+  moves dead letters (XADD, XDEL): an operator's act, with the operator's (``default``) user;
 - exporter (redis_exporter, for the Prometheus alerts): INFO, CONFIG GET (``maxmemory``), its
   client name, SLOWLOG and LATENCY.
 
@@ -32,9 +36,10 @@ _CONNECTION = ("ping", "select")
 _CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xack")
 _DEAD_LETTER = ("multi", "xadd", "xack", "exec")
 _BACKLOG = ("xinfo|groups", "xrange")
-_EVERY_SERVICE = (*_CONNECTION, "get", "hset", *_CONSUMER, *_DEAD_LETTER, *_BACKLOG)
-_COMMIT = ("evalsha", "script|load", "zscore", "zadd", "xadd", "xack")
-_STATUS_TOOLS = ("hgetall", "xlen", "xrevrange", "scan")
+_EVERY_SERVICE = (*_CONNECTION, "get", "hset", "info", *_CONSUMER, *_DEAD_LETTER, *_BACKLOG)
+_COMMIT = ("evalsha", "script|load", "zscore", "zadd", "xadd", "xack", "hdel")
+_STRIKES = ("evalsha", "script|load", "hexists", "hincrby", "hget", "hset", "hdel", "hmget")
+_STATUS_TOOLS = ("hgetall", "xlen", "xrevrange", "scan", "hmget")
 
 COMMANDS: dict[str, tuple[str, ...]] = {
     "learner": (
@@ -45,8 +50,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
         "zremrangebyscore",
         *_STATUS_TOOLS,
     ),
-    "generator": (*_EVERY_SERVICE, *_COMMIT, "hincrby", "xclaim", "set"),
-    "scorer": (*_EVERY_SERVICE, *_COMMIT),
+    "generator": (*_EVERY_SERVICE, *_COMMIT, *_STRIKES, "hincrby", "xclaim", "set"),
+    "scorer": (*_EVERY_SERVICE, *_COMMIT, *_STRIKES),
     # redis_exporter with its default flags: what Debian 12's 1.45 sends (measured by the test:
     # ACL LOG empty while it scrapes) and LATENCY HISTOGRAM, which 1.67 (the image the deploy
     # files name) adds for Redis 7 (read from its source)

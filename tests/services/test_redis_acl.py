@@ -41,7 +41,7 @@ REFUSED = [
     ("generator", [["XTRIM", "x", "MAXLEN", "0"], ["DEL", "x"], ["SCAN", "0"], ["FLUSHDB"],
                    ["CONFIG", "GET", "requirepass"]]),
     ("scorer", [["SET", "tether:version:learner", "99"], ["DEL", "x"], ["XTRIM", "x", "MAXLEN", "0"],
-                ["HINCRBY", "h", "f", "1"], ["SCRIPT", "FLUSH"]]),
+                ["XCLAIM", "x", "g", "c", "0", "0-1"], ["SCRIPT", "FLUSH"]]),
     ("exporter", [["GET", "x"], ["XADD", "s", "*", "f", "v"], ["CONFIG", "SET", "save", ""],
                   ["SCAN", "0"]]),
 ]  # fmt: skip
