@@ -92,9 +92,40 @@ def save(directory: Path, state: dict[str, Any], *, group: Any, async_save: bool
     kwargs: dict[str, Any] = {"storage_writer": writer(directory, state)}
     with _one_process(kwargs, group):
         if async_save:
-            return dcp.async_save(state, **kwargs)
+            return dcp.async_save(state, async_stager=_compact_stager(), **kwargs)
         dcp.save(state, **kwargs)
     return None
+
+
+def _compact_stager() -> Any:
+    """DCP's blocking stager, copying each tensor's own elements instead of deep-copying its
+    storage. DCP's own (``_create_cpu_state_dict``) deep-copies a CPU DTensor, whose storage on
+    ranks > 0 of an FSDP2 model is the whole parameter's buffer with the shard as a view into
+    it; that copy fails ("Attempted to call copy_() on an invalid python storage"; found by
+    tests/e2e/test_e2e_ranks.py) and would copy every rank's storage whole anyway."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+    from torch.distributed.tensor import DTensor
+
+    def cpu_copy(v: Any) -> Any:
+        if isinstance(v, DTensor):
+            if v.device.type != "cpu":
+                return v.to("cpu")  # a copy, as DCP's own stager makes for device tensors
+            return DTensor.from_local(
+                v.to_local().detach().clone(), v.device_mesh, v.placements,
+                shape=v.shape, stride=v.stride(), run_check=False,
+            )  # fmt: skip
+        if isinstance(v, torch.Tensor):
+            return v.detach().to("cpu", copy=True)
+        return copy.deepcopy(v)
+
+    class CompactStager(BlockingAsyncStager):
+        def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+            return {k: cpu_copy(v) for k, v in state_dict.items()}
+
+    return CompactStager()
 
 
 @contextlib.contextmanager
