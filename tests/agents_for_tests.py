@@ -30,13 +30,20 @@ async def behaves_by_index(client: Any, task: dict[str, Any]) -> Any:
     if k == 2:
         await asyncio.sleep(60)  # past agent.timeout_s
     if k == 3:
-        time.sleep(4)  # blocks the agents' loop, never the generator's
+        time.sleep(4)  # blocks the agents' loop (within agent.timeout_s), never the generator's
         return 0.5
     if k == 4:
         return "not a reward"
     if k == 5:
         return {"answer": "\\boxed{7}"}
     return None if reply else 0.0
+
+
+async def blocks_past_timeout(client: Any, task: dict[str, Any]) -> float:
+    """One request, then a blocking call longer than the test's agent.timeout_s."""
+    await client.chat.completions.create(model="p", messages=task["messages"], max_tokens=8)
+    time.sleep(3)
+    return 0.5
 
 
 async def no_request(client: Any, task: dict[str, Any]) -> float:
@@ -47,6 +54,7 @@ class CountingEnv:
     """A gym-style environment: the model must say anything twice; reward 0.5 per step."""
 
     made = 0
+    max_tokens = 16  # per reply: two replies and the env's turns fit the episode's budget
 
     def __init__(self) -> None:
         CountingEnv.made += 1

@@ -11,8 +11,9 @@ episode; the object has
   chat message (``role``, ``content``, ``tool_calls`` with JSON-text arguments); the answer is
   the messages to append (tool results, a user turn), this step's reward and whether the episode
   is over;
-- optionally ``tools``: a list of OpenAI tool schemas offered to the model on every turn, and
-  ``close()``, called when the episode ends.
+- optionally ``tools``: a list of OpenAI tool schemas offered to the model on every turn,
+  ``max_tokens``: the most ids of one reply (else a reply may use all the episode has left of
+  ``run.max_response_tokens``), and ``close()``, called when the episode ends.
 
 Each method may be plain or ``async``; plain ones run in a worker thread, so a slow environment
 holds only its own episode. The episode's reward is the sum of its steps' rewards. An episode
@@ -73,11 +74,15 @@ class GymAgent:
                 raise TypeError(f"the gym environment has no {name}() method")
         try:
             messages = _messages(await _call(env.reset, task), "reset(task)")
-            tools = getattr(env, "tools", None) or None
+            extra: dict[str, Any] = {}
+            if tools := getattr(env, "tools", None):
+                extra["tools"] = tools
+            if max_tokens := getattr(env, "max_tokens", None):  # per reply (else: what is left)
+                extra["max_tokens"] = int(max_tokens)
             total = 0.0
             for _ in range(self.max_turns):
                 resp = await client.chat.completions.create(
-                    model="tether", messages=messages, **({"tools": tools} if tools else {})
+                    model="tether", messages=messages, **extra
                 )
                 reply = reply_message(resp.choices[0].message)
                 messages.append(reply)
