@@ -267,7 +267,7 @@ while :; do
       sleep 1
     done
     [ -n "$new_pid" ] && [ "$new_pid" != "$svc_pid" ] || fail "the keeper did not restart generator-0's service"
-    docker logs "$GEN" 2>&1 | grep -q "restart 1 of at most" || fail "no restart in the keeper's log"
+    grep -q "restart 1 of at most" <<<"$(docker logs "$GEN" 2>&1)" || fail "no restart in the keeper's log"
     result ok "generator-0 SIGKILLed at v$v: restarted by the keeper in $((SECONDS - t_crash)) s (pid $svc_pid -> $new_pid)"
   fi
   if [ -n "$crashed_at" ] && [ -z "$killed_at" ] && [ "$v" -ge 50 ]; then
@@ -304,7 +304,10 @@ for pair in "generator-0:$GEN" "scorer-0:$SCORER"; do
     result FAIL "${pair%%:*} after the run: $s, exit $code, Docker restarts $r"
   fi
 done
-docker logs "$GEN" 2>&1 | grep -q "the run is finished" || result FAIL "generator-0 did not log the run's end"
+# (the log is read whole first: with pipefail, `docker logs | grep -q` fails when grep stops
+# reading at its match and docker logs gets SIGPIPE)
+gen_log="$(docker logs "$GEN" 2>&1)"
+grep -q "the run is finished" <<<"$gen_log" || result FAIL "generator-0 did not log the run's end"
 for svc in redis prometheus; do
   [ "$(docker inspect -f '{{.State.Status}}' "$(cid $svc)")" = running ] || result FAIL "$svc stopped"
 done
@@ -318,7 +321,7 @@ read -r _ _ lr <<<"$(state "$LEARNER")"
 result ok "the learner never restarted"
 
 # ------------------------------------------------------------------ after the run
-failed=0
+# (failed keeps what the run's checks above found: a FAIL there fails the smoke run too)
 # Status from inside the stack: the learner's image, config, run volume and Redis URL.
 sleep 5 # one more heartbeat of every service
 dc run --rm --no-deps -T --entrypoint tether learner status --json --config /etc/tether/tether.toml \
