@@ -80,31 +80,15 @@ PRESETS: dict[str, dict[str, Any]] = {
             "schedule": "constant",
         },  # fmt: skip
     },
-    # the tools task with a short warm-up, for tests that need episodes calling the calculator
-    # (its call format is learned early), not answers copied from it
-    "tools-ci": {
-        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "tools": True},
-        "tool_task": {
-            "a_digits": 3,
-            "b_digits": 4,
-            "num_train": 2000,
-            "num_eval": 200,
-            "teacher_tool_rate": 0.3,
-        },  # fmt: skip
-        "warmup": {
-            "steps": 150,
-            "lr": 3e-3,
-            "batch_size": 32,
-            "tools": ["calculator"],
-            "schedule": "constant",
-        },  # fmt: skip
-    },
     "ci": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
         "task": {"digits": 2, "operators": "+", "num_train": 2000, "num_eval": 32},
         "warmup": {"steps": 100, "lr": 3e-3, "batch_size": 32},
     },
 }
+# The tools task with a short warm-up, for tests that need episodes calling the calculator (its
+# call format is learned early), not answers copied from it.
+PRESETS["tools-ci"] = {**PRESETS["tools"], "warmup": {**PRESETS["tools"]["warmup"], "steps": 150}}
 
 
 @dataclass
