@@ -154,6 +154,18 @@ def _reference(args: argparse.Namespace, meter: Meter, pub: Any, *, rank: int, d
         del state
 
 
+def _touch(model: Any) -> None:
+    """Read every local shard once. On CPU, fp32 shards of an fp32 checkpoint are views of the
+    mapped safetensors files (no copy), so their pages are only resident after a first read; the
+    start-up phase counts them as resident, as a step would make them."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            float(local.float().sum())
+
+
 def _warm_imports(model_dir: str) -> None:
     """Import what the phases use (the model's own class included), outside every phase."""
     import safetensors.torch  # noqa: F401
@@ -200,6 +212,7 @@ def main() -> None:
         model = load_policy(args.model, device=device)
         optimizer = build_optimizer(model, lr=1e-5)
         scheduler = build_scheduler(optimizer, build_schedule(warmup_steps=1))
+        _touch(model)
     if "step" in phases:
         batch = _batch(int(model.config.vocab_size), rows=args.rows, seq=args.seq, rank=rank)
         total = torch.tensor([batch["tokens"]])

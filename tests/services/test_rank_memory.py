@@ -45,8 +45,13 @@ def test_rank0_memory_is_bounded_by_shards_and_buckets(model_dir: Path, tmp_path
     print(
         {k: f"{v / 2**20:.0f} MiB" for k, v in grow.items()}, f"model fp32 {fp32 / 2**20:.0f} MiB"
     )
-    # start-up: this rank's half of the fp32 weights, not the whole model
-    assert grow["startup"] < 0.6 * fp32 < grow["ref_startup_whole"]
+    # start-up: this rank's half of the fp32 weights, not the whole model. Measured as the kernel's
+    # peak RSS (anonymous and file-backed) with every local shard read once: on CPU the shards are
+    # views of the mapped safetensors files (file pages, not anonymous memory), and a whole-model
+    # load holds the whole file's pages while it shards. Measured: 0.69 of the fp32 model (half,
+    # plus the pages mapped around each row range) against 1.17 for the whole-model load
+    rss = {k: v["peak_rss_growth"] for k, v in r0["phases"].items()}
+    assert rss["startup"] < 0.8 * fp32 < rss["ref_startup_whole"]
     # publish: a window of 8 MiB buckets and the unit being gathered, not the bf16 model
     assert grow["publish"] < 0.4 * bf16 < grow["ref_publish_whole"]
     assert r0["publish"]["per_member"] == {"mem-0": "ok"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from common.bus.client import Bus
+from common.bus.consumer import Consumer
 from common.bus.settings import BusSettings
 from common.config.load import load_config
 from common.ports import free_port
@@ -143,7 +144,7 @@ def test_the_bus_works_over_tls(tls_redis):
     settings = BusSettings(url=_url(port, ca), run=f"tls{uuid.uuid4().hex[:6]}", block_ms=300,
                            socket_timeout_s=5)  # fmt: skip
     bus = Bus(settings, service="test")
-    consumer = bus.consumer(streams.GROUPS, streams.SCORERS, "c0")
+    consumer = Consumer(bus, streams.GROUPS, streams.SCORERS, "c0")
     assert consumer.read(1, 300) == []  # a blocking read over TLS times out cleanly
     bus.publish(streams.GROUPS, make_group("g0", ["\\boxed{1}"], "1"))
     (d,) = consumer.read(1, 1000)

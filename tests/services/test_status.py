@@ -136,7 +136,8 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
     assert st["bottleneck"]["service"] == "learner"
     assert st["accounting_trajectories"] == {
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
-        "overlong_masked": 0, "surplus": 0, "dead_lettered": 4, "in_flight": 4,
+        "overlong_masked": 0, "refused_template": 0, "surplus": 0, "agent_failed": 0,
+        "dead_lettered": 4, "in_flight": 4,
         "unaccounted": 0,
     }  # fmt: skip
 

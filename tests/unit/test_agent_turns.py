@@ -125,6 +125,7 @@ def test_a_tool_episode_through_the_endpoint_is_token_in_token_out(tok):
 
 def test_a_conversation_that_rewrites_its_history_starts_a_new_segment(tok):
     engine, turns, _, ep, prompt = _setup(tok, ["I think 40.", "Let me redo: 42.", "\\boxed{42}"])
+    segments_before = turns.metrics.segments._value.get()  # the registry is the process's
     r1 = _chat(turns, ep, QUESTION)
     follow = [*QUESTION, r1["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
     r2 = _chat(turns, ep, follow)
@@ -134,7 +135,7 @@ def test_a_conversation_that_rewrites_its_history_starts_a_new_segment(tok):
     r3 = _chat(turns, ep, rewritten)
     assert r3["tether"]["new_segment"] is True and r3["tether"]["segment"] == 1
     assert engine.prompts[2] == render_ids(tok, rewritten, tools=[CALC], add_generation_prompt=True)
-    assert turns.metrics.segments._value.get() == 1
+    assert turns.metrics.segments._value.get() - segments_before == 1
     first, second = _trajectories(ep)
     assert (first.segment, second.segment) == (0, 1)
     assert first.sample_index == second.sample_index == 0
