@@ -16,7 +16,7 @@ CYCLES, PROMPTS, RESPONSES = 4, 4, 4
 
 def tools_config(tmp_path, name: str, *, cycles: int, tools: str) -> object:
     """A short episodes run on the tools task's model after a short warm-up (it calls the
-    calculator in the teacher's format; the demo's 900 steps would cost CI minutes)."""
+    calculator in the teacher's format; the demo's warm-up, until it copies, costs CI minutes)."""
     from tether.demo.run import prepare_assets
 
     assets = prepare_assets(tmp_path.parent / "e2e-assets-tools-ci", preset="tools-ci")

@@ -1,14 +1,23 @@
 """The tools demo's task (`tether demo --task tools`): products the tiny model cannot compute in
 its head but can with the calculator.
 
-Each problem multiplies a ``a_digits``-digit number by a ``b_digits``-digit one (``What is
-417*2093?``). The reference episodes come from a sloppy teacher: in ``teacher_tool_rate`` of the
-train problems it calls the calculator and copies the result into its box (two assistant turns
-around a tool turn); otherwise it guesses from a mental estimate (the product rounded to its two
-leading digits: ``417*2093 ≈ 870000, so \\boxed{870000}``), which is wrong but looks plausible. A model warmed up on it
-guesses most of the time, so greedy decoding guesses and held-out accuracy starts near zero; a
-verifier's reward pays only for the right product, which only the tool gives, so RL has to
-raise the tool-call rate to raise accuracy.
+Each problem multiplies a ``a_digits``-digit number by a ``b_digits``-digit one whose product
+has ``a_digits + b_digits`` digits (``What is 417*2593?``, 1081281). The reference episodes come
+from a sloppy teacher: in ``teacher_tool_rate`` of the train problems it calls the calculator
+and copies the result into its box (two assistant turns around a tool turn); otherwise it
+guesses from a mental estimate (the product rounded to its two leading digits:
+``417*2593 ≈ 1100000, so \\boxed{1100000}``), which is wrong but looks plausible. A model warmed
+up on it guesses most of the time, so greedy decoding mostly guesses and held-out accuracy
+starts low; a verifier's reward pays only for the right product, which only the tool gives, so
+RL has to raise the tool-call rate to raise accuracy.
+
+**Why full-width products only.** Everything the tiny model copies then sits at a fixed offset:
+the operands from the question into the call, the tool's answer into the box (a product of 6 or
+7 digits moves the box's digits by one). Measured on the 2-layer model (hidden 128, seed 0,
+batch 32, lr 3e-3): with products of 6 and 7 digits mixed, 900 warm-up steps left it copying
+nothing (greedy episodes of the held-out problems exact 0 %, the call's operands right 0 %);
+with full-width products it copies after 250–500 steps (greedy exact 81 % at step 300 for seed
+0, 95 % at step 500 for seed 1).
 
 Files: ``train.jsonl`` and ``eval.jsonl`` (``prompt``, ``answer``, ``turns``: the teacher's
 episode as ``{"role": "assistant", "text"}`` / ``{"role": "tool", "content"}``, ``metadata``)
@@ -85,7 +94,8 @@ def _problems(task: ToolTask) -> list[tuple[int, int]]:
     while len(out) < task.num_train + task.num_eval:
         a = rng.randint(10 ** (task.a_digits - 1), 10**task.a_digits - 1)
         b = rng.randint(10 ** (task.b_digits - 1), 10**task.b_digits - 1)
-        if (a, b) not in seen:
+        # full-width products only (the module docstring says why)
+        if len(str(a * b)) == task.a_digits + task.b_digits and (a, b) not in seen:
             seen.add((a, b))
             out.append((a, b))
     return out
@@ -107,7 +117,7 @@ def write_tool_task(out_dir: str | Path, task: ToolTask) -> dict[str, Path]:
     out = Path(out_dir)
     paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl"}
     marker = out / "task.json"
-    params = {"kind": "tools", **asdict(task)}
+    params = {"kind": "tools", "products": "full-width", **asdict(task)}
     if marker.exists() and json.loads(marker.read_text()) == params:
         if all(p.exists() for p in paths.values()):
             return paths

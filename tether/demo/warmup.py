@@ -84,6 +84,30 @@ def sft_batch(examples: Sequence[Example | tuple[list[int], list[int]]], pad_id:
     return ids, mask, labels
 
 
+CHECK_EVERY = 50  # steps between ``stop_at_exact`` checks
+CHECK_EPISODES = 64  # train episodes each check runs (one forward pass, no gradient)
+
+
+def episode_exactness(model: Any, episodes: Sequence[Example], pad_id: int) -> float:
+    """Share of ``episodes`` whose loss-bearing tokens after the first are all the model's
+    greedy choice, teacher-forced: the episode is reproduced exactly once its first token (the
+    decision to call a tool or to answer) is taken."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ids, mask, labels = sft_batch(episodes, pad_id)
+        guess = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+    model.train(was_training)
+    target = labels[:, 1:]
+    exact = 0
+    for row in range(len(episodes)):
+        where = (target[row] != -100).nonzero().flatten()[1:]
+        exact += int(bool((guess[row, where] == target[row, where]).all()))
+    return exact / len(episodes)
+
+
 def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -113,9 +137,17 @@ def warmup_sft(
     num_threads: int | None = 1,
     tools: list[str] | None = None,
     schedule: str = "cosine",
+    stop_at_exact: float | None = None,
 ) -> dict:
     """Train ``steps`` AdamW steps on the reference solutions; save to ``out_dir`` (default:
-    in place). Returns a report: first/last loss (mean over 20 steps), seconds, tokens.
+    in place). Returns a report: first/last loss (mean over 20 steps), seconds, tokens, steps
+    run.
+
+    ``stop_at_exact`` (the tools task): stop early, at a check every ``CHECK_EVERY`` steps, once
+    the model reproduces at least this share of ``CHECK_EPISODES`` train episodes with tool
+    turns exactly (``episode_exactness``). Copying the operands and the tool's answer emerges
+    suddenly, after 250 to 500 steps depending on the seed; stopping there spends no more CPU
+    than the seed needs (``steps`` is then the most it may take).
 
     ``num_threads`` caps torch's intra-op threads while training (None = torch's default). One
     thread is the default: the tiny model gains little from more, and on a busy CPU extra
@@ -134,6 +166,7 @@ def warmup_sft(
         "seed": seed,
         **({"tools": tools} if tools else {}),
         **({"schedule": schedule} if schedule != "cosine" else {}),  # older markers still match
+        **({"stop_at_exact": stop_at_exact} if stop_at_exact is not None else {}),
         # The base model's build parameters: a different base invalidates the warmed-up copy.
         "base": _read_json(Path(model_dir) / "tether_tiny.json"),
     }
@@ -159,6 +192,7 @@ def warmup_sft(
             seed=seed,
             tools=tools,
             schedule=schedule,
+            stop_at_exact=stop_at_exact,
         )
     finally:
         torch.set_num_threads(previous_threads)
@@ -176,6 +210,7 @@ def _train(
     seed: int,
     tools: list[str] | None,
     schedule: str,
+    stop_at_exact: float | None = None,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,6 +220,7 @@ def _train(
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     examples = _examples(tokenizer, read_jsonl(train_jsonl), tools)
+    episodes = [e for e in examples if 0 in e[2]][:CHECK_EPISODES]  # with tool turns
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(seed)
     losses: list[float] = []
@@ -204,12 +240,18 @@ def _train(
         tokens += int(mask.sum())
         if step % 100 == 0 or step == steps - 1:
             logger.info("warm-up step %d/%d loss %.4f", step + 1, steps, losses[-1])
+        if stop_at_exact is not None and episodes and (step + 1) % CHECK_EVERY == 0:
+            exact = episode_exactness(model, episodes, tokenizer.pad_token_id)
+            logger.info("warm-up step %d: %.2f of %d train episodes exact", step + 1, exact,
+                        len(episodes))  # fmt: skip
+            if exact >= stop_at_exact:
+                break
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     report = {
-        "steps": steps,
+        "steps": len(losses),
         "seconds": round(seconds, 2),
         "loss_first": sum(losses[:20]) / len(losses[:20]),
         "loss_last": sum(losses[-20:]) / len(losses[-20:]),
