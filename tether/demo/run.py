@@ -71,11 +71,11 @@ PRESETS: dict[str, dict[str, Any]] = {
             "teacher_tool_rate": 0.3,
         },  # fmt: skip
         # Copying the operands into the call and the tool's answer into the box emerges suddenly,
-        # after 250 to 500 steps of 32 at a constant 3e-3 depending on the seed: the warm-up
+        # after 250 to 650+ steps of 32 at a constant 3e-3 depending on the seed: the warm-up
         # stops at the first check (every 50 steps) where the model reproduces 80% of 64 train
-        # episodes with a tool call exactly, 600 steps at most.
+        # episodes with a tool call exactly, 1000 steps at most.
         "warmup": {
-            "steps": 600,
+            "steps": 1000,
             "stop_at_exact": 0.8,
             "lr": 3e-3,
             "batch_size": 32,

@@ -84,6 +84,7 @@ def sft_batch(examples: Sequence[Example | tuple[list[int], list[int]]], pad_id:
     return ids, mask, labels
 
 
+CONSTANT_RAMP = 30  # steps of the constant schedule's linear warm-up, at most
 CHECK_EVERY = 50  # steps between ``stop_at_exact`` checks
 CHECK_EPISODES = 64  # train episodes each check runs (one forward pass, no gradient)
 
@@ -115,8 +116,10 @@ def _read_json(path: Path) -> dict | None:
 def _lr_at(step: int, steps: int, lr: float, schedule: str = "cosine") -> float:
     """Linear warm-up over the first 5% of steps, then cosine decay to 10% of ``lr``
     (``schedule="cosine"``) or ``lr`` to the end (``"constant"``: the tools demo's copying
-    emerges late in the warm-up, and a decayed rate delays it)."""
-    warm = max(1, steps // 20)
+    emerges late in the warm-up, and a decayed rate delays it). The constant schedule's ramp
+    is at most ``CONSTANT_RAMP`` steps: its runs may stop early (``stop_at_exact``), and the
+    steps they take must not depend on the cap."""
+    warm = max(1, steps // 20 if schedule != "constant" else min(steps // 20, CONSTANT_RAMP))
     if step < warm:
         return lr * (step + 1) / warm
     if schedule == "constant":
