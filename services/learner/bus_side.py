@@ -293,15 +293,30 @@ class BusSide:
         under the same run name)."""
         if next_cycle < self.cfg.run.num_cycles:
             run_end.clear(self.bus)
+        elif self._ended_before():
+            return  # nothing to evaluate or dispatch: finish_run says so
         self.start_eval(version)
         self.dispatch(version, first_cycle=next_cycle)
 
     def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
         """Every cycle is trained and checkpointed: the last held-out round, then the
-        run-finished record, on which generators and scorers stop by themselves (exit 0)."""
-        self.start_eval(version)
-        self.finish_evals(timeout_s=300.0, stop=stop)
+        run-finished record, on which generators and scorers stop by themselves (exit 0).
+
+        A learner restarted after an earlier process of it wrote the record (killed while it
+        exited) finds the generators and scorers gone: it does not run the last round again
+        (nobody would answer it; it waited ``finish_evals``' 300 s for nothing). The earlier
+        process recorded that round in ``metrics.jsonl`` before it wrote the record."""
+        if self._ended_before():
+            log.info("the run was already finished by an earlier learner process (%s): the last "
+                     "held-out round is in metrics.jsonl; not running it again",
+                     self._ended_before())  # fmt: skip
+        else:
+            self.start_eval(version)
+            self.finish_evals(timeout_s=300.0, stop=stop)
         run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
+
+    def _ended_before(self) -> dict[str, Any] | None:
+        return run_end.finished(self.bus, num_cycles=self.cfg.run.num_cycles)
 
     # ------------------------------------------------------------------ evaluation
     @property
