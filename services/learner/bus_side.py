@@ -298,7 +298,9 @@ class BusSide:
         self.start_eval(version)
         self.dispatch(version, first_cycle=next_cycle)
 
-    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+    def finish_run(
+        self, version: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
+    ) -> None:
         """Every cycle is trained and checkpointed: the last held-out round, then the
         run-finished record, on which generators and scorers stop by themselves (exit 0).
 
@@ -312,7 +314,7 @@ class BusSide:
                      self._ended_before())  # fmt: skip
         else:
             self.start_eval(version)
-            self.finish_evals(timeout_s=300.0, stop=stop)
+            self.finish_evals(timeout_s=300.0, stop=stop, idle=idle)
         run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
 
     def _ended_before(self) -> dict[str, Any] | None:
@@ -326,11 +328,16 @@ class BusSide:
     def start_eval(self, version: int) -> None:
         self.held_out.start(version)
 
-    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+    def finish_evals(
+        self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
-        ``stop()`` (SIGTERM: the final checkpoint is already written)."""
+        ``stop()`` (SIGTERM: the final checkpoint is already written); ``idle()`` between reads
+        (the loop's: heartbeats, keep-alive words, catch-up publishes to generators that join)."""
         deadline = time.monotonic() + timeout_s
         while self.held_out.outstanding() and time.monotonic() < deadline and not stop():
+            idle()
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)
             if self.dead.poll():
@@ -380,13 +387,18 @@ class NoBusSide:
     def begin(self, version: int, next_cycle: int) -> None:
         pass
 
-    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+    def finish_run(
+        self, version: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
+    ) -> None:
         pass
 
     def start_eval(self, version: int) -> None:
         pass
 
-    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+    def finish_evals(
+        self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         pass
 
     def close(self) -> None:

@@ -134,3 +134,7 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_which_resumes_once_freed(
     # metrics.jsonl holds both runs: steps 3-4 twice, each time the same batch
     assert_trained_exactly_once(again, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
     assert books(again)["unaccounted"] == 0
+    # the resumed learner trained its last steps from what Redis held before its generator was
+    # up: the generator joined during the last held-out round and got the weights it needs
+    # (before, it got none, and the learner waited 300 s for a round nobody could answer)
+    assert again.evals and again.evals[-1]["eval_round"] == cycles, again.evals  # 1 step per cycle
