@@ -21,11 +21,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tether demo
 
+# Two pytest workers (pytest-xdist): the whole runs of tests/e2e go one after another on one
+# worker, each other test module whole on either (its shared engine started once; the scopes:
+# tests/conftest.py, test_scope). Much of an end-to-end run waits on process start-ups, which
+# the other worker's tests fill. TEST_WORKERS=0 runs everything in this process, in order.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 # The one-node docker compose stack for real: builds the CPU image, runs the demo under compose,
 # kills a generator mid-run and checks the accounting, Prometheus and the containers' security

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,7 +44,8 @@ def _mem_available() -> int:
 
 
 def _run(world: int, model: Path, out: Path, *, seq: int) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # the bench's own folder: a previous run's export
+    out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
            "--standalone", "-m", "bench.memory_worker", "--model", str(model), "--out", str(out),
            "--seq", str(seq), "--bucket-mb", "64", "--shard-mb", "256"]  # fmt: skip

@@ -293,15 +293,32 @@ class BusSide:
         under the same run name)."""
         if next_cycle < self.cfg.run.num_cycles:
             run_end.clear(self.bus)
+        elif self._ended_before():
+            return  # nothing to evaluate or dispatch: finish_run says so
         self.start_eval(version)
         self.dispatch(version, first_cycle=next_cycle)
 
-    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+    def finish_run(
+        self, version: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
+    ) -> None:
         """Every cycle is trained and checkpointed: the last held-out round, then the
-        run-finished record, on which generators and scorers stop by themselves (exit 0)."""
-        self.start_eval(version)
-        self.finish_evals(timeout_s=300.0, stop=stop)
+        run-finished record, on which generators and scorers stop by themselves (exit 0).
+
+        A learner restarted after an earlier process of it wrote the record (killed while it
+        exited) finds the generators and scorers gone: it does not run the last round again
+        (nobody would answer it; it waited ``finish_evals``' 300 s for nothing). The earlier
+        process recorded that round in ``metrics.jsonl`` before it wrote the record."""
+        if self._ended_before():
+            log.info("the run was already finished by an earlier learner process (%s): the last "
+                     "held-out round is in metrics.jsonl; not running it again",
+                     self._ended_before())  # fmt: skip
+        else:
+            self.start_eval(version)
+            self.finish_evals(timeout_s=300.0, stop=stop, idle=idle)
         run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
+
+    def _ended_before(self) -> dict[str, Any] | None:
+        return run_end.finished(self.bus, num_cycles=self.cfg.run.num_cycles)
 
     # ------------------------------------------------------------------ evaluation
     @property
@@ -311,11 +328,16 @@ class BusSide:
     def start_eval(self, version: int) -> None:
         self.held_out.start(version)
 
-    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+    def finish_evals(
+        self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         """Wait for the outstanding evaluation rounds, at most ``timeout_s`` and not after
-        ``stop()`` (SIGTERM: the final checkpoint is already written)."""
+        ``stop()`` (SIGTERM: the final checkpoint is already written); ``idle()`` between reads
+        (the loop's: heartbeats, keep-alive words, catch-up publishes to generators that join)."""
         deadline = time.monotonic() + timeout_s
         while self.held_out.outstanding() and time.monotonic() < deadline and not stop():
+            idle()
             for d in self.consumer.read(64, 500):
                 self._take(d, 1 << 30)
             if self.dead.poll():
@@ -365,13 +387,18 @@ class NoBusSide:
     def begin(self, version: int, next_cycle: int) -> None:
         pass
 
-    def finish_run(self, version: int, *, stop: Callable[[], bool]) -> None:
+    def finish_run(
+        self, version: int, *, stop: Callable[[], bool], idle: Callable[[], None] = lambda: None
+    ) -> None:
         pass
 
     def start_eval(self, version: int) -> None:
         pass
 
-    def finish_evals(self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False) -> None:
+    def finish_evals(
+        self, *, timeout_s: float, stop: Callable[[], bool] = lambda: False,
+        idle: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         pass
 
     def close(self) -> None:

@@ -429,13 +429,31 @@ class LearnerService:
             word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
             self._last_word = time.monotonic()
         else:
-            word = WAITING
-            while word in (WAITING, CATCH_UP):
-                word, stopping = control(0, self._stop, self.device)
-                self.live.beat()
-                if word == CATCH_UP:
-                    self.publish(catch_up=True)
+            word, stopping = self._listen()
         return word == GO and not stopping, groups
+
+    def _listen(self) -> tuple[int, bool]:
+        """A rank other than 0: follow rank 0's words (publishing with it on CATCH_UP) until
+        one that is not WAITING or CATCH_UP."""
+        word, stopping = WAITING, False
+        while word in (WAITING, CATCH_UP):
+            word, stopping = control(0, self._stop, self.device)
+            self.live.beat()
+            if word == CATCH_UP:
+                self.publish(catch_up=True)
+        return word, stopping
+
+    def _finish_run(self) -> None:
+        """Every cycle trained and checkpointed: rank 0 runs the last held-out round and writes
+        the run-finished record (``BusSide.finish_run``). While it waits, a generator that joins
+        (restarted, or started late) gets the current weights as during a cycle: without them
+        it cannot answer the round, which needs the last version. The other ranks follow rank
+        0's words meanwhile (a streamed publish gathers from every rank), until its STOP."""
+        if isinstance(self.bus_side, BusSide):
+            self.bus_side.finish_run(self.version, stop=lambda: self._stop, idle=self._idle)
+            control(STOP, self._stop, self.device)
+        else:
+            self._listen()
 
     def run(self) -> None:
         self.setup()
@@ -465,7 +483,7 @@ class LearnerService:
             self.poll_checkpoint()
         self.checkpoint()
         if self.next_cycle >= run.num_cycles:  # the last held-out round, then the record
-            self.bus_side.finish_run(self.version, stop=lambda: self._stop)
+            self._finish_run()
         self.bus_side.housekeep(every_s=0.0)
         self.publishing.close()
         self.bus_side.close()

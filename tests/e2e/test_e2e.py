@@ -76,7 +76,8 @@ def test_staleness_stays_within_the_bound(short_run):
 
 def test_held_out_accuracy_measured_before_and_after(short_run):
     rounds = [e["eval_round"] for e in short_run.evals]
-    assert rounds[0] == 0 and rounds[-1] == CYCLES * STEPS_PER_CYCLE
+    said = [x for x in short_run.output.splitlines() if "held-out" in x or "eval" in x.lower()]
+    assert rounds[0] == 0 and rounds[-1] == CYCLES * STEPS_PER_CYCLE, "\n".join(said[-30:])
 
 
 def test_report_and_snapshot_written(short_run):

@@ -60,8 +60,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from services.learner.checkpoint import _optimizer_full_state as optimizer_state
     from services.learner.checkpoint import load_checkpoint, save_checkpoint
     from services.learner.lora import adapter_state
     from services.learner.model import setup_distributed
@@ -82,7 +82,7 @@ def main() -> None:
             save_checkpoint(out / "run", 1, model=model, optimizer=optimizer,
                             scheduler=scheduler, extra_state={"policy_version": 1})  # fmt: skip
     trained = adapter_state(model)
-    osd = optimizer_state(model, optimizer)
+    osd = get_optimizer_state_dict(model, optimizer)  # what a checkpoint saves (by FQN)
     model2, optimizer2, scheduler2 = build_training(
         args.model, fsdp=True, gradient_checkpointing=True
     )

@@ -16,7 +16,7 @@ def main() -> None:
 
     from common.config.load import load_config
     from services.learner import objective, optim
-    from services.learner.checkpoint import _optimizer_full_state
+    from services.learner.checkpoint_state import optimizer_state
     from services.learner.cycle import Sample, assign_advantages
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
@@ -52,7 +52,7 @@ def main() -> None:
         sched = optim.build_scheduler(opt, optim.build_schedule())
         stats = train_step(model, opt, sched, mbs, loss_fn, grad_clip=None)
         # the final checkpoint's optimizer state must still map to the model's parameters
-        _optimizer_full_state(model, opt)
+        optimizer_state(model, opt)
         out["packed" if pack else "padded"] = {
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 
 import pytest
@@ -69,6 +70,12 @@ def test_sigkilled_consumer_work_is_claimed_and_processed_exactly_once(redis_ser
     assert bus.backlog("in", "workers") == (0, 0)
 
 
+def _stacks(threads: list[threading.Thread]) -> str:
+    frames = sys._current_frames()
+    return "\n".join(f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+                     for t in threads if t.ident in frames)  # fmt: skip
+
+
 def test_redis_sigkill_and_restart_with_aof(tmp_path, server_binary) -> None:
     server = EmbeddedRedis(tmp_path, binary=server_binary).start()
     s = settings(server.url)
@@ -113,8 +120,11 @@ def test_redis_sigkill_and_restart_with_aof(tmp_path, server_binary) -> None:
     stop.set()
     for t in threads:
         t.join(30)
+    stuck = _stacks([t for t in threads if t.is_alive()])  # what a thread still alive is doing
+    state = (f"in hand {sorted(consumer._in_hand)[:5]}, suspects {len(consumer._suspects)}, "
+             f"backlog {consumer_bus.backlog('in', 'w') if stuck else None}")  # fmt: skip
     server.stop()
-    assert not errors and not any(t.is_alive() for t in threads)
+    assert not errors and not stuck, f"{errors} {state}\n{stuck}"
     assert server.port == int(s.url.rsplit(":", 1)[1].split("/")[0])
     assert counter("tether_bus_reconnects_total") > reconnects
     # Everything committed more than ~1 s before the kill survived; everything published after

@@ -226,3 +226,26 @@ def test_a_group_that_comes_after_all_is_trained_and_not_counted_lost(redis_serv
         assert _metric("tether_learner_lost_groups_total") == lost_before
     finally:
         io.close()
+
+
+def test_a_learner_restarted_after_the_run_ended_does_not_wait_for_an_evaluation(
+    redis_server, tmp_path
+):
+    """A learner killed while it exits, after it wrote the run-finished record, is started
+    again at the last cycle: the generators and scorers are gone, so it must neither dispatch
+    the last held-out round again nor wait for it (it waited 300 s, found by the e2e kill test);
+    without the record (killed before it), the round runs."""
+    from common.service import run_end
+
+    name = f"ended{time.monotonic_ns()}"
+    io = _bus_side(tmp_path, name, redis_server.url, num_cycles=2)
+    version = 2 * 2
+    io.begin(version, next_cycle=2)  # killed after its last checkpoint, before the record
+    assert io.bus.redis.xlen(io.bus.key(PROMPTS)) == 3  # the last held-out round, again
+    run_end.mark_finished(io.bus, num_cycles=2, version=version)  # then it finished, was killed
+    again = _bus_side(tmp_path, name, redis_server.url, num_cycles=2)
+    again.begin(version, next_cycle=2)
+    t0 = time.monotonic()
+    again.finish_run(version, stop=lambda: time.monotonic() - t0 > WAIT_S)
+    assert time.monotonic() - t0 < 5.0 and io.bus.redis.xlen(io.bus.key(PROMPTS)) == 3
+    assert run_end.finished(again.bus, num_cycles=2)["version"] == version
