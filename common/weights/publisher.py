@@ -266,7 +266,7 @@ class WeightPublisher:
         deadline = time.monotonic() + self.timeout_s
         _, thread, box = self._start_round(update, behind, deadline, pairwise=True)
         thread.join(max(0.0, deadline - time.monotonic()))
-        return dict(box.get("result", ({}, 0))[0])
+        return {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
 
     # -- internals
 
@@ -298,17 +298,21 @@ class WeightPublisher:
     def _start_round(self, update: _Update, members: list[_Member], deadline: float, *,
                      pairwise: bool) -> tuple[Passes, threading.Thread, dict]:  # fmt: skip
         """The round (chain or pairwise) on a thread of its own; it asks for passes through the
-        returned ``Passes`` and leaves ``{"result": (per member, root bytes)}`` in the box."""
+        returned ``Passes`` and writes ``per_member`` (outcomes as they are known), ``members``
+        (those the round serves) and ``root_bytes`` into the box."""
         passes: Passes = Passes()
-        box: dict[str, Any] = {}
+        # filled as members finish, so that a report taken at the deadline holds every outcome
+        # known by then even while the round is still dropping the late ones
+        box: dict[str, Any] = {"per_member": {}, "members": [], "root_bytes": 0}
 
         def run() -> None:
             try:
                 if pairwise:
-                    per_member = self._send_all(update, members, deadline, passes)
-                    box["result"] = (per_member, update.nbytes * len(members))
+                    box["members"] = [m.member_id for m in members]
+                    box["root_bytes"] = update.nbytes * len(members)
+                    self._send_all(update, members, deadline, passes, box["per_member"])
                 else:
-                    box["result"] = self._send_chain(update, members, deadline, passes)
+                    self._send_chain(update, members, deadline, passes, box)
             finally:
                 passes.done()
 
@@ -346,7 +350,10 @@ class WeightPublisher:
             update.hashing = False
 
     def _report(self, update: _Update, t0: float, box: dict) -> PublishReport:
-        per_member, root_bytes = box.get("result", ({}, 0))
+        # a member the round has not finished with at the deadline is a timeout (the round
+        # drops it as such right after)
+        per_member = {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
+        root_bytes = box["root_bytes"]
         if update.hashing:
             update.hashed.wait(max(0.0, t0 + self.timeout_s - time.monotonic()))
         elif update.units is not None and not update.hashed.is_set():  # no pass was made
@@ -417,9 +424,9 @@ class WeightPublisher:
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
 
     def _send_all(self, update: _Update, members: list[_Member], deadline: float,
-                  passes: Passes) -> dict:  # fmt: skip
-        """One pass, read by every member's sender thread."""
-        results: dict[str, str] = {}
+                  passes: Passes, results: dict[str, str]) -> None:  # fmt: skip
+        """One pass, read by every member's sender thread; each outcome goes into ``results``
+        as it is known."""
         done = threading.Lock()
         feed = self._feed(update, passes)
         readers = {m.member_id: feed.reader() for m in members}
@@ -439,7 +446,6 @@ class WeightPublisher:
                 if results.setdefault(m.member_id, "timeout") == "timeout":
                     readers[m.member_id].leave()
                     self._drop(m, "timeout")
-            return dict(results)
 
     def _send_one(self, m: _Member, update: _Update, deadline: float,
                   reader: FeedReader | HeldFeed) -> str:  # fmt: skip
@@ -467,14 +473,14 @@ class WeightPublisher:
                 m.lock.release()
 
     def _send_chain(self, update: _Update, members: list[_Member], deadline: float,
-                    passes: Passes):  # fmt: skip
+                    passes: Passes, box: dict) -> None:  # fmt: skip
         """Send ``update`` down a chain of the members this thread can lock now (the others are
         being caught up pairwise and get it from the acceptor); on a failure blame one member
         (``ChainRound``), drop it, and send the rest again at once down a new chain (a new pass
         of the producer's)."""
         chain = [m for m in sorted(members, key=lambda m: m.member_id) if m.lock.acquire(False)]
-        results: dict[str, str] = {}
-        root_bytes = 0
+        results: dict[str, str] = box["per_member"]
+        box["members"] = [m.member_id for m in chain]
         try:
             rest = [m for m in chain if m.version_sent < update.version]
             results.update({m.member_id: "ok" for m in chain if m not in rest})
@@ -485,7 +491,7 @@ class WeightPublisher:
                 threading.Thread(target=self._send_first,
                                  args=(update, epoch, sender, deadline, reader),
                                  name="wsync-chain", daemon=True).start()  # fmt: skip
-                root_bytes += update.nbytes
+                box["root_bytes"] += update.nbytes
                 acked, blamed, why = self._round.watch(rest, routes, sender, deadline)
                 reader.leave()  # a sender still at it stops at the chain epoch's change
                 for m in acked:
@@ -502,7 +508,6 @@ class WeightPublisher:
         finally:
             for m in chain:
                 m.lock.release()
-        return results, root_bytes
 
     def _route(self, version: int, rest: list[_Member]) -> tuple[int, list[str]]:
         """A new chain epoch when the members changed or the last round failed; every member is

@@ -308,10 +308,10 @@ class BusSide:
         exited) finds the generators and scorers gone: it does not run the last round again
         (nobody would answer it; it waited ``finish_evals``' 300 s for nothing). The earlier
         process recorded that round in ``metrics.jsonl`` before it wrote the record."""
-        if self._ended_before():
+        ended = self._ended_before()
+        if ended:
             log.info("the run was already finished by an earlier learner process (%s): the last "
-                     "held-out round is in metrics.jsonl; not running it again",
-                     self._ended_before())  # fmt: skip
+                     "held-out round is in metrics.jsonl; not running it again", ended)  # fmt: skip
         else:
             self.start_eval(version)
             self.finish_evals(timeout_s=300.0, stop=stop, idle=idle)
