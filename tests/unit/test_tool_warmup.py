@@ -43,13 +43,13 @@ def test_episode_exactness_counts_episodes_copied_after_their_first_token():
     assert model.training  # put back as it was
 
 
-@pytest.mark.parametrize("stop_at_exact, steps_run", [(0.0, 50), (None, 60)])
+@pytest.mark.parametrize("stop_at_exact, steps_run", [(0.0, 25), (None, 60)])
 def test_warmup_stops_at_the_first_check_that_passes(tmp_path, stop_at_exact, steps_run):
     from tether.demo.tiny_model import build_tiny_model
     from tether.demo.tool_task import ToolTask, write_tool_task
     from tether.demo.warmup import CHECK_EVERY, warmup_sft
 
-    assert CHECK_EVERY == 50
+    assert CHECK_EVERY == 25
     base = build_tiny_model(tmp_path / "base", hidden_size=32, num_layers=1, tools=True)
     paths = write_tool_task(tmp_path / "data", ToolTask(num_train=60, num_eval=5))
     report = warmup_sft(base, paths["train"], steps=60, lr=3e-3, batch_size=2, seed=0,
@@ -60,3 +60,27 @@ def test_warmup_stops_at_the_first_check_that_passes(tmp_path, stop_at_exact, st
                        out_dir=tmp_path / "warm", tools=["calculator"],
                        stop_at_exact=stop_at_exact)  # fmt: skip
     assert again["reused"] and again["steps"] == steps_run
+
+
+def test_two_stage_warmup_stops_the_first_stage_at_its_check_then_runs_the_second(tmp_path):
+    from tether.demo.tasks import read_jsonl
+    from tether.demo.tiny_model import build_tiny_model
+    from tether.demo.tool_task import ToolTask, write_tool_task
+    from tether.demo.warmup import CHECK_EVERY, warmup_sft
+
+    base = build_tiny_model(tmp_path / "base", hidden_size=32, num_layers=1, tools=True)
+    paths = write_tool_task(tmp_path / "data", ToolTask(num_train=60, num_eval=5))
+    careful, sloppy = read_jsonl(paths["careful"]), read_jsonl(paths["train"])
+    assert [r["prompt"] for r in careful] == [r["prompt"] for r in sloppy]
+    assert all(len(r["turns"]) == 3 for r in careful)  # the calculator on every problem
+    kwargs = dict(steps=10, lr=3e-3, batch_size=2, seed=0, out_dir=tmp_path / "warm",
+                  tools=["calculator"], first_jsonl=paths["careful"], first_steps=60)  # fmt: skip
+    report = warmup_sft(base, paths["train"], stop_at_exact=0.0, **kwargs)
+    assert report["first_steps"] == CHECK_EVERY and report["first_exact"] is not None
+    assert report["steps"] == CHECK_EVERY + 10
+    assert warmup_sft(base, paths["train"], stop_at_exact=0.0, **kwargs)["reused"]
+    # without a check the first stage runs all its steps
+    kwargs["out_dir"] = tmp_path / "warm2"
+    report = warmup_sft(base, paths["train"], stop_at_exact=None, **kwargs)
+    assert report["first_steps"] == 60 and report["first_exact"] is None
+    assert report["steps"] == 70

@@ -62,7 +62,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # cannot compute but can copy from the calculator; a warm-up on a sloppy teacher that calls
     # it in 30% of its episodes and guesses otherwise (tether.demo.tool_task).
     "tools": {
-        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "tools": True},
+        # rope_theta 500 rather than 10000: over a 200-token episode most of 10000's rotary
+        # frequencies hardly turn, and the copies below are position-to-position (measured, the
+        # careful stage on seed 1: copying at ~400 steps with 500, after 800 with 10000)
+        "model": {
+            "hidden_size": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "tools": True,
+            "rope_theta": 500.0,
+        },
         "tool_task": {
             "a_digits": 3,
             "b_digits": 4,
@@ -70,13 +79,16 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_eval": 200,
             "teacher_tool_rate": 0.3,
         },  # fmt: skip
-        # Copying the operands into the call and the tool's answer into the box emerges suddenly,
-        # after 250 to 650+ steps of 32 at a constant 3e-3 depending on the seed: the warm-up
-        # stops at the first check (every 50 steps) where the model reproduces 80% of 64 train
-        # episodes with a tool call exactly, 1000 steps at most.
+        # Two stages (tether.demo.warmup): first the careful teacher (the calculator on every
+        # train problem) until the model reproduces 80% of 64 of its episodes exactly (checked
+        # every 25 steps, 800 steps at most): copying the operands into the call and the tool's
+        # answer into the box emerges suddenly, after a seed-dependent number of steps. Then 100
+        # steps of the sloppy teacher, which set the habit: the model can use the tool but
+        # mostly guesses, as the teacher did.
         "warmup": {
-            "steps": 1000,
+            "first_steps": 800,
             "stop_at_exact": 0.8,
+            "steps": 100,
             "lr": 3e-3,
             "batch_size": 32,
             "tools": ["calculator"],
@@ -93,7 +105,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 # call format is learned early), not answers copied from it.
 PRESETS["tools-ci"] = {
     **PRESETS["tools"],
-    "warmup": {**PRESETS["tools"]["warmup"], "steps": 150, "stop_at_exact": None},
+    "warmup": {
+        **PRESETS["tools"]["warmup"],
+        "first_steps": 0,
+        "steps": 150,
+        "stop_at_exact": None,
+    },  # fmt: skip
 }
 
 
@@ -120,8 +137,12 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
         paths = write_tool_task(root / "data", ToolTask(seed=seed, **p["tool_task"]))
     else:
         paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
-    log.info("supervised warm-up of the tiny model (%d steps)…", p["warmup"]["steps"])
-    report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed, **p["warmup"])
+    w = p["warmup"]
+    first = {"first_jsonl": paths["careful"]} if w.get("first_steps") else {}
+    careful = f"up to {w['first_steps']} steps of the careful teacher, then " if first else ""
+    log.info("supervised warm-up of the tiny model (%s%d steps)…", careful, w["steps"])
+    report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed, **first,
+                        **p["warmup"])  # fmt: skip
     log.info(
         "assets ready in %.0f s (warm-up loss %.3f → %.3f)",
         time.monotonic() - t0,

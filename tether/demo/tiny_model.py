@@ -106,6 +106,7 @@ def build_tiny_model(
     seed: int = 0,
     bos: bool = False,
     tools: bool = False,
+    rope_theta: float | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; reuse it if present.
@@ -137,6 +138,8 @@ def build_tiny_model(
         params["bos"] = True  # likewise
     if tools:
         params["tools"] = True  # likewise
+    if rope_theta is not None:
+        params["rope_theta"] = rope_theta  # likewise
     marker = out / "tether_tiny.json"
     if marker.exists() and not overwrite and json.loads(marker.read_text()) == params:
         return out
@@ -154,6 +157,11 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=params["num_kv_heads"],
         max_position_embeddings=max_position_embeddings,
+        **(
+            {"rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
+            if rope_theta is not None
+            else {}
+        ),
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -15,12 +15,21 @@ RL has to raise the tool-call rate to raise accuracy.
 the operands from the question into the call, the tool's answer into the box (a product of 6 or
 7 digits moves the box's digits by one). Measured on the 2-layer model (hidden 128, seed 0,
 batch 32, lr 3e-3): with products of 6 and 7 digits mixed, 900 warm-up steps left it copying
-nothing (greedy episodes of the held-out problems exact 0 %, the call's operands right 0 %);
-with full-width products it copies after 250–500 steps (greedy exact 81 % at step 300 for seed
-0, 95 % at step 500 for seed 1).
+nothing (greedy episodes of the held-out problems exact 0 %, the call's operands right 0 %).
 
-Files: ``train.jsonl`` and ``eval.jsonl`` (``prompt``, ``answer``, ``turns``: the teacher's
-episode as ``{"role": "assistant", "text"}`` / ``{"role": "tool", "content"}``, ``metadata``)
+**Why a careful teacher first.** Copying emerges suddenly, after a number of steps that depends
+on the seed; on the sloppy teacher's mix alone it took 250 to 800+ steps. The warm-up therefore
+starts on ``careful.jsonl`` (the same train problems, each solved with the calculator) until the
+model reproduces its episodes (``tether.demo.warmup``: 325 steps for seed 0, 400 for seed 1 with
+the demo model's ``rope_theta`` of 500), then spends 100 steps on the sloppy teacher, which
+bring the first token's tool-call probability on held-out prompts down to the teacher's ~0.3
+(greedy: no call) while the copying stays (measured on seed 0 with rope_theta 10000: 100 % of
+64 held-out tool episodes exact after them). The model can use the tool and mostly does not:
+what RL has to change.
+
+Files: ``train.jsonl``, ``careful.jsonl`` and ``eval.jsonl`` (``prompt``, ``answer``,
+``turns``: the teacher's episode as ``{"role": "assistant", "text"}`` / ``{"role": "tool",
+"content"}``, ``metadata``)
 with ``task.json`` recording the parameters (reused when unchanged). Held-out episodes always
 use the tool (never trained on; they document the intended behaviour).
 """
@@ -115,9 +124,13 @@ def _row(a: int, b: int, *, split: str, index: int, use_tool: bool) -> dict[str,
 def write_tool_task(out_dir: str | Path, task: ToolTask) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``eval.jsonl`` (reused when up to date); their paths."""
     out = Path(out_dir)
-    paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl"}
+    paths = {
+        "train": out / "train.jsonl",
+        "careful": out / "careful.jsonl",
+        "eval": out / "eval.jsonl",
+    }
     marker = out / "task.json"
-    params = {"kind": "tools", "products": "full-width", **asdict(task)}
+    params = {"kind": "tools", "products": "full-width", "careful": True, **asdict(task)}
     if marker.exists() and json.loads(marker.read_text()) == params:
         if all(p.exists() for p in paths.values()):
             return paths
@@ -129,6 +142,9 @@ def write_tool_task(out_dir: str | Path, task: ToolTask) -> dict[str, Path]:
     write_jsonl(paths["train"], [
         _row(a, b, split="train", index=i, use_tool=teacher.random() < task.teacher_tool_rate)
         for i, (a, b) in enumerate(train)
+    ])  # fmt: skip
+    write_jsonl(paths["careful"], [
+        _row(a, b, split="train", index=i, use_tool=True) for i, (a, b) in enumerate(train)
     ])  # fmt: skip
     write_jsonl(paths["eval"], [
         _row(a, b, split="eval", index=i, use_tool=True) for i, (a, b) in enumerate(held_out)

@@ -85,7 +85,7 @@ def sft_batch(examples: Sequence[Example | tuple[list[int], list[int]]], pad_id:
 
 
 CONSTANT_RAMP = 30  # steps of the constant schedule's linear warm-up, at most
-CHECK_EVERY = 50  # steps between ``stop_at_exact`` checks
+CHECK_EVERY = 25  # steps between ``stop_at_exact`` checks
 CHECK_EPISODES = 64  # train episodes each check runs (one forward pass, no gradient)
 
 
@@ -141,16 +141,20 @@ def warmup_sft(
     tools: list[str] | None = None,
     schedule: str = "cosine",
     stop_at_exact: float | None = None,
+    first_jsonl: str | Path | None = None,
+    first_steps: int = 0,
 ) -> dict:
     """Train ``steps`` AdamW steps on the reference solutions; save to ``out_dir`` (default:
     in place). Returns a report: first/last loss (mean over 20 steps), seconds, tokens, steps
     run.
 
-    ``stop_at_exact`` (the tools task): stop early, at a check every ``CHECK_EVERY`` steps, once
-    the model reproduces at least this share of ``CHECK_EPISODES`` train episodes with tool
-    turns exactly (``episode_exactness``). Copying the operands and the tool's answer emerges
-    suddenly, after 250 to 500 steps depending on the seed; stopping there spends no more CPU
-    than the seed needs (``steps`` is then the most it may take).
+    ``first_jsonl`` (the tools task): a first stage on these rows, ``first_steps`` at most,
+    before the ``steps`` on ``train_jsonl`` (each stage with an optimizer and a schedule of its
+    own). ``stop_at_exact``: the first stage (or, without one, the only stage) stops at a check
+    every ``CHECK_EVERY`` steps once the model reproduces at least this share of
+    ``CHECK_EPISODES`` of its episodes with tool turns exactly (``episode_exactness``). Copying
+    the operands and the tool's answer emerges suddenly, after a seed-dependent number of
+    steps; stopping there spends no more CPU than the seed needs.
 
     ``num_threads`` caps torch's intra-op threads while training (None = torch's default). One
     thread is the default: the tiny model gains little from more, and on a busy CPU extra
@@ -170,6 +174,11 @@ def warmup_sft(
         **({"tools": tools} if tools else {}),
         **({"schedule": schedule} if schedule != "cosine" else {}),  # older markers still match
         **({"stop_at_exact": stop_at_exact} if stop_at_exact is not None else {}),
+        **(
+            {"first_jsonl": str(Path(first_jsonl).resolve()), "first_steps": first_steps}
+            if first_jsonl is not None
+            else {}
+        ),
         # The base model's build parameters: a different base invalidates the warmed-up copy.
         "base": _read_json(Path(model_dir) / "tether_tiny.json"),
     }
@@ -196,9 +205,60 @@ def warmup_sft(
             tools=tools,
             schedule=schedule,
             stop_at_exact=stop_at_exact,
+            first_jsonl=first_jsonl,
+            first_steps=first_steps,
         )
     finally:
         torch.set_num_threads(previous_threads)
+
+
+class _Stage:
+    """One stage of the warm-up: its rows, an AdamW of its own, its schedule."""
+
+    def __init__(self, model: Any, tokenizer: Any, examples: list[Example], *, steps: int,
+                 lr: float, batch_size: int, seed: int, schedule: str) -> None:  # fmt: skip
+        import torch
+
+        self.model, self.tokenizer, self.examples = model, tokenizer, examples
+        self.steps, self.lr, self.batch_size, self.schedule = steps, lr, batch_size, schedule
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0,
+                                     betas=(0.9, 0.98))  # fmt: skip
+        self.gen = torch.Generator().manual_seed(seed)
+        self.losses: list[float] = []
+        self.tokens = 0
+
+    def step(self, step: int) -> None:
+        import torch
+
+        pick = torch.randint(len(self.examples), (self.batch_size,), generator=self.gen).tolist()
+        ids, mask, labels = sft_batch([self.examples[i] for i in pick], self.tokenizer.pad_token_id)
+        for group in self.opt.param_groups:
+            group["lr"] = _lr_at(step, self.steps, self.lr, self.schedule)
+        loss = self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.losses.append(loss.item())
+        self.tokens += int(mask.sum())
+
+    def run(self, name: str, stop_at_exact: float | None = None) -> float | None:
+        """Up to ``steps`` steps; with ``stop_at_exact``, until a check passes. Returns the
+        last check's share of exact episodes (None without checks)."""
+        episodes = [e for e in self.examples if 0 in e[2]][:CHECK_EPISODES]  # with tool turns
+        exact = None
+        for step in range(self.steps):
+            self.step(step)
+            if step % 100 == 0 or step == self.steps - 1:
+                logger.info("warm-up %s step %d/%d loss %.4f", name, step + 1, self.steps,
+                            self.losses[-1])  # fmt: skip
+            if stop_at_exact is not None and episodes and (step + 1) % CHECK_EVERY == 0:
+                exact = episode_exactness(self.model, episodes, self.tokenizer.pad_token_id)
+                logger.info("warm-up %s step %d: %.2f of %d episodes with a tool call exact",
+                            name, step + 1, exact, len(episodes))  # fmt: skip
+                if exact >= stop_at_exact:
+                    break
+        return exact
 
 
 def _train(
@@ -214,6 +274,8 @@ def _train(
     tools: list[str] | None,
     schedule: str,
     stop_at_exact: float | None = None,
+    first_jsonl: str | Path | None = None,
+    first_steps: int = 0,
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -222,47 +284,38 @@ def _train(
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
-    examples = _examples(tokenizer, read_jsonl(train_jsonl), tools)
-    episodes = [e for e in examples if 0 in e[2]][:CHECK_EPISODES]  # with tool turns
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    gen = torch.Generator().manual_seed(seed)
-    losses: list[float] = []
-    tokens = 0
+    stages: list[tuple[str, _Stage, float | None]] = []
+    if first_jsonl is not None and first_steps > 0:
+        rows = _examples(tokenizer, read_jsonl(first_jsonl), tools)
+        stages.append(("first", _Stage(model, tokenizer, rows, steps=first_steps, lr=lr,
+                                       batch_size=batch_size, seed=seed, schedule=schedule),
+                       stop_at_exact))  # fmt: skip
+        stop_at_exact = None
+    rows = _examples(tokenizer, read_jsonl(train_jsonl), tools)
+    main_seed = seed + len(stages)  # a single stage draws its batches as it always has
+    stages.append(("main", _Stage(model, tokenizer, rows, steps=steps, lr=lr,
+                                  batch_size=batch_size, seed=main_seed, schedule=schedule),
+                   stop_at_exact))  # fmt: skip
     started = time.perf_counter()
-    for step in range(steps):
-        pick = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        ids, mask, labels = sft_batch([examples[i] for i in pick], tokenizer.pad_token_id)
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, lr, schedule)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        tokens += int(mask.sum())
-        if step % 100 == 0 or step == steps - 1:
-            logger.info("warm-up step %d/%d loss %.4f", step + 1, steps, losses[-1])
-        if stop_at_exact is not None and episodes and (step + 1) % CHECK_EVERY == 0:
-            exact = episode_exactness(model, episodes, tokenizer.pad_token_id)
-            logger.info("warm-up step %d: %.2f of %d train episodes exact", step + 1, exact,
-                        len(episodes))  # fmt: skip
-            if exact >= stop_at_exact:
-                break
+    exact = {name: stage.run(name, stop) for name, stage, stop in stages}
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    losses = [x for _, stage, _ in stages for x in stage.losses]
     report = {
         "steps": len(losses),
         "seconds": round(seconds, 2),
         "loss_first": sum(losses[:20]) / len(losses[:20]),
         "loss_last": sum(losses[-20:]) / len(losses[-20:]),
-        "tokens": tokens,
+        "tokens": sum(stage.tokens for _, stage, _ in stages),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "out_dir": str(out),
         "reused": False,
     }
+    if len(stages) == 2:
+        report["first_steps"] = len(stages[0][1].losses)
+        report["first_exact"] = exact["first"]
     (out / MARKER).write_text(json.dumps({"settings": settings, "report": report}, indent=2))
     return report
 
