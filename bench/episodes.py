@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-MAX_TOKENS = 160  # the tools demo's run.max_response_tokens: an episode's ids after the prompt
+# the tools demo's run.max_response_tokens (tether/demo/tools.toml): an episode's ids after the
+# prompt
+MAX_TOKENS = 128
 
 
 def provenance() -> dict[str, Any]:

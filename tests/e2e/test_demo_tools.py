@@ -16,7 +16,7 @@ CYCLES = 8  # 16 optimizer steps of 64 episodes (the README's demo runs 12 cycle
 
 def test_the_tool_task_and_its_sloppy_teacher(tmp_path: Path):
     from tether.demo.tasks import read_jsonl
-    from tether.demo.tool_task import ToolTask, call_text, estimate, write_tool_task
+    from tether.demo.tool_task import GUESS, ToolTask, call_text, estimate, write_tool_task
 
     paths = write_tool_task(tmp_path, ToolTask(num_train=400, num_eval=50, teacher_tool_rate=0.3))
     train, held_out = read_jsonl(paths["train"]), read_jsonl(paths["eval"])
@@ -31,7 +31,7 @@ def test_the_tool_task_and_its_sloppy_teacher(tmp_path: Path):
     g = guess["metadata"]["a"] * guess["metadata"]["b"]
     a, b = guess["metadata"]["a"], guess["metadata"]["b"]
     guessed = estimate(g)
-    assert guess["turns"][0]["text"] == f"{a}*{b} ≈ {guessed}, so \\boxed{{{guessed}}}"
+    assert guess["turns"][0]["text"] == f"{GUESS}{a}*{b} ≈ {guessed}, so \\boxed{{{guessed}}}"
     assert guessed != g
     assert all(len(x["turns"]) == 3 for x in held_out)
     # full-width products only: every answer (and every copy of one) has 3 + 4 digits

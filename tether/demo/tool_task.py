@@ -6,8 +6,8 @@ has ``a_digits + b_digits`` digits (``What is 417*2593?``, 1081281). The referen
 from a sloppy teacher: in ``teacher_tool_rate`` of the train problems it calls the calculator
 and copies the result into its box (two assistant turns around a tool turn); otherwise it
 guesses from a mental estimate (the product rounded to its two leading digits:
-``417*2593 ≈ 1100000, so \\boxed{1100000}``), which is wrong but looks plausible. A model warmed
-up on it guesses most of the time, so greedy decoding mostly guesses and held-out accuracy
+``Estimating: 417*2593 ≈ 1100000, so \\boxed{1100000}``), which is wrong but looks plausible. A
+model warmed up on it guesses most of the time, so greedy decoding guesses and held-out accuracy
 starts low; a verifier's reward pays only for the right product, which only the tool gives, so
 RL has to raise the tool-call rate to raise accuracy.
 
@@ -49,6 +49,7 @@ from tether.demo.tasks import write_jsonl
 logger = logging.getLogger(__name__)
 
 PROMPT = "What is {a}*{b}?"
+GUESS = "Estimating: "
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +85,14 @@ def estimate(value: int) -> int:
 def episode(a: int, b: int, *, use_tool: bool) -> list[dict[str, str]]:
     """The teacher's turns after the prompt. A guess restates the product and its estimate
     before boxing it: the operands and a number are copied in every episode, as a call and its
-    answer copy them."""
+    answer copy them. It starts with a fixed word (``GUESS``), so the choice between guessing
+    and calling is one token's: greedy decoding guesses when the teacher mostly did (a guess
+    that started with the product's first digit split its probability over ten tokens, and
+    greedy decoding then called the tool at a call rate of 0.18)."""
     if not use_tool:
         guess = estimate(a * b)
-        return [{"role": "assistant", "text": f"{a}*{b} ≈ {guess}, so \\boxed{{{guess}}}"}]
+        text = f"{GUESS}{a}*{b} ≈ {guess}, so \\boxed{{{guess}}}"
+        return [{"role": "assistant", "text": text}]
     result = evaluate(f"{a}*{b}")
     return [
         {"role": "assistant", "text": call_text(a, b)},
@@ -130,7 +135,8 @@ def write_tool_task(out_dir: str | Path, task: ToolTask) -> dict[str, Path]:
         "eval": out / "eval.jsonl",
     }
     marker = out / "task.json"
-    params = {"kind": "tools", "products": "full-width", "careful": True, **asdict(task)}
+    params = {"kind": "tools", "products": "full-width", "careful": True, "guess": GUESS,
+              **asdict(task)}  # fmt: skip
     if marker.exists() and json.loads(marker.read_text()) == params:
         if all(p.exists() for p in paths.values()):
             return paths

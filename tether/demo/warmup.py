@@ -13,6 +13,7 @@ transformers, and saves the model back as safetensors with the same tokenizer. A
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -109,6 +110,13 @@ def episode_exactness(model: Any, episodes: Sequence[Example], pad_id: int) -> f
     return exact / len(episodes)
 
 
+def _sha256(*paths: str | Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
+
+
 def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -167,6 +175,8 @@ def warmup_sft(
     out = Path(out_dir or model_dir)
     settings = {
         "train_jsonl": str(Path(train_jsonl).resolve()),
+        # the rows themselves: a task rewritten in place must not reuse the old warm-up
+        "data_sha256": _sha256(train_jsonl, *([first_jsonl] if first_jsonl is not None else [])),
         "steps": steps,
         "lr": lr,
         "batch_size": batch_size,
