@@ -2,7 +2,8 @@
 model, engine and prompts. ``tether bench episodes [--quick]``.
 
 The model is the tools demo's (``tether demo --task tools``: the tiny Qwen2 warmed up on a
-teacher that calls the calculator in 30 % of its episodes), so at temperature 1 some episodes
+careful teacher, then on one that calls the calculator in 30 % of its episodes), so at
+temperature 1 some episodes
 call the tool and some answer at once, as in the demo's first RL cycles. Per round, every prompt
 gets ``n`` samples at once (continuous batching):
 
@@ -155,7 +156,7 @@ def run_episodes_bench(
             "max_turns": 3,
             "max_response_tokens": MAX_TOKENS,
             "temperature": 1.0,
-            "model": "tools demo (warmed up on a teacher calling the calculator 30%)",
+            "model": "tools demo (careful then sloppy teacher: 30% calculator calls)",
             "sandbox": raw["isolation"],
         },  # fmt: skip
         "single_turn_responses_per_s": single["responses_per_s"],
