@@ -3,9 +3,8 @@ model, engine and prompts. ``tether bench episodes [--quick]``.
 
 The model is the tools demo's (``tether demo --task tools``: the tiny Qwen2 warmed up on a
 careful teacher, then on one that calls the calculator in 30 % of its episodes), so at
-temperature 1 some episodes
-call the tool and some answer at once, as in the demo's first RL cycles. Per round, every prompt
-gets ``n`` samples at once (continuous batching):
+temperature 1 some episodes call the tool and some answer at once, as in the demo's first RL
+cycles. Per round, every prompt gets ``n`` samples at once (continuous batching):
 
 - single-turn: ``generate_group`` (the generator's single-turn path), one response each;
 - episodes: ``EpisodeRunner`` with the real sandbox (calculator, ``tool_workers`` workers), up to
