@@ -138,11 +138,11 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
     else:
         paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
     w = p["warmup"]
-    first = {"first_jsonl": paths["careful"]} if w.get("first_steps") else {}
+    first = paths["careful"] if w.get("first_steps") else None
     careful = f"up to {w['first_steps']} steps of the careful teacher, then " if first else ""
     log.info("supervised warm-up of the tiny model (%s%d steps)…", careful, w["steps"])
-    report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed, **first,
-                        **p["warmup"])  # fmt: skip
+    report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed,
+                        first_jsonl=first, **w)  # fmt: skip
     log.info(
         "assets ready in %.0f s (warm-up loss %.3f → %.3f)",
         time.monotonic() - t0,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # with tools=True: one token each, as in Qwen's tokenizers (and short episodes on this CPU)
@@ -123,7 +124,7 @@ def build_tiny_model(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    params = {
+    params: dict[str, Any] = {
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "num_heads": num_heads,
@@ -149,6 +150,9 @@ def build_tiny_model(
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens"
         )
+    rope: dict[str, Any] = {}
+    if rope_theta is not None:
+        rope["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope_theta)}
     config = Qwen2Config(
         vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
@@ -157,11 +161,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=params["num_kv_heads"],
         max_position_embeddings=max_position_embeddings,
-        **(
-            {"rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)}}
-            if rope_theta is not None
-            else {}
-        ),
+        **rope,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
