@@ -43,6 +43,10 @@ class StatusReporter:
         self._thread = threading.Thread(target=self._run, name=f"status-{service}", daemon=True)
         self.started = time.time()
         self._failing_since: float | None = None  # time.monotonic() of the first failed write
+        # one write at a time, each with the document of its own moment: a write the thread
+        # started before stop() (held up by a Redis out of memory, say) must land before the
+        # final one, or the service's last word in `tether status` is an older document
+        self._writing = threading.Lock()
 
     def start(self) -> StatusReporter:
         self._thread.start()
@@ -53,6 +57,10 @@ class StatusReporter:
         self.write()
 
     def write(self) -> None:
+        with self._writing:
+            self._write()
+
+    def _write(self) -> None:
         doc = {
             "service": self.service,
             "id": self.sid,
