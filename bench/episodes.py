@@ -186,7 +186,7 @@ def readme_row(r: dict[str, Any]) -> str:
         f"{r['episodes_per_s']:.1f} episodes/s vs {r['single_turn_responses_per_s']:.1f} "
         f"single-turn responses/s; {r['turns_per_episode']:.2f} turns and "
         f"{r['tool_call_rate']:.0%} calling the calculator per episode; "
-        f"{r['tool_time_share']:.1%} of an episode's time in tools ({s['sandbox']} sandbox)"
+        f"{r['tool_time_share']:.2%} of an episode's time in tools ({s['sandbox']} sandbox)"
     )
     ratio = (f"episodes/s ÷ responses/s **{r['episodes_vs_single_ratio']:.2f}**, sampled "
              f"tokens/s **{r['sampled_tokens_ratio']:.2f}**")  # fmt: skip
