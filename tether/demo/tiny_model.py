@@ -115,7 +115,8 @@ def build_tiny_model(
     ``vocab_size`` (default: the tokenizer's size) pads the embedding and the tied LM head to a
     real tokenizer's vocabulary, e.g. 151936 for Qwen2.5, so a benchmark pays the LM head's cost;
     the extra rows are never produced by this tokenizer. ``bos``: a tokenizer that adds BOS
-    (``build_tokenizer``); ``tools``: tool tokens and a tool-aware template.
+    (``build_tokenizer``); ``tools``: tool tokens and a tool-aware template; ``rope_theta``:
+    the rotary base (None: transformers' default, 10000).
 
     Returns the directory. ``overwrite=False`` keeps an existing complete build (the marker file
     ``tether_tiny.json`` records the parameters that made it).
