@@ -129,7 +129,9 @@ def run_one(
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
     if what == "staleness":  # the pre-registered study (all of it, or its tests' arms alone) is
         # staleness.json (its JSON and report say which), a smaller one _smoke / _slice
-        suffix = "" if size in (None, "full", "tests") and not quick else f"_{size or 'smoke'}"
+        suffix = (
+            "" if size in (None, "full", "tests", "s4") and not quick else f"_{size or 'smoke'}"
+        )
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"

@@ -172,9 +172,21 @@ def _tests() -> Study:
     return Study(arms=tuple(a for a in grid() if a.name in keep))
 
 
+def _s4() -> Study:
+    """The pre-registered tests' 7 arms plus every other S = 4 arm (η = 1 and 2 with each
+    correction, TIS at η = 4): 14 of the 21 arms. The S = 1 exploratory arms are left out: at
+    S = 1 a lag of 4 steps already leaves the behaviour policy indistinguishable from the
+    learner's (every correction computes the same step there), and η = 1, 2 are fresher still.
+    Its runs are the full study's."""
+    tests = {a.name for a in _tests().arms}
+    s = max(STEPS_PER_CYCLE)
+    return Study(arms=tuple(a for a in grid() if a.name in tests or a.steps_per_cycle == s))
+
+
 SIZES = {
     "full": lambda: Study(arms=tuple(grid())),
     "tests": _tests,
+    "s4": _s4,
     "slice": _slice,
     # every code path once, in a few minutes: both S, a lagged cycle at S = 4, every arm kind
     "smoke": lambda: Study(

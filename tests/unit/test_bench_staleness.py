@@ -34,6 +34,16 @@ def test_the_full_grid_is_the_issues_grid_and_fits_its_size():
     assert Arm(correction="none", eta=2, steps_per_cycle=1).staleness_steps == (2, 2)
 
 
+def test_the_s4_size_is_the_tests_and_every_s4_arm():
+    tests = {a.name for a in SIZES["tests"]().arms}
+    s4 = [a.name for a in SIZES["s4"]().arms]
+    assert len(s4) == len(set(s4)) == 14 and tests <= set(s4)
+    assert set(s4) - tests == {
+        f"S4-eta{e}-{c}" for e in (1, 2) for c in ("none", "decoupled", "tis")
+    } | {"S4-eta4-tis"}
+    assert SIZES["s4"]().seeds == SIZES["full"]().seeds
+
+
 def test_bad_arms_and_sizes_are_refused():
     with pytest.raises(ValueError, match="η = 0 is the synchronous arm"):
         Arm(correction="decoupled", eta=0, steps_per_cycle=1)

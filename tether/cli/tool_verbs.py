@@ -129,11 +129,12 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("what", choices=[*BENCHMARKS, "all"], help="which benchmark")
     bench.add_argument(
         "--size",
-        choices=["quick", "medium", "full", "tests", "smoke", "slice"],
+        choices=["quick", "medium", "full", "tests", "s4", "smoke", "slice"],
         default=None,
         help="workload preset for pipeline/peer (quick, medium, full); staleness: full (the "
         "pre-registered study, 21 arms × 8 seeds), tests (its 7 arms of the pre-registered tests "
-        "× 8 seeds), slice (4 of its arms × 2 seeds, to time it) or "
+        "× 8 seeds), s4 (those and every other S = 4 arm: 14 arms × 8 seeds), slice (4 of its "
+        "arms × 2 seeds, to time it) or "
         "smoke (every arm kind once, a few minutes) "
         "(default: full, or the smallest with --quick)",
     )
