@@ -313,6 +313,9 @@ def readme_row(r: dict[str, Any]) -> list[str]:
 
 def _family_cell(f: dict[str, Any]) -> str:
     if not f.get("ok"):
-        return f"{f['family']} ✗ {str(f.get('error', ''))[:160]}".replace("|", "\\|")
+        error = str(f.get("error", ""))
+        if len(error) > 160:  # cut at a list separator, and say so
+            error = error[: error.rfind(", ", 0, 160)] + ", …"
+        return f"{f['family']} ✗ {error}".replace("|", "\\|")
     worst = [f[k]["mean_abs"] for k in ("before", "in_flight", "after")]
     return f"{f['family']} ✓ " + " / ".join(f"{x:.1e}" for x in worst)

@@ -78,3 +78,25 @@ def test_make_bench_smoke_covers_every_benchmark_with_a_limit():
     from bench.smoke import LIMITS
 
     assert set(LIMITS) == set(ORDER)
+
+
+def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
+    from bench.lora import readme_row
+
+    mode = {"publish_bytes": 1e6, "publish_seconds_median": 0.1, "step_seconds_median": 1.0,
+            "learner_state_bytes": 2**20, "peak_rss_bytes": 2**30, "trainable_parameters": 1e6}  # fmt: skip
+    long = "vLLM cannot put LoRA on: " + ", ".join(
+        f"model.layers.{i}.mlp.experts" for i in range(9)
+    )
+    result = {
+        "full": mode, "lora": mode, "settings": {"hidden_size": 512, "rank": 16},
+        "machine": {"load_average": [0.5]},
+        **{f"{k}_lora_over_full": 1.0 for k in ("publish_bytes", "publish_seconds_median",
+           "step_seconds_median", "learner_state_bytes", "peak_rss_bytes")},
+        "families": [{"family": "moe", "ok": False, "error": long}],
+    }  # fmt: skip
+    rows = readme_row(result)
+    assert len(rows) == 2 and rows[0].startswith("| lora | 1.0 M, rank 16 |")
+    cell = rows[1].split(" | ")[2]
+    assert cell.startswith("moe ✗ vLLM cannot put LoRA on: model.layers.0.mlp.experts")
+    assert cell.endswith("experts, …") and len(cell) < 180  # cut after a whole module name
