@@ -314,8 +314,9 @@ def readme_row(r: dict[str, Any]) -> list[str]:
 def _family_cell(f: dict[str, Any]) -> str:
     if not f.get("ok"):
         error = str(f.get("error", ""))
-        if len(error) > 160:  # cut at a list separator, and say so
-            error = error[: error.rfind(", ", 0, 160)] + ", …"
+        if len(error) > 160:  # cut after a whole list item where there is one, and say so
+            cut = error.rfind(", ", 0, 160)
+            error = error[:cut] + ", …" if cut > 0 else error[:160] + "…"
         return f"{f['family']} ✗ {error}".replace("|", "\\|")
     worst = [f[k]["mean_abs"] for k in ("before", "in_flight", "after")]
     return f"{f['family']} ✓ " + " / ".join(f"{x:.1e}" for x in worst)

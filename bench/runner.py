@@ -127,8 +127,9 @@ def run_one(
         return None
     e2e = what in ("pipeline", "peer", "quality", "staleness", "reproducibility")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
-    if what == "staleness":  # the pre-registered study (all of it, or its tests' arms alone) is
-        # staleness.json (its JSON and report say which), a smaller one _smoke / _slice
+    if what == "staleness":  # the pre-registered study (all of it, its tests' arms alone, or
+        # those and every S = 4 arm) is staleness.json (its JSON and report say which), a smaller
+        # one _smoke / _slice
         suffix = (
             "" if size in (None, "full", "tests", "s4") and not quick else f"_{size or 'smoke'}"
         )

@@ -100,3 +100,5 @@ def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
     cell = rows[1].split(" | ")[2]
     assert cell.startswith("moe ✗ vLLM cannot put LoRA on: model.layers.0.mlp.experts")
     assert cell.endswith("experts, …") and len(cell) < 180  # cut after a whole module name
+    result["families"] = [{"family": "moe", "ok": False, "error": "x" * 300}]  # no list in it
+    assert readme_row(result)[1].split(" | ")[2] == "moe ✗ " + "x" * 160 + "…"
