@@ -164,12 +164,14 @@ def write_report(r: dict[str, Any], out_path: Path) -> dict[str, Path]:
         ax.set(title=f"S = {s}: held-out accuracy", xlabel="optimizer step", ylabel="accuracy")
         ax.legend(fontsize=8)
         ax = axes[1][col]
-        for label in ("none", "decoupled", "tis"):
+        # a correction not run at this S is left out (not drawn as the synchronous point alone);
+        # markers and dashes keep a curve visible where it lies on another (decoupled and tis)
+        for label, style in (("none", "o-"), ("decoupled", "s-"), ("tis", "^--")):
             pts = sorted((a["eta"], a["auc_mean"], a["auc_sd"]) for a in mine.values()
                          if a["label"] in (label, "sync"))  # fmt: skip
-            if pts:
+            if len(pts) > 1:
                 ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                            marker="o", capsize=3, label=label)  # fmt: skip
+                            fmt=style, capsize=3, label=label)  # fmt: skip
         ax.set(
             title=f"S = {s}: AUC (mean ± sd over seeds)", xlabel="η (cycles of lag)", ylabel="AUC"
         )
