@@ -127,12 +127,10 @@ def run_one(
         return None
     e2e = what in ("pipeline", "peer", "quality", "staleness", "reproducibility")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
-    if what == "staleness":  # the pre-registered study (all of it, its tests' arms alone, or
-        # those and every S = 4 arm) is staleness.json (its JSON and report say which), a smaller
-        # one _smoke / _slice
-        suffix = (
-            "" if size in (None, "full", "tests", "s4") and not quick else f"_{size or 'smoke'}"
-        )
+    if what == "staleness":  # the study of record is staleness.json, a smaller one _smoke / _slice
+        from bench.staleness_design import OF_RECORD
+
+        suffix = "" if (size or "full") in OF_RECORD and not quick else f"_{size or 'smoke'}"
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"

@@ -183,6 +183,10 @@ def _s4() -> Study:
     return Study(arms=tuple(a for a in grid() if a.name in tests or a.steps_per_cycle == s))
 
 
+# the sizes whose result is the study of record, bench/results/staleness.json (its JSON and
+# report say which arms ran); the others write staleness_<size>.json
+OF_RECORD = ("full", "tests", "s4")
+
 SIZES = {
     "full": lambda: Study(arms=tuple(grid())),
     "tests": _tests,
