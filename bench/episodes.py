@@ -133,6 +133,22 @@ async def _measure(assets: Any, *, prompts: int, n: int, rounds: int, workers: i
     return {"single": single, "episodes": episodes, "isolation": isolation}
 
 
+def derive(r: dict[str, Any]) -> dict[str, Any]:
+    """The figures computed from the rounds (``single_rounds``, ``episode_rounds``): each mode's
+    best round, and episodes against single-turn responses (a test recomputes them)."""
+    single = max(r["single_rounds"], key=lambda x: x["responses_per_s"])
+    episodes = max(r["episode_rounds"], key=lambda x: x["episodes_per_s"])
+    return {
+        "single_turn_responses_per_s": single["responses_per_s"],
+        "episodes_per_s": episodes["episodes_per_s"],
+        "episodes_vs_single_ratio": episodes["episodes_per_s"] / single["responses_per_s"],
+        "sampled_tokens_ratio": episodes["tokens_per_s"] / single["tokens_per_s"],
+        "tool_time_share": episodes["tool_time_share"],
+        "tool_call_rate": episodes["tool_call_rate"],
+        "turns_per_episode": episodes["turns_per_episode"],
+    }
+
+
 def run_episodes_bench(
     *, prompts: int = 32, n: int = 8, rounds: int = 3, workers: int = 2,
     work_dir: Path = Path("bench/work"), out_path: str | Path | None = None,
@@ -143,8 +159,6 @@ def run_episodes_bench(
     load_before = os.getloadavg()
     assets = prepare_assets(Path(work_dir) / "tools-demo-assets", preset="tools", seed=0)
     raw = asyncio.run(_measure(assets, prompts=prompts, n=n, rounds=rounds, workers=workers))
-    single = max(raw["single"], key=lambda r: r["responses_per_s"])
-    episodes = max(raw["episodes"], key=lambda r: r["episodes_per_s"])
     result = {
         "bench": "episodes",
         "settings": {
@@ -158,13 +172,7 @@ def run_episodes_bench(
             "model": "tools demo (careful then sloppy teacher: 30% calculator calls)",
             "sandbox": raw["isolation"],
         },  # fmt: skip
-        "single_turn_responses_per_s": single["responses_per_s"],
-        "episodes_per_s": episodes["episodes_per_s"],
-        "episodes_vs_single_ratio": episodes["episodes_per_s"] / single["responses_per_s"],
-        "sampled_tokens_ratio": episodes["tokens_per_s"] / single["tokens_per_s"],
-        "tool_time_share": episodes["tool_time_share"],
-        "tool_call_rate": episodes["tool_call_rate"],
-        "turns_per_episode": episodes["turns_per_episode"],
+        **derive({"single_rounds": raw["single"], "episode_rounds": raw["episodes"]}),
         "single_rounds": raw["single"],
         "episode_rounds": raw["episodes"],
         "load_average": load_before,

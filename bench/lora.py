@@ -158,6 +158,18 @@ class _null:
         return None
 
 
+RATIO_KEYS = (
+    "publish_bytes", "publish_seconds_median", "step_seconds_median", "peak_rss_bytes",
+    "learner_state_bytes",
+)  # fmt: skip
+
+
+def derive(r: dict[str, Any]) -> dict[str, Any]:
+    """Each LoRA ÷ full ratio, from the two modes' records (a test recomputes them)."""
+    full, lo = r["full"], r["lora"]
+    return {f"{k}_lora_over_full": lo[k] / full[k] for k in RATIO_KEYS}
+
+
 def run_lora_bench(
     *, quick: bool = False, steps: int = 5, repeats: int = 5, out_path: str | Path | None = None,
     work_dir: str | Path = "bench/work",
@@ -187,16 +199,7 @@ def run_lora_bench(
         modes[mode] = json.loads(out.read_text())
     families = _families(quick)
     full, lo = modes["full"], modes["lora"]
-    ratios = {
-        f"{k}_lora_over_full": lo[k] / full[k]
-        for k in (
-            "publish_bytes",
-            "publish_seconds_median",
-            "step_seconds_median",
-            "peak_rss_bytes",
-            "learner_state_bytes",
-        )  # fmt: skip
-    }
+    ratios = derive({"full": full, "lora": lo})
     result = {
         "bench": "lora",
         "settings": {

@@ -63,6 +63,21 @@ def _peak(ranks: list[dict[str, Any]], key: str) -> int:
     return max(p[key] for r in ranks for p in r["phases"].values())
 
 
+def derive(r: dict[str, Any]) -> dict[str, Any]:
+    """The figures computed from the per-rank records in ``r["ranks"]``: the highest per-rank
+    peak at 1 and 2 ranks and their ratios (the runner writes them; a test recomputes them)."""
+    one, two = r["ranks"]["1"], r["ranks"]["2"]
+    out = {
+        "peak_rss_1": _peak(one, "peak_rss"),
+        "peak_rss_2": _peak(two, "peak_rss"),
+        "peak_anon_1": _peak(one, "peak_anon"),
+        "peak_anon_2": _peak(two, "peak_anon"),
+    }
+    out["ratio_peak_rss"] = out["peak_rss_2"] / out["peak_rss_1"]
+    out["ratio_peak_anon"] = out["peak_anon_2"] / out["peak_anon_1"]
+    return out
+
+
 def run_memory_bench(
     *, out_path: Path, quick: bool = False, work_dir: Path = Path("bench/work"), seq: int = 256
 ) -> dict[str, Any]:
@@ -84,7 +99,6 @@ def run_memory_bench(
     runs = {}
     for world in (1, 2):
         runs[world] = _run(world, model, work_dir / f"memory-out-{shape_name}-{world}", seq=seq)
-    one, two = runs[1], runs[2]
     result = {
         "bench": "memory",
         "shape": shape_name,
@@ -92,16 +106,11 @@ def run_memory_bench(
         "weights_fp32_bytes": weights,
         "seq_per_rank": seq,
         "ranks": {str(w): r for w, r in runs.items()},
-        "peak_rss_1": _peak(one, "peak_rss"),
-        "peak_rss_2": _peak(two, "peak_rss"),
-        "peak_anon_1": _peak(one, "peak_anon"),
-        "peak_anon_2": _peak(two, "peak_anon"),
         "target": TARGET,
         "machine": {"load_average": list(os.getloadavg()), "mem_available_bytes": available},
         **provenance(),
     }
-    result["ratio_peak_rss"] = result["peak_rss_2"] / result["peak_rss_1"]
-    result["ratio_peak_anon"] = result["peak_anon_2"] / result["peak_anon_1"]
+    result.update(derive(result))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))
     print(format_memory(result))

@@ -46,9 +46,10 @@ def _export(stage: dict[str, Any] | None) -> str:
     return f"{tick} vLLM {v:.1e}, HF {hf:.1e}"
 
 
-def _row(r: dict[str, Any]) -> str:
+def _row(
+    r: dict[str, Any], *, never: str = "not run: the benchmark stopped before this family"
+) -> str:
     if r.get("pending"):
-        never = "not run: the benchmark stopped before this family"
         cells = [f"{r['title']} (`{r['family']}`)", f"`{r['architecture']}`", "", never,
                  *["not run"] * 4, _cell(r.get("notes", ""))]  # fmt: skip
         return "| " + " | ".join(cells) + " |"
@@ -69,7 +70,24 @@ def _row(r: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+UNMEASURED = (
+    "not measured at a recorded commit: the last `tether bench models` result predates stamping "
+    "(bench/results/unstamped/); tests/services/test_model_families.py runs every stage in CI"
+)
+
+
 def table_markdown(result: dict[str, Any]) -> str:
+    if result.get("unmeasured"):
+        return "\n".join([
+            BEGIN, "",
+            "| family | HF architecture | vLLM model class | load | parity before update "
+            "(mean \\|Δ\\| / k3) | parity after update | train | export (mean \\|Δ\\| to the "
+            "learner) | what it exercises |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(_row(r, never=UNMEASURED) for r in result["families"]),
+            "", "Figures: none at a recorded commit; `tether bench models` measures every family.",
+            END,
+        ])  # fmt: skip
     machine = result.get("machine", {})
     versions = machine.get("versions", {})
     lines = [
@@ -130,10 +148,22 @@ def bench_readme_row(result: dict[str, Any]) -> str:
     )
 
 
+def unmeasured() -> dict[str, Any]:
+    """What the table shows while ``bench/results/models.json`` is absent: every family with no
+    figure (``pending`` rows), saying why."""
+    from bench.models import pending_row
+    from fixtures.model_families import FAMILIES
+
+    return {"command": "tether bench models", "complete": False, "unmeasured": True,
+            "families": [pending_row(name) for name in FAMILIES]}  # fmt: skip
+
+
 def load_results(root: Path | None = None) -> dict[str, Any]:
+    """``bench/results/models.json``, or ``unmeasured()`` when there is none."""
     from fixtures.model_families import clone_root
 
-    return json.loads(((root or clone_root()) / RESULTS).read_text())
+    path = (root or clone_root()) / RESULTS
+    return json.loads(path.read_text()) if path.exists() else unmeasured()
 
 
 def write(readme: str | Path, results: dict[str, Any] | None = None) -> None:

@@ -28,14 +28,21 @@ def git_state(clone: Path = CLONE) -> dict[str, Any]:
     return {"commit": commit, "dirty": dirty}
 
 
-def stamp(path: Path, state: dict[str, Any]) -> None:
-    """Add ``"git": state`` to the result JSON at ``path`` (a dict), unless it has one."""
+def stamp(
+    path: Path, state: dict[str, Any], *, command: str | None = None,
+    machine: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    """Add ``"git": state`` to the result JSON at ``path`` (a dict), and the ``command`` that
+    made it and the ``machine`` it ran on (its load average when it started), unless it has
+    them: every result records where it came from (tests/unit/test_results_provenance.py)."""
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
         return
-    if isinstance(result, dict) and "git" not in result:
-        result["git"] = state
+    add = {"git": state, "command": command, "machine": machine}
+    missing = {k: v for k, v in add.items() if v is not None and k not in result}
+    if isinstance(result, dict) and missing:
+        result.update(missing)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps(result, indent=2) + "\n")
         tmp.replace(path)

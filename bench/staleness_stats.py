@@ -110,8 +110,35 @@ def per_arm(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 ]
                 for k in keys
             },
+            "off_policy": off_policy(mine),
             "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
             "cpu_seconds_mean": statistics.fmean(r.get("cpu_seconds", r["seconds"]) for r in mine),
+        }
+    return out
+
+
+# per-step diagnostics summarised per arm: how far off-policy its training really was
+_OFF_POLICY_KEYS = (
+    "kl_behaviour_learner", "is_weight_max", "is_over_2_frac", "is_over_5_frac", "clip_frac",
+)  # fmt: skip
+
+
+def off_policy(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per diagnostic of ``_OFF_POLICY_KEYS``: its mean over every step of every seed, its
+    largest value at any step of any seed, and that seed (KL(behaviour ‖ learner), the
+    largest behaviour weight π_prox / π_behav, the share of a step's sampled tokens whose weight
+    exceeds 2 (TIS's cap) and 5 (decoupled PPO's), the clipped fraction)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in _OFF_POLICY_KEYS:
+        per_seed = {r["seed"]: [st[key] for st in r["steps"] if key in st] for r in runs}
+        values = [v for vs in per_seed.values() for v in vs]
+        if not values:
+            continue
+        top_seed = max(per_seed, key=lambda s: max(per_seed[s], default=-math.inf))
+        out[key] = {
+            "mean": statistics.fmean(values),
+            "max": max(values),
+            "max_seed": top_seed,
         }
     return out
 
@@ -123,14 +150,17 @@ def _arm(arms: dict[str, Any], *, s: int, eta: int, label: str) -> dict[str, Any
 
 def verdicts(arms: dict[str, dict[str, Any]], prereg: dict[str, Any]) -> dict[str, Any]:
     """The pre-registered tests: per S, non-inferiority and decoupled vs uncorrected; once, the
-    A/A control (``resolvable``: its interval contains 0)."""
+    A/A control (``resolvable``: its interval contains 0). Unless the A/A control ran and came
+    out equal, every non-inferiority verdict is "cannot resolve"."""
     ni, cmp_, aa = prereg["non_inferiority"], prereg["comparison"], prereg["aa_control"]
     out: dict[str, Any] = {}
     a = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][0])
     b = _arm(arms, s=aa["steps_per_cycle"], eta=aa["eta"], label=aa["labels"][1])
     if a and b and len(set(a["auc"]) & set(b["auc"])) > 1:
         out["aa_control"] = aa_control(a["auc"], b["auc"])
-    out["resolvable"] = out.get("aa_control", {}).get("equal_within_interval")
+    # a study whose A/A pair differs (or that has none) cannot tell noise from an effect: no
+    # test of it "holds" or "fails", whatever its interval says
+    out["resolvable"] = bool(out.get("aa_control", {}).get("equal_within_interval"))
     for s in ni["steps_per_cycle"]:
         sync = _arm(arms, s=s, eta=0, label="sync")
         dec = _arm(arms, s=s, eta=ni["eta"], label=ni["arm"])
@@ -138,6 +168,8 @@ def verdicts(arms: dict[str, dict[str, Any]], prereg: dict[str, Any]) -> dict[st
         got: dict[str, Any] = {}
         if sync and dec and len(dec["auc"]) > 1:
             got["non_inferiority"] = non_inferiority(dec["auc"], sync["auc"], margin=ni["margin"])
+            if not out["resolvable"]:
+                got["non_inferiority"]["verdict"] = "cannot resolve"
         if dec and none and len(dec["auc"]) > 1:
             got["decoupled_vs_none"] = paired(dec["auc"], none["auc"])
         out[f"S{s}"] = got

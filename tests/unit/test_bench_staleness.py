@@ -12,7 +12,14 @@ import pytest
 
 from bench import staleness_stats as ss
 from bench.staleness_design import AA_LABEL, PREREGISTERED, SIZES, Arm, Study, grid
-from bench.staleness_report import CLAIM_BEGIN, CLAIM_END, readme_claim, readme_row, readme_section
+from bench.staleness_report import (
+    CLAIM_BEGIN,
+    CLAIM_END,
+    readme_claim,
+    readme_row,
+    readme_section,
+    verdict_lines,
+)
 
 
 def test_the_full_grid_is_the_issues_grid_and_fits_its_size():
@@ -155,6 +162,42 @@ def test_the_verdicts_and_the_write_up_come_from_the_runs(tmp_path):
     claim = readme_claim(tmp_path / "staleness.json")
     assert claim.startswith(CLAIM_BEGIN) and claim.endswith(CLAIM_END) and "A/A" in claim
     assert "Not measured" in readme_claim(tmp_path / "absent.json")
+
+
+def test_a_failed_aa_control_resolves_nothing(tmp_path):
+    """The A/A pair differing (or absent) turns every non-inferiority verdict into "cannot
+    resolve", and the write-up says so; the same result with the A/A pair equal says "holds"."""
+    r = _result(tmp_path)
+    assert r["verdicts"]["S1"]["non_inferiority"]["verdict"] == "holds"
+    prereg = {
+        **PREREGISTERED,
+        "non_inferiority": {**PREREGISTERED["non_inferiority"], "steps_per_cycle": [1]},
+        "aa_control": {**PREREGISTERED["aa_control"], "steps_per_cycle": 1},
+    }
+    arms = json.loads(json.dumps(r["arms"]))
+    arms = {n: {**a, "auc": {int(s): v for s, v in a["auc"].items()}} for n, a in arms.items()}
+    aa = arms[f"S1-eta4-{AA_LABEL}"]
+    aa["auc"] = {s: v + 0.05 + 0.001 * s for s, v in aa["auc"].items()}  # a real difference
+    v = ss.verdicts(arms, prereg)
+    assert v["resolvable"] is False and not v["aa_control"]["equal_within_interval"]
+    assert v["S1"]["non_inferiority"]["verdict"] == "cannot resolve"
+    lines = "\n".join(verdict_lines({**r, "verdicts": v}))
+    assert "NOT equal: the study cannot resolve the question" in lines
+    assert "**cannot resolve**" in lines and "**holds**" not in lines
+    del arms[f"S1-eta4-{AA_LABEL}"]  # no A/A control at all
+    v = ss.verdicts(arms, prereg)
+    assert v["S1"]["non_inferiority"]["verdict"] == "cannot resolve"
+    assert "A/A control: not run" in "\n".join(verdict_lines({**r, "verdicts": v}))
+
+
+def test_each_arm_records_how_off_policy_it_was():
+    arm = Arm(correction="none", eta=4, steps_per_cycle=1)
+    runs = [_run(arm, seed, [0.6, 0.7, 0.8]) for seed in range(3)]
+    runs[2]["steps"] = [dict(st) for st in runs[2]["steps"]]
+    runs[2]["steps"][5] = {**runs[2]["steps"][5], "kl_behaviour_learner": 0.5}
+    o = ss.per_arm(runs)[arm.name]["off_policy"]["kl_behaviour_learner"]
+    assert o["max"] == 0.5 and o["max_seed"] == 2
+    assert o["mean"] == pytest.approx((0.04 * 23 + 0.5) / 24)
 
 
 def test_the_readme_claim_is_the_one_the_committed_result_gives():

@@ -20,8 +20,11 @@ def test_readme_model_families_table_matches_the_bench_results() -> None:
 
 def test_results_cover_every_family_and_stage() -> None:
     result = load_results(REPO)
-    assert not result["quick"], "the README table comes from a full `tether bench models` run"
     assert [r["family"] for r in result["families"]] == list(FAMILIES)
+    if result.get("unmeasured"):  # no stamped result: every family listed, none with a figure
+        assert all(r.get("pending") for r in result["families"])
+        return
+    assert not result["quick"], "the README table comes from a full `tether bench models` run"
     for row in result["families"]:
         if row.get("pending"):  # only in a run that stopped early, which the table says
             assert result["complete"] is False and not any(s in row for s in STAGES)
