@@ -77,10 +77,14 @@ def _initial_accuracy(assets: dict[str, Any], study: Study) -> float:
 
 def fingerprint(study: Study, assets: dict[str, Any]) -> str:
     """What a finished run's numbers depend on: the design (not the worker count) and the
-    warm-up. A changed design starts a new set of runs; the old ones stay."""
+    warm-up model's weights (their bytes, not where or how fast they were made, so a later
+    sitting in another clone finds the same runs). A changed design starts a new set of runs;
+    the old ones stay."""
     design = {k: v for k, v in study.describe().items() if k not in ("workers", "arms", "seeds")}
-    warm = Path(assets["model_dir"]) / "tether_warmup.json"
-    key = json.dumps([design, warm.read_text() if warm.exists() else ""], sort_keys=True)
+    weights = hashlib.sha256()
+    for path in sorted(Path(assets["model_dir"]).glob("*.safetensors")):
+        weights.update(path.read_bytes())
+    key = json.dumps([design, weights.hexdigest()], sort_keys=True)
     return hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
 
 
