@@ -252,13 +252,16 @@ class UsersRedis:
 
 # ------------------------------------------------------------------------------ Kubernetes
 
-K8S = DEPLOY / "k8s"
+K8S_ROOT = DEPLOY / "k8s"
+K8S = K8S_ROOT / "base"  # the manifests; overlays/ and components/ build on them
+OVERLAYS = sorted(p.name for p in (K8S_ROOT / "overlays").iterdir() if p.is_dir())
+COMPONENTS = sorted(p.name for p in (K8S_ROOT / "components").iterdir() if p.is_dir())
 K8S_VERSION = "1.35.0"  # a current release whose schemas kubernetes-validate bundles
 CRDS = ROOT / "tests" / "fixtures" / "crds"
 
 
 def k8s_docs() -> list[tuple[str, dict]]:
-    """(file, document) of every manifest of the base (deploy/k8s/*.yaml)."""
+    """(file, document) of every manifest of the base (deploy/k8s/base/*.yaml)."""
     docs = []
     for path in sorted(K8S.glob("*.yaml")):
         if path.name == "kustomization.yaml":
@@ -308,26 +311,57 @@ def restricted_violations(pod_spec: dict) -> list[str]:
     return bad
 
 
-def render_kustomize(tmp: Path, *, components: tuple[str, ...] = (), params: dict | None = None):
-    """``kubectl kustomize`` of a copy of deploy/k8s with ``components`` enabled and
-    ``params`` (params.yaml's data) changed: (rendered text, documents)."""
+def _kubectl() -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         if REQUIRE:
             pytest.fail("kubectl is missing (.ci/run installs it)")
         pytest.skip("kubectl is not installed (its `kustomize` renders deploy/k8s)")
-    base = tmp / "k8s"
-    shutil.rmtree(base, ignore_errors=True)
-    shutil.copytree(K8S, base)
-    kust = yaml.safe_load((base / "kustomization.yaml").read_text())
+    return kubectl
+
+
+def render_kustomize(
+    tmp: Path,
+    *,
+    components: tuple[str, ...] | list[str] = (),
+    params: dict | None = None,
+    overlay: str | None = None,
+    namespace: str | None = None,
+):
+    """``kubectl kustomize`` of an overlay made the way a user makes one, in a copy of deploy/k8s:
+    its resource is ``overlay`` (one of overlays/) or else the base; it lists ``components``, sets
+    ``namespace`` and patches params.yaml's ConfigMap with ``params``, then runs the parameters'
+    replacements (``transformers: [../../params]``). Returns (rendered text, documents)."""
+    kubectl = _kubectl()
+    root = tmp / "k8s"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(K8S_ROOT, root, symlinks=True)
+    test = root / "overlays" / "_test"
+    test.mkdir()
+    kust: dict = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"../{overlay}" if overlay else "../../base"],
+        "transformers": ["../../params"],
+    }
     if components:
-        kust["components"] = [f"components/{c}" for c in components]
-    (base / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+        kust["components"] = [f"../../components/{c}" for c in components]
+    if namespace:
+        kust["namespace"] = namespace
     if params:
-        doc = yaml.safe_load((base / "params.yaml").read_text())
-        doc["data"].update(params)
-        (base / "params.yaml").write_text(yaml.safe_dump(doc))
-    res = run_tool([kubectl, "kustomize", str(base)])
+        patch = {"apiVersion": "v1", "kind": "ConfigMap",
+                 "metadata": {"name": "tether-params"}, "data": dict(params)}  # fmt: skip
+        (test / "params.yaml").write_text(yaml.safe_dump(patch))
+        kust["patches"] = [{"path": "params.yaml"}]
+    (test / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    res = run_tool([kubectl, "kustomize", str(test)])
+    assert res.returncode == 0, res.stderr
+    return res.stdout, [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def render_dir(path: Path):
+    """``kubectl kustomize`` of a shipped directory (the base, an overlay), unchanged."""
+    res = run_tool([_kubectl(), "kustomize", str(path)])
     assert res.returncode == 0, res.stderr
     return res.stdout, [d for d in yaml.safe_load_all(res.stdout) if d]
 

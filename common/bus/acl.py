@@ -24,13 +24,25 @@ a whole run trains, and each user refused a command outside its set):
 - exporter (redis_exporter, for the Prometheus alerts): INFO, CONFIG GET (``maxmemory``), its
   client name, SLOWLOG and LATENCY.
 
-Keys: ``~*`` (a Tether Redis holds one deployment's runs; the run name is configuration, and
-the users would otherwise need re-issuing with each new run name). Pub/sub: none
-(``resetchannels``). The ``default`` user stays for the operator (and the health checks), with
-its own password.
+Keys (``KEYS``; Redis 7.0 key selectors): the learner reads and writes every key (it creates the
+run's streams and groups, publishes the weights' keys and writes the run-finished record); a
+generator or a scorer reads every key (``%R~*``: the run-finished record, the versions, the
+backlog of the next stage) but writes only the keys of its own stage — its input stream and
+consumer group's marks, its output stream, the dead letters, the status hash, and for a
+generator its version key and the run-long count (``common.protocol.streams`` names them all).
+So a compromised generator cannot write ``<run>:run:finished`` (which would stop every service),
+the learner's version or weight keys, or the scored stream (forged rewards); a scorer cannot
+write prompts. Patterns start with ``*:`` (any run: the run name is configuration, and the users
+would otherwise need re-issuing with each new run name; run names cannot contain ``:``). A glob
+cannot say "one segment", so ``~*:groups`` also matches ``<run>:generated:groups``: a scorer
+could write the generators' run-long counts (``tether status``'s books), nothing that steers the
+run. The exporter touches no key. Pub/sub: none (``resetchannels``). The ``default`` user stays for the
+operator (and the health checks), with its own password.
 """
 
 from __future__ import annotations
+
+from common.protocol import streams
 
 _CONNECTION = ("ping", "select")
 _CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xpending", "xack")
@@ -67,6 +79,44 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     ),
 }
 
+
+def _own(*names: str) -> tuple[str, ...]:
+    """Read-and-write patterns for the keys ``names`` of any run (``<run>:<name>``)."""
+    return tuple(f"~*:{n}" for n in names)
+
+
+_READ_ALL = "%R~*"
+KEYS: dict[str, tuple[str, ...]] = {
+    "learner": ("~*",),
+    "generator": (
+        _READ_ALL,
+        *_own(
+            streams.PROMPTS,  # its consumer group (XREADGROUP, XACK, XAUTOCLAIM, XCLAIM)
+            streams.in_hand(streams.PROMPTS, streams.GENERATORS),
+            streams.strikes(streams.PROMPTS, streams.GENERATORS),
+            streams.done_set(streams.GENERATORS),
+            streams.GROUPS,  # its output, and the scorers' group it ensures
+            streams.DEAD,
+            streams.STATUS,
+            streams.GENERATED_GROUPS,
+            streams.generator_version("*"),
+        ),
+    ),
+    "scorer": (
+        _READ_ALL,
+        *_own(
+            streams.GROUPS,
+            streams.in_hand(streams.GROUPS, streams.SCORERS),
+            streams.strikes(streams.GROUPS, streams.SCORERS),
+            streams.done_set(streams.SCORERS),
+            streams.SCORED,  # its output, and the learner's group it ensures
+            streams.DEAD,
+            streams.STATUS,
+        ),
+    ),
+    "exporter": (),
+}
+
 KINDS = tuple(COMMANDS)
 
 
@@ -78,10 +128,11 @@ def user_name(kind: str) -> str:
 
 
 def rules(kind: str) -> list[str]:
-    """The ACL rules of ``kind``'s user after ``on`` and its password: keys, no channels, then
-    nothing but its commands (each once, in a stable order)."""
+    """The ACL rules of ``kind``'s user after ``on`` and its password: no channels, its key
+    patterns, then nothing but its commands (each once, in a stable order)."""
     user_name(kind)  # refuses an unknown kind
-    return ["resetchannels", "~*", "-@all", *(f"+{c}" for c in sorted(set(COMMANDS[kind])))]
+    commands = (f"+{c}" for c in sorted(set(COMMANDS[kind])))
+    return ["resetchannels", "resetkeys", *KEYS[kind], "-@all", *commands]
 
 
 def setuser(kind: str, password: str) -> list[str]:

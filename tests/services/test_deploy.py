@@ -19,7 +19,7 @@ COMPOSE = dt.DEPLOY / "compose" / "docker-compose.yml"
 # The layers added to docker-compose.yml through COMPOSE_FILE (GPU nodes, the CPU demo, the smoke test).
 COMPOSE_LAYERS = sorted((dt.DEPLOY / "compose").glob("docker-compose.*.yml"))
 ENV_EXAMPLE = dt.DEPLOY / "compose" / ".env.example"
-K8S = dt.DEPLOY / "k8s"
+K8S = dt.K8S  # deploy/k8s/base
 K8S_VERSION = "1.35.0"  # a current release whose schemas kubernetes-validate bundles
 TETHER_CONTAINERS = {"learner", "generator", "scorer"}
 

@@ -1,15 +1,19 @@
-"""deploy/k8s checked offline — no cluster runs here: every manifest and the output of
-``kubectl kustomize`` (the base, changed parameters, and the base with each opt-in component)
-against the Kubernetes schemas (``kubernetes-validate --strict``) or, for custom resources, the
-CRD schemas of their projects (tests/fixtures/crds), the "restricted" Pod Security rules on every
-pod, and what each manifest must say: Jobs that finish when the run does, failure policies on the
-services' own exit codes, the Redis ACL script of compose, the network flows, the staging Job and
-what each component changes.
+"""deploy/k8s/base checked offline — no cluster runs here: every manifest against the Kubernetes
+schemas (``kubernetes-validate --strict``), the "restricted" Pod Security rules on every pod, and
+what each manifest must say: Jobs that finish when the run does, failure policies on the
+services' own exit codes (a liveness kill counted), placement (learner and generators never on
+one node, a pool per role, priorities), the bounded staging wait, the Redis ACL script of compose
+and the network flows by port. Overlays, parameters, components and the JobSet:
+test_deploy_k8s_overlays.py.
 
 Tools: PyPI `kubernetes-validate`, `jsonschema`; `kubectl`. A test skips only when its tool is
 not installed."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -18,10 +22,6 @@ from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
 from tests import deploy_tools as dt
 
 TETHER_CONTAINERS = {"learner", "generator", "scorer"}
-COMPONENTS = ("disruption", "gpu-gke", "gpu-eks", "gpu-operator", "kueue", "scorer-egress",
-              "prometheus-operator")  # fmt: skip
-BUILTIN_GROUPS = ("v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1",
-                  "scheduling.k8s.io/v1")  # fmt: skip
 
 
 def _doc(kind: str, name: str, docs=None) -> dict:
@@ -33,22 +33,6 @@ def _doc(kind: str, name: str, docs=None) -> dict:
 def _flag(args: list[str], flag: str) -> str:
     (value,) = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
     return value
-
-
-def _validate(tmp_path, text: str, docs: list[dict]) -> None:
-    """Built-in kinds: kubernetes-validate --strict; custom resources: their CRD schemas."""
-    builtin = [d for d in docs if d["apiVersion"] in BUILTIN_GROUPS]
-    custom = [d for d in docs if d["apiVersion"] not in BUILTIN_GROUPS]
-    path = tmp_path / "builtin.yaml"
-    path.write_text(yaml.safe_dump_all(builtin))
-    exe = dt.tool("kubernetes-validate")
-    res = dt.run_tool([exe, "--strict", "--quiet", "-k", dt.K8S_VERSION, str(path)])
-    assert res.returncode == 0, res.stdout + res.stderr
-    problems = {d["kind"]: dt.custom_resource_problems(d) for d in custom}
-    assert not any(problems.values()), problems
-    for doc in docs:
-        if doc["kind"] in ("StatefulSet", "Job"):
-            assert dt.restricted_violations(doc["spec"]["template"]["spec"]) == [], doc["metadata"]
 
 
 # ------------------------------------------------------------------------------ the base
@@ -63,6 +47,7 @@ def test_every_manifest_validates_and_kustomization_lists_them():
     assert set(kust["resources"]) == {p.name for p in dt.K8S.glob("*.yaml")} - {
         "kustomization.yaml"
     }
+    assert kust["transformers"] == ["../params"]  # the parameters, also run by every overlay
 
 
 def test_pods_are_restricted_probed_and_scraped():
@@ -89,18 +74,37 @@ def test_pods_are_restricted_probed_and_scraped():
     assert "Deployment" not in kinds
 
 
+def _rule_index(rules: list[dict], rule: dict) -> int:
+    assert rule in rules, (rule, rules)
+    return rules.index(rule)
+
+
+def _stop_and_disruption_rules(rules: list[dict], container: str) -> None:
+    """Exit 75 without a disruption (the liveness probe's SIGTERM: the service stops cleanly) is
+    counted; a disruption is not, and its rule comes first (rules match in order: a drained pod
+    also exits 75). Exit 2 of the service or of the staging wait fails the Job."""
+    fail = {"action": "FailJob", "onExitCodes": {"containerName": container, "operator": "In",
+            "values": [EXIT_REFUSED]}}  # fmt: skip
+    staging = {"action": "FailJob", "onExitCodes": {"containerName": "wait-for-staging",
+               "operator": "In", "values": [EXIT_REFUSED]}}  # fmt: skip
+    disrupted = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    stopped = {"action": "Count", "onExitCodes": {"containerName": container, "operator": "In",
+               "values": [EXIT_STOPPED]}}  # fmt: skip
+    _rule_index(rules, fail)
+    if container != "scorer":  # the scorer has no staging wait
+        _rule_index(rules, staging)
+    assert _rule_index(rules, disrupted) < _rule_index(rules, stopped)
+    ignored = [r for r in rules if r["action"] == "Ignore"]
+    assert ignored == [disrupted], "nothing but a disruption may go uncounted"
+
+
 def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_period():
     job = _doc("Job", "tether-learner")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert spec["completionMode"] == "Indexed"
     assert spec["completions"] == spec["parallelism"]  # one pod per node, all at once
     assert pod["restartPolicy"] == "Never"  # a finished rank is not restarted in place
-    rules = spec["podFailurePolicy"]["rules"]
-    assert {"action": "FailJob", "onExitCodes": {"containerName": "learner", "operator": "In",
-            "values": [EXIT_REFUSED]}} in rules  # fmt: skip
-    assert {"action": "Ignore", "onExitCodes": {"containerName": "learner", "operator": "In",
-            "values": [EXIT_STOPPED]}} in rules  # fmt: skip
-    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    _stop_and_disruption_rules(spec["podFailurePolicy"]["rules"], "learner")
     (c,) = pod["containers"]
     assert c["command"] == ["python3", "-m", "tether.runs.graceful_torchrun"]
     assert 0 < int(_flag(c["args"], "--shutdown-timeout")) < pod["terminationGracePeriodSeconds"]
@@ -109,28 +113,75 @@ def test_learner_is_an_indexed_job_that_stays_finished_and_stops_in_its_grace_pe
         "job-completion-index" in env["JOB_COMPLETION_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
     )
     assert _flag(c["args"], "--node_rank") == "$(JOB_COMPLETION_INDEX)"
-    host = f"{job['metadata']['name']}-0.{pod['subdomain']}.tether.svc.cluster.local"
+    # a short name: the pod's DNS search path resolves it in whatever namespace an overlay sets
+    host = f"{job['metadata']['name']}-0.{pod['subdomain']}"
     assert _flag(c["args"], "--master_addr") == host == env["TETHER_WEIGHTS__HOST"]["value"]
-    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"  # one learner pod per node
+    gen = _doc("Job", "tether-generator")["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e.get("value") for e in gen["env"]}["TETHER_WEIGHTS__HOST"] == host
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == int(
+        env["LEARNER_NPROC_PER_NODE"]["value"]
+    )
+
+
+def test_run_name_is_the_namespace_unless_set():
+    """Two namespaces left on defaults never share a run: run.name is the pod's namespace."""
+    for name in ("tether-learner", "tether-generator", "tether-scorer"):
+        (c,) = _doc("Job", name)["spec"]["template"]["spec"]["containers"]
+        env = [e["name"] for e in c["env"]]
+        values = {e["name"]: e for e in c["env"]}
+        assert values["TETHER_RUN__NAME"]["value"] == "$(POD_NAMESPACE)", name
+        ns = values["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert ns == "metadata.namespace", name
+        # Kubernetes expands $(VAR) only from variables defined before it
+        assert env.index("POD_NAMESPACE") < env.index("TETHER_RUN__NAME"), name
+
+
+def test_placement_keeps_learner_and_generators_apart_with_a_pool_each():
+    """Learner pods take a node of their own (no other learner pod, no generator: required, both
+    sides), each role requires its pool's label (params.yaml), generators spread, scorers run
+    the CPU image without the GPU toleration, and priorities let the learner preempt."""
+    learner = _doc("Job", "tether-learner")["spec"]["template"]["spec"]
+    generator = _doc("Job", "tether-generator")["spec"]["template"]["spec"]
+    scorer = _doc("Job", "tether-scorer")["spec"]["template"]["spec"]
+    (term,) = learner["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    exprs = {e["key"]: e["values"] for e in term["labelSelector"]["matchExpressions"]}
+    assert exprs["app.kubernetes.io/component"] == ["learner", "generator"]
+    anti = generator["affinity"]["podAntiAffinity"]
+    (term,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "learner"
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"]  # spread
+    for pod in (learner, generator, scorer):
+        node = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        (expr,) = node["nodeSelectorTerms"][0]["matchExpressions"]  # params.yaml's pool label
+        assert expr == {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}
+    (sc,) = scorer["containers"]
+    assert sc["image"] == "tether-cpu" and "nvidia.com/gpu" not in sc["resources"]["limits"]
+    assert "tolerations" not in scorer  # a tainted GPU node never takes a scorer
+    assert learner["priorityClassName"] == "tether-learner"
+    assert generator["priorityClassName"] == scorer["priorityClassName"] == "tether-rollout"
+    classes = {d["metadata"]["name"]: d["value"] for _, d in dt.k8s_docs()
+               if d["kind"] == "PriorityClass"}  # fmt: skip
+    assert classes["tether-learner"] > classes["tether-rollout"]
+    redis = _doc("StatefulSet", "tether-redis")["spec"]["template"]["spec"]
+    assert redis["priorityClassName"] == "tether-learner"
 
 
 @pytest.mark.parametrize("kind", ["generator", "scorer"])
 def test_generators_and_scorers_are_jobs_that_end_with_the_run(kind):
     """Item 1 on Kubernetes: when the learner finishes, each exits 0 by itself (run_end), its
-    index completes, the Job completes, its GPU is released. A stop before the end (75) or a
-    disruption is replaced; a refused configuration fails the Job; one id per pod."""
+    index completes, the Job completes, its GPU is released. A disruption is replaced uncounted;
+    a stop by the liveness probe (75) is replaced and counted; a refused configuration fails the
+    Job; one id per pod."""
     job = _doc("Job", f"tether-{kind}")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
     assert pod["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
     assert spec["backoffLimitPerIndex"] >= 1  # a crash-looping replica fails alone
-    rules = spec["podFailurePolicy"]["rules"]
-    assert {"action": "FailJob", "onExitCodes": {"containerName": kind, "operator": "In",
-            "values": [EXIT_REFUSED]}} in rules  # fmt: skip
-    assert {"action": "Ignore", "onExitCodes": {"containerName": kind, "operator": "In",
-            "values": [EXIT_STOPPED]}} in rules  # fmt: skip
-    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    _stop_and_disruption_rules(spec["podFailurePolicy"]["rules"], kind)
     (c,) = pod["containers"]
     assert c["args"][-2:] == ["--id", f"tether-{kind}-$(JOB_COMPLETION_INDEX)"]  # stable ids
     env = {e["name"]: e for e in c["env"]}
@@ -140,30 +191,56 @@ def test_generators_and_scorers_are_jobs_that_end_with_the_run(kind):
         assert env["TETHER_WEIGHTS_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "tether-weights"
 
 
-def test_gpu_pods_tolerate_gpu_taints_and_wait_for_the_staged_model():
+def test_gpu_pods_tolerate_gpu_taints_and_wait_a_bounded_time_for_the_staged_model():
+    """The init container waits at most stagingTimeoutSeconds, then exits 2 with a message that
+    names the staging Job (and how to read its logs); exit 2 of the wait fails the Job, so its
+    pods stop holding GPUs."""
     for name in ("tether-learner", "tether-generator"):
         pod = _doc("Job", name)["spec"]["template"]["spec"]
-        assert "nodeSelector" not in pod, name  # pool labels differ: components/gpu-*
+        assert "nodeSelector" not in pod, name  # pool labels differ: params.yaml, components/gpu-*
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
             "tolerations"
         ]
         (init,) = pod["initContainers"]
-        assert init["command"][:4] == ["python3", "-m", "common.data.staging", "wait"], name
-        assert "$(MODEL_ID)" in init["command"]
-    learner_init = _doc("Job", "tether-learner")["spec"]["template"]["spec"]["initContainers"][0]
-    assert "$(DATA_SOURCE)" in learner_init["command"]
+        assert init["command"][:2] == ["sh", "-c"], name
+        script = init["command"][2]
+        assert "python3 -m common.data.staging wait" in script
+        assert '--timeout-s "$STAGING_TIMEOUT_S" && exit 0' in script
+        assert "job/tether-staging" in script and script.rstrip().endswith("exit 2")
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+        env = {e["name"]: e.get("value") for e in init["env"]}
+        assert int(env["STAGING_TIMEOUT_S"]) > 0, name  # 0 would wait forever
+        assert "MODEL_ID" in env and ("DATA_SOURCE" in env) == (name == "tether-learner")
+
+
+def test_the_staging_wait_gives_up_with_the_jobs_name(tmp_path):
+    """The init container's script, run for real with sh against an empty models volume and a
+    1 s bound: exit 2 and a message naming the tether-staging Job and the namespace."""
+    init = _doc("Job", "tether-learner")["spec"]["template"]["spec"]["initContainers"][0]
+    script = init["command"][2].replace("python3 -m", f"{sys.executable} -m")
+    script = script.replace("--timeout-s", f"--root {tmp_path} --every-s 0.2 --timeout-s")
+    env = {**os.environ, "PYTHONPATH": str(dt.ROOT), "MODEL_ID": "org/model", "MODEL_REVISION": "",
+           "DATA_SOURCE": "", "STAGING_TIMEOUT_S": "1", "POD_NAMESPACE": "team-a"}  # fmt: skip
+    res = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=dt.ROOT)  # fmt: skip
+    assert res.returncode == EXIT_REFUSED, res.stdout + res.stderr
+    assert "kubectl -n team-a logs job/tether-staging" in res.stderr
+    assert "org/model" in res.stderr and "stagingTimeoutSeconds" in res.stderr
 
 
 def test_the_staging_job_stages_model_and_data_with_the_hub_token_from_a_secret():
     job = _doc("Job", "tether-staging")
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"][:4] == ["python3", "-m", "common.data.staging", "stage"]
+    assert c["image"] == "tether-cpu"  # no GPU, no CUDA image to pull
     env = {e["name"]: e for e in c["env"]}
     token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert token == {"name": "tether-hf", "key": "token", "optional": True}
     assert {"action": "FailJob", "onExitCodes": {"containerName": "stage", "operator": "In",
             "values": [2]}} in job["spec"]["podFailurePolicy"]["rules"]  # fmt: skip
-    assert job["spec"]["ttlSecondsAfterFinished"] <= 3600  # a changed modelId can be applied
+    # a failed staging Job, its pods and their logs stay until someone deletes the Job
+    assert "ttlSecondsAfterFinished" not in job["spec"]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     import tomllib
 
     cm = tomllib.loads(_doc("ConfigMap", "tether-config")["data"]["tether.toml"])
@@ -183,34 +260,39 @@ def test_redis_runs_composes_acl_script_and_the_exporter_its_user():
     assert exporter_env["REDIS_USER"]["value"] == "tether-exporter"
 
 
-def test_parameters_reach_the_manifests(tmp_path):
-    text, docs = dt.render_kustomize(tmp_path, params={
-        "storageClassName": "efs-test", "modelId": "org/test-model", "modelRevision": "v2",
-        "dataSource": "hf://datasets/org/math", "generatorReplicas": "5", "scorerReplicas": "3",
-    })  # fmt: skip
-    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
-    assert len(claims) == 2 and all(c["spec"]["storageClassName"] == "efs-test" for c in claims)
-
-    def env(doc, container):
-        return {e["name"]: e.get("value") for e in container["env"]}
-
-    staging = _doc("Job", "tether-staging", docs)["spec"]["template"]["spec"]["containers"][0]
-    assert env(None, staging)["MODEL_ID"] == "org/test-model"
-    assert env(None, staging)["DATA_SOURCE"] == "hf://datasets/org/math"
-    for name in ("tether-learner", "tether-generator"):
-        init = _doc("Job", name, docs)["spec"]["template"]["spec"]["initContainers"][0]
-        assert env(None, init)["MODEL_ID"] == "org/test-model", name
-        assert env(None, init)["MODEL_REVISION"] == "v2", name
-    gen, sco = _doc("Job", "tether-generator", docs), _doc("Job", "tether-scorer", docs)
-    assert gen["spec"]["completions"] == gen["spec"]["parallelism"] == 5
-    assert sco["spec"]["completions"] == sco["spec"]["parallelism"] == 3
-    learner = _doc("Job", "tether-learner", docs)["spec"]["template"]["spec"]["containers"][0]
-    assert env(None, learner)["TETHER_GENERATOR__REPLICAS"] == "5"  # the alert's expectation
-    assert not [d for d in docs if d["metadata"]["name"] == "tether-params"]  # local-config
-    _validate(tmp_path, text, docs)
+def _ports(rule: dict) -> set:
+    return {(p["port"], p.get("endPort", p["port"])) for p in rule.get("ports", [])}
 
 
-def test_the_network_is_default_deny_with_tethers_flows_allowed():
+def _allowed(policies: dict, src: str, dst: str) -> set:
+    """(first, last) port ranges on which pods of component ``src`` may open connections to pods
+    of component ``dst``: the intersection of dst's ingress and src's egress (both required)."""
+
+    def peers(rule_peers, kind):
+        return any(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                   == kind for p in rule_peers)  # fmt: skip
+
+    def selects(policy, kind):
+        sel = policy["podSelector"]
+        labels = sel.get("matchLabels", {})
+        exprs = {e["key"]: e["values"] for e in sel.get("matchExpressions", [])}
+        comp = labels.get("app.kubernetes.io/component")
+        return comp == kind or kind in exprs.get("app.kubernetes.io/component", [])
+
+    ingress, egress = set(), set()
+    for p in policies.values():
+        if selects(p, dst) and "Ingress" in p["policyTypes"]:
+            for r in p.get("ingress", []):
+                if peers(r["from"], src):
+                    ingress |= _ports(r)
+        if selects(p, src) and "Egress" in p["policyTypes"]:
+            for r in p.get("egress", []):
+                if peers(r["to"], dst):
+                    egress |= _ports(r)
+    return ingress & egress
+
+
+def test_the_network_is_default_deny_with_tethers_flows_allowed_by_port():
     policies = {d["metadata"]["name"]: d["spec"] for _, d in dt.k8s_docs()
                 if d["kind"] == "NetworkPolicy"}  # fmt: skip
     deny = policies["tether-default-deny"]
@@ -224,94 +306,32 @@ def test_the_network_is_default_deny_with_tethers_flows_allowed():
     assert set(peer) == {"podSelector"}, "Redis must admit pods, not namespaces or IP blocks"
     exprs = {e["key"]: e["values"] for e in peer["podSelector"]["matchExpressions"]}
     assert exprs["app.kubernetes.io/component"] == ["learner", "generator", "scorer"]
-    # services reach Redis; only learner and generators reach each other (the weights)
     (to_redis,) = policies["tether-services-egress"]["egress"]
     assert to_redis["ports"] == [{"port": 6379, "protocol": "TCP"}]
-    weights = policies["tether-weights-egress"]
-    kinds = {e["key"]: e["values"] for e in weights["podSelector"]["matchExpressions"]}
-    assert kinds["app.kubernetes.io/component"] == ["learner", "generator"]  # not the scorers
+    # every rule between Tether's pods names its ports: nothing is open on every port
+    for name, p in policies.items():
+        for r in p.get("ingress", []) + p.get("egress", []):
+            if any("podSelector" in x for x in r.get("from", r.get("to", []))):
+                assert r.get("ports"), f"{name}: a rule open on every port"
+    nccl = {(32768, 60999)}  # the pods' pinned ephemeral range (sysctl)
+    rendezvous, weights = {(29500, 29500)}, {(29600, 29600)}
+    assert _allowed(policies, "learner", "learner") == rendezvous | weights | nccl
+    assert _allowed(policies, "generator", "learner") == weights | nccl  # not the rendezvous
+    assert _allowed(policies, "learner", "generator") == nccl
+    assert _allowed(policies, "generator", "generator") == nccl
+    for other in ("learner", "generator", "scorer"):
+        assert _allowed(policies, "scorer", other) == set(), other  # scorers reach Redis only
+        assert _allowed(policies, other, "scorer") == set(), other
+    for fname, doc, pod in dt.pod_templates():
+        sysctls = {s["name"]: s["value"]
+                   for s in pod["spec"]["securityContext"].get("sysctls", [])}  # fmt: skip
+        if doc["metadata"]["name"] in ("tether-learner", "tether-generator"):
+            assert sysctls == {"net.ipv4.ip_local_port_range": "32768 60999"}, fname
+        else:
+            assert sysctls == {}, fname
     # nothing but the staging Job leaves the cluster, and never to the metadata endpoint
     out = [n for n, p in policies.items()
            if any("ipBlock" in t for r in p.get("egress", []) for t in r["to"])]  # fmt: skip
     assert out == ["tether-staging-egress"]
     (rule,) = policies["tether-staging-egress"]["egress"]
     assert rule["to"][0]["ipBlock"]["except"] == ["169.254.0.0/16"]
-
-
-# ------------------------------------------------------------------------------ components
-
-
-@pytest.mark.parametrize("component", COMPONENTS)
-def test_each_component_renders_valid_restricted_manifests(tmp_path, component):
-    text, docs = dt.render_kustomize(tmp_path, components=(component,))
-    _validate(tmp_path, text, docs)
-    base = {(d["kind"], d["metadata"]["name"]) for d in dt.render_kustomize(tmp_path)[1]}
-    added = {(d["kind"], d["metadata"]["name"]) for d in docs} - base
-    learner = _doc("Job", "tether-learner", docs)["spec"]["template"]
-    generator = _doc("Job", "tether-generator", docs)["spec"]["template"]
-    if component == "disruption":
-        assert learner["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
-        assert (
-            learner["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"]
-            == "false"
-        )
-        assert learner["spec"]["priorityClassName"] == "tether-learner"
-        assert generator["spec"]["priorityClassName"] == "tether-rollout"
-        budget = _doc("PodDisruptionBudget", "tether-learner", docs)
-        assert (
-            budget["spec"]["minAvailable"]
-            == _doc("Job", "tether-learner", docs)["spec"]["parallelism"]
-        )  # every learner pod
-        assert {k for k, _ in added} == {"PodDisruptionBudget", "PriorityClass"}
-        assert all("namespace" not in d["metadata"] for d in docs if d["kind"] == "PriorityClass")
-    elif component.startswith("gpu-"):
-        for tpl in (learner, generator):
-            spec = tpl["spec"]
-            if component == "gpu-operator":
-                assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-            else:
-                terms = spec["affinity"]["nodeAffinity"][
-                    "requiredDuringSchedulingIgnoredDuringExecution"
-                ]
-                keys = {e["key"] for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]}
-                want = {"gpu-gke": {"cloud.google.com/gke-accelerator"},
-                        "gpu-eks": {"node.kubernetes.io/instance-type",
-                                    "karpenter.k8s.aws/instance-gpu-manufacturer"}}[component]  # fmt: skip
-                assert keys == want
-            assert "podAntiAffinity" in spec["affinity"]  # kept beside the node affinity
-    elif component == "kueue":
-        for name in ("tether-learner", "tether-generator", "tether-scorer"):
-            job = _doc("Job", name, docs)
-            assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "tether"
-            assert job["spec"]["suspend"] is True  # Kueue admits (unsuspends) the whole Job
-        assert added == {("LocalQueue", "tether")}
-    elif component == "scorer-egress":
-        assert added == {("NetworkPolicy", "tether-scorer-egress")}
-    elif component == "prometheus-operator":
-        assert added == {("PodMonitor", "tether"), ("ServiceMonitor", "tether-redis"),
-                         ("PrometheusRule", "tether")}  # fmt: skip
-
-
-def test_the_prometheusrule_is_rules_yml():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "prometheusrule", dt.DEPLOY / "prometheus" / "prometheusrule.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    committed = dt.K8S / "components" / "prometheus-operator" / "prometheusrule.yaml"
-    assert committed.read_text() == module.render(dt.RULES.read_text()), (
-        "regenerate: python deploy/prometheus/prometheusrule.py > " + str(committed)
-    )
-
-
-def test_a_crd_schema_check_can_fail():
-    """The offline check of custom resources refuses what the Operator's API server would."""
-    bad = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-           "metadata": {"name": "x"},
-           "spec": {"podMetricsEndpoints": [{"port": "metrics", "intervall": "15s"}],
-                    "selector": {"matchLabels": {"a": 1}}}}  # fmt: skip
-    problems = dt.custom_resource_problems(bad)
-    assert any("intervall: unknown field" in p for p in problems), problems
-    assert any("is not of type 'string'" in p for p in problems), problems

@@ -86,6 +86,9 @@ def test_dashboards_pick_the_datasource_and_the_run():
         assert variables["datasource"]["type"] == "datasource", path.name
         assert variables["datasource"]["query"] == "prometheus", path.name
         assert variables["run"]["query"]["query"] == "label_values(tether_service_info, run)"
+        ns = variables["namespace"]  # all of them by default: compose has none
+        assert ns["query"]["query"] == 'label_values(tether_service_info{run="$run"}, namespace)'
+        assert ns["includeAll"] is True and ns["allValue"] == ".*"
         assert "tether-prometheus" not in path.read_text(), f"{path.name} pins a datasource uid"
         unfiltered = []
         for where, expr in dt.dashboard_expressions(path):
@@ -94,12 +97,75 @@ def test_dashboards_pick_the_datasource_and_the_run():
                 if isinstance(node, promql_parser.VectorSelector):
                     names = {m.name: m.value for m in node.matchers.matchers}
                     name = node.name or names.get("__name__", "")
-                    if name.startswith(("tether", "process_")) and names.get("run") != "$run":
+                    if name.startswith(("tether", "process_")) and (
+                        names.get("run") != "$run" or names.get("namespace") != "$namespace"
+                    ):
                         unfiltered.append(f"{where}: {name}")
+                    if name.startswith("DCGM_") and names.get("namespace") != "$namespace":
+                        unfiltered.append(f"{where}: {name}")  # GPUs of this deployment only
                 return True
 
             promql_parser.walk(promql_parser.parse(expr), visit)
         assert not unfiltered, "\n".join(unfiltered)
+
+
+def _aggregations(expr: str) -> list[tuple[str, list[str]]]:
+    """(kind, labels) of every aggregation and vector matching in ``expr``: ("by", [...]),
+    ("without", [...]), ("none", []) for an aggregation without a clause, ("on", [...]),
+    ("ignoring", [...])."""
+    import promql_parser
+
+    found: list[tuple[str, list[str]]] = []
+
+    def visit(node) -> bool:
+        if isinstance(node, promql_parser.AggregateExpr):
+            mod = node.modifier
+            if mod is None:
+                found.append(("none", []))
+            else:
+                kind = "by" if mod.type == promql_parser.AggModifierType.By else "without"
+                found.append((kind, list(mod.labels)))
+        elif isinstance(node, promql_parser.BinaryExpr) and node.modifier is not None:
+            matching = node.modifier.matching
+            if matching is not None:
+                text = str(matching)
+                found.append((text.split(" ", 1)[0], list(matching.labels)))
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return found
+
+
+def test_every_alert_is_scoped_to_namespace_and_run_and_has_a_runbook():
+    """No aggregate drops `namespace` or `run` (two deployments whose runs share a name never
+    mix); the exceptions are named: a target's (job, instance) and Redis's per-namespace figures
+    before they are joined to the runs of that namespace. Every alert's runbook_url is a section
+    of deploy/README.md, and the README's alert table lists every alert."""
+    pytest.importorskip("promql_parser", reason="pip install promql-parser (the dev extra)")
+    doc = yaml.safe_load(dt.RULES.read_text())
+    readme = (dt.DEPLOY / "README.md").read_text()
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", readme, re.M)
+    }
+    bad = []
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule.get("record")
+            for kind, labels in _aggregations(str(rule["expr"])):
+                if kind == "none" or kind in ("without", "ignoring"):
+                    bad.append(f"{name}: an aggregation or match without `by`/`on`")
+                elif labels in (["job", "instance"], ["namespace"]):
+                    continue  # a scrape target; a namespace's Redis, joined to its runs
+                elif not {"namespace", "run"} <= set(labels):
+                    bad.append(f"{name}: {kind} ({', '.join(labels)}) drops namespace or run")
+            if "alert" in rule:
+                url = rule["annotations"].get("runbook_url", "")
+                if not url.startswith("deploy/README.md#") or url.split("#")[1] not in anchors:
+                    bad.append(f"{name}: runbook_url {url!r} is not a section of deploy/README.md")
+                if f"| {name} |" not in readme:
+                    bad.append(f"{name}: missing from deploy/README.md's alert table")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.slow

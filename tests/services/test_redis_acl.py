@@ -58,6 +58,65 @@ def test_each_user_is_refused_a_command_outside_its_set(users_redis, kind, comma
         redis.Redis(port=users_redis.port, username=acl.user_name(kind), password="wrong").ping()
 
 
+# (kind, keys of run "r" it may write, keys it must be refused writing; every key readable
+# except by the exporter)
+KEYS = [
+    ("generator", ["r:prompts", "r:groups", "r:dead", "r:status", "r:generated:groups",
+                   "r:version:generator:tether-generator-3", "r:done:generators",
+                   "r:inhand:prompts:generators", "r:strikes:prompts:generators"],
+                  ["r:run:finished", "r:version:learner", "r:weights:addr", "r:weights:publishing",
+                   "r:scored", "r:done:scorers", "r:inhand:groups:scorers", "other"]),
+    ("scorer", ["r:groups", "r:scored", "r:dead", "r:status", "r:done:scorers",
+                "r:inhand:groups:scorers", "r:strikes:groups:scorers"],
+               ["r:run:finished", "r:prompts", "r:version:generator:g", "r:done:generators",
+                "r:version:learner"]),  # (r:generated:groups matches its *:groups: a known gap)
+    ("learner", ["r:run:finished", "r:prompts", "r:version:learner", "r:weights:addr"], []),
+]  # fmt: skip
+
+
+def _write(c: redis.Redis, key: str) -> None:
+    """One write of the command family the services use on ``key`` (by its name)."""
+    if key.endswith(("prompts", "groups", "scored", "dead")) and "generated" not in key:
+        c.xadd(key, {"m": b"x"})
+    elif key.endswith("generated:groups") or ":inhand:" in key or ":strikes:" in key:
+        c.hset(key, "f", "1")
+    elif ":done:" in key:
+        c.zadd(key, {"id": 1.0})
+    elif key.endswith(":status"):
+        c.hset(key, "generator:g", "{}")
+    else:
+        c.set(key, "1")
+
+
+@pytest.mark.parametrize("kind,own,others", KEYS, ids=[k for k, _, _ in KEYS])
+def test_each_user_writes_only_its_own_keys(users_redis, kind, own, others):
+    """On the real server with the deploy script's users: a generator is refused a write to the
+    run-finished record (which would stop every service), the learner's keys and the scored
+    stream; a scorer likewise outside its stage; both still read every key."""
+    users_redis.admin.acl_log_reset()
+    admin = users_redis.admin
+    admin.set("r:run:finished", '{"num_cycles": 1}')
+    c = users_redis.client(kind)
+    for key in own:
+        _write(c, key)
+    for key in others:
+        with pytest.raises(redis.exceptions.NoPermissionError) as refused:
+            _write(c, key)
+        if kind == "generator":  # it may SET, XADD, HSET: refused for the key itself
+            assert "no permissions to access one of the keys" in str(refused.value), key
+    if "r:run:finished" not in own:  # the learner writes it; nobody else can
+        assert admin.get("r:run:finished") == b'{"num_cycles": 1}'
+    assert c.get("r:run:finished") == admin.get("r:run:finished")  # every service watches it
+    denied = {e["object"] for e in admin.acl_log() if e["reason"] == "key"}
+    assert denied <= set(others), denied  # a refused command (a scorer's SET) logs the command
+    if kind == "generator":
+        assert denied == set(others), denied
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        users_redis.client("exporter").get("r:run:finished")  # the exporter reads no key
+    for key in own + ["other"]:
+        admin.delete(key)
+
+
 def test_a_scorer_scores_and_dead_letters_under_its_user(users_redis, tmp_path):
     users_redis.admin.acl_log_reset()
     run = f"acl{uuid.uuid4().hex[:6]}"
