@@ -320,7 +320,5 @@ def assert_trained_exactly_once(r: RunResult, *, cycles: int, responses: int) ->
     assert all(len(d) == 1 for d in by_step.values()), by_step
     learner = next(d for d in r.status.values() if d["service"] == "learner")
     assert learner["version"] == cycles
-    c = learner["counters"]
-    assert (
-        c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0) == responses
-    )
+    c = learner["books"]
+    assert c["trained_samples"] + c["dropped_stale_samples"] + c["filtered_samples"] == responses

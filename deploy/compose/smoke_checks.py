@@ -73,10 +73,10 @@ def check_accounting(status_path: Path, metrics_path: Path, restarted: list[str]
         f"learner finished at policy version {st.get('learner_version')} == {shape['steps']} steps",
     )
     learner = next((s for s in st["services"] if s["service"] == "learner"), {})
-    c = learner.get("counters", {})
+    c = learner.get("books", {})
     ends = (
         c.get("trained_samples", 0)
-        + c.get("dropped_stale", 0)
+        + c.get("dropped_stale_samples", 0)
         + c.get("filtered_samples", 0)
         + st.get("dead_letters", 0) * shape["n"]
     )

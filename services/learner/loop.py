@@ -45,12 +45,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.config.schema import TetherConfig
+from common.protocol.books import LearnerBooks
 from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
@@ -96,7 +96,7 @@ class LearnerService:
         self.timer = PhaseTimer("learner")
         self.version = 0
         self.next_cycle = 0
-        self.counters: dict[str, int] = defaultdict(int)
+        self.books = LearnerBooks()  # what became of the responses received (rank 0's count)
         self.ready = False
         self.live = Liveness(cfg.learner.liveness_s)
         self._stop = False
@@ -208,7 +208,7 @@ class LearnerService:
             return
         self.version = int(extra["version"])
         self.next_cycle = int(extra["next_cycle"])
-        self.counters.update(extra.get("counters", {}))
+        self.books = _resumed_books(extra)
         self.bus_side.restore(extra)
         log.info("resumed at policy version %d, next cycle %d", self.version, self.next_cycle)
 
@@ -249,7 +249,7 @@ class LearnerService:
             extra = {
                 "version": self.version,
                 "next_cycle": self.next_cycle,
-                "counters": dict(self.counters),
+                "books": self.books.to_dict(),
                 **self.bus_side.checkpoint_state(),
             }
             self._pending = start_checkpoint(
@@ -310,17 +310,17 @@ class LearnerService:
             for s, lp in zip(samples, ref_logp, strict=True):
                 s.ref_logp = lp
         filtered = assign_advantages(samples, self.cfg)
-        self.counters["agent_failed_samples"] += mask_failed(samples)
-        self.counters["segment_samples"] += extra_segments(samples)
+        failed, segments = mask_failed(samples), extra_segments(samples)
         overlong = mask_overlong(samples, self.cfg)
         refused = mask_refused(samples)
-        self.counters["filtered_samples"] += filtered
-        self.counters["overlong_masked_samples"] += overlong
-        self.counters["refused_template_samples"] += refused
-        # the books of tool calls: every call of every episode counted here once (rank 0 holds
-        # the episodes' records)
-        self.counters["episode_tool_calls"] += sum(
-            int(s.episode.get("tool_calls", 0)) for s in samples
+        self.books.add(
+            agent_failed_samples=failed,
+            segment_samples=segments,
+            filtered_samples=filtered,
+            overlong_masked_samples=overlong,
+            refused_template_samples=refused,
+            # every tool call of every episode counted here once (rank 0 holds the records)
+            episode_tool_calls=sum(int(s.episode.get("tool_calls", 0)) for s in samples),
         )
         self.step_log.count_masked(filtered=filtered, overlong=overlong)
 
@@ -338,7 +338,7 @@ class LearnerService:
             if not usable(samples[i].policy_version, oldest=oldest) and samples[i].weight > 0:
                 samples[i].weight = 0.0
                 dropped += 1
-        self.counters["dropped_stale"] += dropped
+        self.books.add(dropped_stale_samples=dropped)
         return dropped
 
     def train_cycle(self, cycle: int, samples: list[Sample]) -> None:
@@ -377,7 +377,7 @@ class LearnerService:
             self.version += 1
             self.live.beat()
             trained = sum(1 for i in idx if samples[i].weight > 0)  # not dropped, filtered, masked
-            self.counters["trained_samples"] += trained
+            self.books.add(trained_samples=trained)
             self.last_step = step_record(
                 version=self.version,
                 cycle=cycle,
@@ -424,8 +424,7 @@ class LearnerService:
                 except LostCycle as exc:  # every rank stops here, then rank 0 says why
                     self.fatal, self._stop = exc, True
                 if groups is not None:  # dynamic sampling's groups left out (filtered, surplus)
-                    for key, n in self.bus_side.selection_counts.items():
-                        self.counters[key] += n
+                    self.books.add(**self.bus_side.selection_counts)
             word, stopping = control(GO if groups is not None else STOP, self._stop, self.device)
             self._last_word = time.monotonic()
         else:
@@ -498,7 +497,19 @@ class LearnerService:
             "version": self.version,
             "cycle": self.next_cycle,
             "ready": self.ready,
-            "counters": dict(self.counters),
+            "books": self.books.to_dict(),
             "last_step": self.last_step,
             "no_progress_s": self.bus_side.silent_s,
         }
+
+
+def _resumed_books(extra: dict[str, Any]) -> LearnerBooks:
+    """The books a checkpoint holds. Checkpoints written before the books had a type (no
+    ``books``) kept the same counts as ``counters``, the stale drops as ``dropped_stale``:
+    read once here, the next checkpoint holds ``books``."""
+    if "books" in extra:
+        return LearnerBooks.from_dict(extra["books"])
+    counts = dict(extra.get("counters", {}))
+    if "dropped_stale" in counts:
+        counts["dropped_stale_samples"] = counts.pop("dropped_stale")
+    return LearnerBooks(**counts)

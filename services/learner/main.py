@@ -20,6 +20,7 @@ import sys
 from common.config.schema import TetherConfig
 from common.protocol import streams
 from common.protocol.run_dir import RunDir
+from common.service import process_exit
 from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
 from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 def main(cfg: TetherConfig, args) -> int:
     from common.service.preflight import preflight
 
+    # gloo's worker threads may still drop a collective's tensors as the process ends
+    process_exit.skip_finalization("the learner's gloo process groups")
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
     from services.learner.bus_side import BusSide, LostCycle

@@ -53,13 +53,12 @@ def test_rank0_records_the_published_version_and_chain_epoch_in_redis(short_run,
 
 def test_accounting_balances(short_run):
     learner = next(d for d in short_run.status.values() if d["service"] == "learner")
-    c = learner["counters"]
+    c = learner["books"]
     generated_train = CYCLES * PROMPTS * RESPONSES
     assert (
-        c["trained_samples"] + c.get("dropped_stale", 0) + c.get("filtered_samples", 0)
-        == generated_train
+        c["trained_samples"] + c["dropped_stale_samples"] + c["filtered_samples"] == generated_train
     )
-    assert c.get("dropped_stale", 0) == 0  # the staleness gate makes drops rare by construction
+    assert c["dropped_stale_samples"] == 0  # the staleness gate makes drops rare by construction
     # each step's record counts the responses that carried weight (not every one of its batch:
     # filtered groups train at weight 0), and they add up to the learner's counter
     assert sum(s["trained_samples"] for s in short_run.steps) == c["trained_samples"]

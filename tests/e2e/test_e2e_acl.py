@@ -87,7 +87,7 @@ def test_a_run_trains_with_each_service_under_its_own_user(tmp_path):
     assert [s["step"] for s in steps] == list(range(1, CYCLES + 1))
     doc = json.loads(status.stdout)
     learner = next(d for d in doc["services"] if d["service"] == "learner")
-    counters = learner["counters"]
-    trained = counters["trained_samples"] + counters.get("filtered_samples", 0)
-    assert trained + counters.get("dropped_stale", 0) == CYCLES * PROMPTS * RESPONSES
+    books = learner["books"]
+    trained = books["trained_samples"] + books["filtered_samples"]
+    assert trained + books["dropped_stale_samples"] == CYCLES * PROMPTS * RESPONSES
     assert {s["stream"] for s in json.loads(inspect.stdout)["streams"]} >= {"prompts", "groups"}

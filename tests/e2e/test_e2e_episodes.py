@@ -68,7 +68,7 @@ def test_a_generator_killed_mid_episode_redoes_it_and_nothing_counts_twice(redis
     assert leftover_processes(redis_server.url) == []  # engine core and sandbox workers too
     assert_trained_exactly_once(r, cycles=CYCLES, responses=CYCLES * PROMPTS * RESPONSES)
     learner = next(d for d in r.status.values() if d["service"] == "learner")
-    books = learner["counters"]
+    books = learner["books"]
     # every trained episode's tool calls, once: the step records' per-episode means agree
     per_step = sum(s["tool_calls_per_episode"] * PROMPTS * RESPONSES for s in r.steps)
     assert books["episode_tool_calls"] == pytest.approx(per_step)

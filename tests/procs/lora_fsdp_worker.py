@@ -17,6 +17,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from common.service import process_exit
+
 RANK, ALPHA, SEED = 8, 16, 3
 LR = 1e-2
 
@@ -104,4 +106,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)

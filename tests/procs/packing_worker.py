@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from common.service import process_exit
+
 
 def main() -> None:
     import torch
@@ -65,4 +67,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)

@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from common.service import process_exit
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 import fsdp_worker as fw  # noqa: E402 - the same loss and training set-up as the FSDP test
@@ -81,4 +83,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)

@@ -24,6 +24,7 @@ from common.protocol import streams, wire
 from common.protocol.wire import PromptMsg
 from tests.conftest import checked_binary, server_params
 from tests.unit.test_wire import make_group
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module", params=server_params())
@@ -73,8 +74,8 @@ def test_commit_publishes_once_when_two_consumers_process_the_same_entries(redis
     for i in range(4):
         bus.publish("in", prompt(i))
     taken = slow.read(4)
-    time.sleep(0.1)  # "slow" stays silent longer than claim_idle_ms: its entries get claimed
-    claimed = fast.read(4)
+    # "slow" stays silent longer than claim_idle_ms: its entries get claimed
+    claimed = wait_until(lambda: fast.read(4), what="the idle entries claimed")
     assert [d.entry_id for d in claimed] == [d.entry_id for d in taken]
     assert all(d.deliveries == 2 for d in claimed)
     assert metric("tether_bus_claimed_messages_total", stream="in", group="w") >= 4
@@ -98,8 +99,7 @@ def test_the_generated_count_grows_in_the_commit_and_only_with_what_was_publishe
     for i in range(3):
         bus.publish("in", prompt(i))
     taken = slow.read(3)
-    time.sleep(0.1)
-    claimed = fast.read(3)
+    claimed = wait_until(lambda: fast.read(3), what="the idle entries claimed")
     out = [("out", prompt(i)) for i in range(3)]
     ids = [f"p{i}" for i in range(3)]
     assert fast.commit(claimed[:2], publish=out[:2], dedupe_ids=ids[:2], count_as="gen-b") == 2
@@ -170,17 +170,21 @@ def test_producer_blocks_at_max_backlog_and_trim_keeps_unacked(redis_server) -> 
             bus.publish("in", prompt(i), wait_for=["w"])
         done.set()
 
+    def waited() -> float:  # the registry is the process's: earlier tests' waits count too
+        return metric("tether_bus_backpressure_wait_seconds_total", stream="in", group="w")
+
+    before = waited()
     threading.Thread(target=produce, daemon=True).start()
-    time.sleep(0.5)  # the consumer is stopped: the producer must stall at the bound
+    # the consumer is stopped: the producer must stall at the bound (and wait there 0.2 s)
+    wait_until(lambda: bus.redis.xlen(key) == 5 and waited() - before > 0.2,
+               what="the producer stalled at max_backlog")  # fmt: skip
     assert not done.is_set() and bus.redis.xlen(key) == 5 and bus.backlog("in", "w") == (5, 0)
     with pytest.raises(TimeoutError):
         bus.wait_for_capacity("in", "w", timeout_s=0.1)
-    assert metric("tether_bus_backpressure_wait_seconds_total", stream="in", group="w") > 0.2
     assert bus.trim_acked("in") == 0  # nothing acknowledged, nothing trimmed
     consumer = Consumer(bus, "in", "w", "c")
     batch = consumer.read(3)
     consumer.ack(batch[:2])  # p0, p1 acked; p2 pending
-    time.sleep(0.3)
     assert bus.trim_acked("in") == 2
     first = bus.redis.xrange(key, count=1)[0][0].decode()
     assert first == batch[2].entry_id  # the pending entry survived the trim

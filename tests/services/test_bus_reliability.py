@@ -21,6 +21,7 @@ from common.bus.settings import BusSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg
 from tests.paths import REPO
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -110,13 +111,22 @@ def test_redis_sigkill_and_restart_with_aof(tmp_path, server_binary) -> None:
     threads = [threading.Thread(target=guarded, args=(f,)) for f in (produce, consume)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
+    # commits older than the AOF's 1 s fsync interval, which the kill must not lose
+    wait_until(lambda: committed and min(list(committed.values())) < time.monotonic() - 1.3,
+               timeout_s=30, what="commits older than 1.3 s")  # fmt: skip
     server.kill()
     killed_at = time.monotonic()
-    time.sleep(0.5)
+    # the clients meet the outage (each failed attempt counts a reconnect), then it ends
+    wait_until(lambda: counter("tether_bus_reconnects_total") >= reconnects + 2, timeout_s=30,
+               what="the clients to fail against the killed server")  # fmt: skip
     server.start()  # same port, same dir: AOF replay
     restarted_at = time.monotonic()
-    time.sleep(1.5)
+
+    def consumed_after_restart() -> bool:
+        return any(t > restarted_at + 0.2 and i in committed for i, t in list(published))
+
+    wait_until(consumed_after_restart, timeout_s=30, what="a message published after the restart "
+               "to be consumed")  # fmt: skip
     stop.set()
     for t in threads:
         t.join(30)

@@ -85,8 +85,8 @@ def _checks(*args: str) -> subprocess.CompletedProcess:
 
 
 def _status(**acc) -> dict:
-    counters = {"trained_samples": 5120, "dropped_stale": 0, "filtered_samples": 0}
-    counters.update(acc.pop("counters", {}))
+    counts = {"trained_samples": 5120, "dropped_stale_samples": 0, "filtered_samples": 0}
+    counts.update(acc.pop("books", {}))
     books = {"generated": 5120, "trained": 5120, "dropped_stale": 0, "filtered": 0,
              "dead_lettered": 0, "in_flight": 0, "unaccounted": 0}  # fmt: skip
     books.update(acc)
@@ -94,7 +94,7 @@ def _status(**acc) -> dict:
         "run": "demo",
         "source": "live",
         "learner_version": 80,
-        "services": [{"service": "learner", "id": "learner-0", "counters": counters}],
+        "services": [{"service": "learner", "id": "learner-0", "books": counts}],
         "streams": {"prompts": {"lag": 0, "pending": 0}},
         "dead_letters": 0,
         "generator_versions": {},
@@ -115,7 +115,7 @@ def test_smoke_accounting_check_passes_a_balanced_run_and_fails_an_unbalanced_on
     assert _checks("accounting", str(status), str(metrics)).returncode == 0
     status.write_text(json.dumps(_status(unaccounted=8)))
     assert _checks("accounting", str(status), str(metrics)).returncode == 1
-    status.write_text(json.dumps(_status(counters={"trained_samples": 5112})))
+    status.write_text(json.dumps(_status(books={"trained_samples": 5112})))
     assert _checks("accounting", str(status), str(metrics)).returncode == 1
     status.write_text(json.dumps(_status()))
     metrics.write_text(_metrics([*range(1, 81), 40]))  # a step trained twice

@@ -52,7 +52,7 @@ def test_staleness_boundary_in_optimizer_steps(steps, max_staleness, tmp_path):
     samples = [fresh, stale]
     dropped = svc._apply_staleness(samples, [0, 1])
     assert dropped == 1 and fresh.weight == 1.0 and stale.weight == 0.0
-    assert svc.counters["dropped_stale"] == 1
+    assert svc.books.dropped_stale_samples == 1
 
 
 def test_dispatch_gate_never_produces_data_the_learner_drops():

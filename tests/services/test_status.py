@@ -19,6 +19,7 @@ import pytest
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
 from common.ports import free_port
+from common.protocol.books import LearnerBooks
 from common.protocol.streams import DEAD, GROUPS, WEIGHTS_EPOCH, WEIGHTS_PUBLISHING
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
@@ -66,7 +67,7 @@ def fake_services(
     beats = [
         ("learner", "learner-0", {"working": 60.0, "waiting_input": 30.0, "syncing_weights": 5.0},
          {"version": 7, "cycle": 4, "ready": True, "no_progress_s": no_progress_s, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
-          "counters": {"trained_samples": 100, "dropped_stale": 4, "filtered_samples": 0}}),
+          "books": LearnerBooks(trained_samples=100, dropped_stale_samples=4).to_dict()}),
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
          {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
           "ready": True}),

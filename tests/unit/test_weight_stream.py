@@ -47,17 +47,21 @@ def test_a_stalled_reader_is_left_behind_and_the_others_go_on() -> None:
     feed = UnitFeed(10, window=2, stall_s=0.2)
     fast: list = []
     r_fast, r_stuck = feed.reader(), feed.reader()
-    threading.Thread(target=_read_all, args=(r_fast, fast)).start()
-    stuck_thread = threading.Thread(target=lambda: (next(r_stuck.units()), time.sleep(1.0)))
+    fast_thread = threading.Thread(target=_read_all, args=(r_fast, fast))
+    fast_thread.start()
+    release = threading.Event()  # the stuck reader takes one unit, then reads no more
+    stuck_thread = threading.Thread(target=lambda: (next(r_stuck.units()), release.wait(10)))
     stuck_thread.start()
     t0 = time.monotonic()
     for k in range(10):
         feed.put(k, deadline=time.monotonic() + 10)
     assert time.monotonic() - t0 < 3.0  # not held until the deadline
-    time.sleep(0.1)
-    assert fast == list(range(10))
+    fast_thread.join(10)  # its reader ends once it has every unit
+    assert not fast_thread.is_alive() and fast == list(range(10))
     with pytest.raises(WeightSyncError, match="stalled"):
         feed._get(r_stuck.rid, 1, None)
+    release.set()
+    stuck_thread.join(10)
 
 
 def test_the_producer_never_raises_at_the_deadline() -> None:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from common.config.errors import ConfigError
-from common.service import exit_codes
+from common.service import exit_codes, process_exit
 from common.service.preflight import PreflightError
 from tether.cli.config_verbs import add_config_verbs
 from tether.cli.observe_verbs import add_observe_verbs
@@ -51,16 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one verb; its exit code is also reported to ``graceful_torchrun`` when this process
-    is one of its ranks (``common.service.exit_codes``), since torchrun's own code is 1."""
+    is one of its ranks (``common.service.exit_codes``), since torchrun's own code is 1. A verb
+    that ran gloo process groups (the learner) ends here, without interpreter finalization
+    (``common.service.process_exit``)."""
     code = 1  # an exception on its way out
     try:
         code = _main(argv)
-        return code
     except SystemExit as exc:  # argparse
         code = exc.code if isinstance(exc.code, int) else 1
         raise
     finally:
         exit_codes.report(code)
+    return process_exit.end(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 from common.bus.dead_letters import holds_responses
 from common.bus.redrive import redrivable
 from common.protocol import streams as names
+from common.protocol.books import LearnerBooks, RunBooks
 from common.protocol.run_dir import RunDir
 
 STREAMS = list(names.PIPELINE)
@@ -74,7 +75,6 @@ def collect_status(bus) -> dict[str, Any]:
         for _, fields in dead_entries
         if redrivable(fields, learner_cycle=cycle if isinstance(cycle, int) else None)
     )
-    counters = learner.get("counters", {})
     # every generator id's run-long count (Redis), not the live processes' own counters, which
     # start again at 0 when a generator restarts
     by_field = bus.generated_groups()
@@ -99,23 +99,16 @@ def collect_status(bus) -> dict[str, Any]:
             "publishing": _int_or_none(bus.get(names.WEIGHTS_PUBLISHING)),
             "chain_epoch": _int_or_none(bus.get(names.WEIGHTS_EPOCH)),
         },
-        "accounting": {
-            "groups_generated": generated,
-            "eval_groups_generated": eval_generated,  # counted apart by the generators
-            "trained_samples": counters.get("trained_samples", 0),
-            "dropped_stale_samples": counters.get("dropped_stale", 0),
-            "filtered_samples": counters.get("filtered_samples", 0),
-            "overlong_masked_samples": counters.get("overlong_masked_samples", 0),
-            "refused_template_samples": counters.get("refused_template_samples", 0),
-            "episode_tool_calls": counters.get("episode_tool_calls", 0),
-            "surplus_samples": counters.get("surplus_samples", 0),
-            # agents' episodes ([agent]): segments beyond an episode's first (broken turn
-            # continuity adds samples), and episodes whose agent code failed (never trained)
-            "segment_samples": counters.get("segment_samples", 0),
-            "agent_failed_samples": counters.get("agent_failed_samples", 0),
-            "dead_letters": dead,
-            "dead_letter_groups": dead_groups,
-        },
+        # the run's books (common.protocol.books): the learner's counts under their own names
+        "accounting": RunBooks(
+            groups_generated=generated,
+            eval_groups_generated=eval_generated,  # counted apart by the generators
+            dead_letters=dead,
+            dead_letter_groups=dead_groups,
+            learner=LearnerBooks.from_dict(learner["books"])
+            if "books" in learner
+            else LearnerBooks(),  # no heartbeat from the learner yet
+        ).to_dict(),
         "bottleneck": bottleneck(services),
         # seconds the learner has waited without a scored group, dead letter or step
         "no_progress_s": learner.get("no_progress_s"),
@@ -182,10 +175,16 @@ def format_status(st: dict[str, Any]) -> str:
             f"stale {acc.get('dropped_stale_samples', 0)}, filtered {acc.get('filtered_samples', 0)} "
             f"(equal rewards), masked over-long {acc.get('overlong_masked_samples', 0)}, surplus "
             f"{acc.get('surplus_samples', 0)} (dynamic sampling)"
-            + (f", refused (re-render) {acc['refused_template_samples']}"
-               if acc.get("refused_template_samples") else "")
-            + (f"; tool calls in them {acc['episode_tool_calls']}"
-               if acc.get("episode_tool_calls") else "")
+            + (
+                f", refused (re-render) {acc['refused_template_samples']}"
+                if acc.get("refused_template_samples")
+                else ""
+            )
+            + (
+                f"; tool calls in them {acc['episode_tool_calls']}"
+                if acc.get("episode_tool_calls")
+                else ""
+            )
         )
         if acc.get("segment_samples") or acc.get("agent_failed_samples"):
             lines.append(

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from common.protocol.books import BooksError
 from common.protocol.run_dir import RunDir
 from tether.runs.status import format_status, load_status_snapshot
 
@@ -98,12 +99,17 @@ def enrich(st: dict[str, Any], *, cfg: Any, run_dir: Path | None) -> dict[str, A
     for s in st.get("services", []):
         s["rates"] = service_rates(s, responses_per_prompt=n)
     evals = read_metrics(run_dir)[1] if run_dir is not None else []
-    rows = accounting_rows(
-        st,
-        responses_per_prompt=n,
-        passes_per_cycle=passes,
-        eval_groups=sum(int(e.get("n", 0)) for e in evals),
-    )
+    try:
+        rows = accounting_rows(
+            st,
+            responses_per_prompt=n,
+            passes_per_cycle=passes,
+            eval_groups=sum(int(e.get("n", 0)) for e in evals),
+        )
+    except BooksError as exc:  # a snapshot another Tether wrote: the rest still shows
+        st["accounting_trajectories"] = None
+        st["accounting_refused"] = str(exc)
+        return st
     st["accounting_trajectories"] = {key: value for key, _, value, _ in rows}
     return st
 
@@ -132,6 +138,8 @@ def format_full(st: dict[str, Any]) -> str:
         lines.append(
             f"  rate {s['service']:9s} {s['id']:14s} {', '.join(parts) or '-'} over {r.get('uptime_s', 0):.0f} s"
         )
+    if st.get("accounting_refused"):
+        lines.append(f"  accounting: not read ({st['accounting_refused']})")
     a = st.get("accounting_trajectories")
     if a:
         lines.append(

@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from common.protocol.books import LearnerBooks, RunBooks
 from common.protocol.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ def service_rates(service: dict[str, Any], *, responses_per_prompt: int) -> dict
         out["tokens_per_s"] = service["tokens"] / uptime
     if "groups" in service:
         out["groups_per_s"] = service["groups"] / uptime
-    trained = (service.get("counters") or {}).get("trained_samples")
-    if trained is not None:
+    if "books" in service:  # the learner's heartbeat
+        trained = LearnerBooks.from_dict(service["books"]).trained_samples
         out["samples_per_s"] = trained / uptime
         out["groups_per_s"] = trained / max(responses_per_prompt, 1) / uptime
     return out
@@ -78,33 +79,43 @@ def accounting_rows(
     trajectories (responses), as (key, label, value, source) rows; the last row is the unexplained
     remainder (0 when the books balance).
 
-    Generators count groups, evaluation groups apart (one response each: taken out); older
-    snapshots know the evaluation groups only from ``metrics.jsonl`` (``eval_groups``). The learner counts a sample once per pass."""
-    acc, streams, n = status.get("accounting", {}), status.get("streams", {}), responses_per_prompt
-    # snapshots written before the run-long count called it groups_generated_by_live_generators
-    total = acc.get("groups_generated", acc.get("groups_generated_by_live_generators", 0))
-    # the generators count held-out groups apart, rounds a dead learner never recorded included
-    # (at least the recorded rounds of metrics.jsonl); counts written before that have 0 there
-    eval_groups = max(acc.get("eval_groups_generated", 0), eval_groups)
+    Generators count groups, evaluation groups apart (one response each: taken out), rounds a
+    dead learner never recorded included (at least the recorded rounds of ``metrics.jsonl``,
+    ``eval_groups``). The learner counts a sample once per pass. ``status["accounting"]`` is
+    the run's books (``common.protocol.books.RunBooks``), read whole or refused."""
+    books, streams, n = (
+        RunBooks.from_dict(status["accounting"]),
+        status.get("streams", {}),
+        responses_per_prompt,
+    )
+    lb = books.learner
+    eval_groups = max(books.eval_groups_generated, eval_groups)
     # an agent's episode whose turn continuity broke adds a sample per extra segment
-    segments = acc.get("segment_samples", 0)
-    generated = (total - eval_groups) * n + segments
-    trained = acc.get("trained_samples", 0) // max(passes_per_cycle, 1)
-    dropped = acc.get("dropped_stale_samples", 0)
-    filtered = acc.get("filtered_samples", 0)
-    overlong = acc.get("overlong_masked_samples", 0)
-    refused = acc.get("refused_template_samples", 0)
-    surplus = acc.get("surplus_samples", 0)
-    failed = acc.get("agent_failed_samples", 0)
-    # snapshots written before dead letters were told apart count every entry as a group
-    dead = acc.get("dead_letter_groups", acc.get("dead_letters", 0)) * n
+    segments = lb.segment_samples
+    generated = (books.groups_generated - eval_groups) * n + segments
+    trained = lb.trained_samples // max(passes_per_cycle, 1)
+    dropped = lb.dropped_stale_samples
+    filtered = lb.filtered_samples
+    overlong = lb.overlong_masked_samples
+    refused = lb.refused_template_samples
+    surplus = lb.surplus_samples
+    failed = lb.agent_failed_samples
+    dead = books.dead_letter_groups * n
     queued = sum(
         streams.get(s, {}).get(k, 0)
         for s, k in (("groups", "lag"), ("groups", "pending"), ("scored", "lag"))
     )
     in_flight = queued * n
     rest = (
-        generated - trained - dropped - filtered - overlong - refused - surplus - failed - dead
+        generated
+        - trained
+        - dropped
+        - filtered
+        - overlong
+        - refused
+        - surplus
+        - failed
+        - dead
         - in_flight
     )
     return [

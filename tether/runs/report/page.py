@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.protocol.books import BooksError
 from common.protocol.run_dir import RunDir
 from tether.runs.report import plots as rp
 from tether.runs.report.data import (
@@ -143,21 +144,25 @@ def _status_sections(status: dict | None, evals: list[dict], run: dict) -> dict[
         status.get("services", []), key=lambda s: (s.get("service", ""), s.get("id", ""))
     )
     status = {**status, "services": services}
-    rows = accounting_rows(
-        status,
-        responses_per_prompt=n,
-        passes_per_cycle=passes,
-        eval_groups=sum(int(e.get("n", 0)) for e in evals),
-    )
-    cls = [""] * (len(rows) - 1) + ["ok" if rows[-1][2] == 0 else "bad"]
-    return {
+    sections = {
         "rates": img_tag(rp.plot_stage_rates(services, n), "rates per stage", "no rates")
         + _rates(status, n),
-        "time": img_tag(rp.plot_time(services), "time breakdown", "no phase timings in the snapshot"),
-        "accounting": html_table(
-            ["", "trajectories", "from"], [list(r[1:]) for r in rows], classes=cls
+        "time": img_tag(
+            rp.plot_time(services), "time breakdown", "no phase timings in the snapshot"
         ),
     }
+    try:
+        rows = accounting_rows(
+            status,
+            responses_per_prompt=n,
+            passes_per_cycle=passes,
+            eval_groups=sum(int(e.get("n", 0)) for e in evals),
+        )
+    except BooksError as exc:  # a snapshot another Tether wrote: the rest of the page stands
+        return {**sections, "accounting": f'<p class="note">{esc(f"books not read: {exc}")}</p>'}
+    cls = [""] * (len(rows) - 1) + ["ok" if rows[-1][2] == 0 else "bad"]
+    table = html_table(["", "trajectories", "from"], [list(r[1:]) for r in rows], classes=cls)
+    return {**sections, "accounting": table}
 
 
 def render(
@@ -207,12 +212,14 @@ def render(
             "log-probs of the sampled tokens under the generator (behaviour) vs the learner, before the update",
         ),
         *(
-            [_section(
-                "episodes",
-                img_tag(rp.plot_episodes(steps), "episodes", "no episodes recorded"),
-                "per optimizer step, over the episodes it trained; the staleness above counts "
-                "from each episode's oldest sampled token",
-            )]
+            [
+                _section(
+                    "episodes",
+                    img_tag(rp.plot_episodes(steps), "episodes", "no episodes recorded"),
+                    "per optimizer step, over the episodes it trained; the staleness above counts "
+                    "from each episode's oldest sampled token",
+                )
+            ]
             if rp.episodes_recorded(steps)
             else []
         ),  # fmt: skip
