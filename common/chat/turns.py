@@ -31,15 +31,25 @@ past reasoning stays in the ids. The re-render check below measures these differ
 
 **The re-render check** (``generator.template_check``): rendering the whole conversation again
 from its messages is what a system without token-in/token-out trains on. It differs from the ids
-as generated wherever the template rewrites what the model wrote: tool calls re-serialised from
-their parsed form, BPE merges across the boundary of a turn, templates that drop earlier
-reasoning (Qwen3's removes ``<think>…</think>`` from past assistant turns). ``first_mismatch``
-finds the first differing id; ``warn`` counts episodes with one, ``strict`` also refuses them
-(no loss), ``off`` skips the check.
+as generated wherever the template rewrites what the model wrote. ``rerender_mismatch`` finds
+the first differing id and ``mismatch_kind`` says what kind of difference it is:
+
+- ``tokens``: the same text, other ids (the model sampled a non-canonical BPE split);
+- ``serialisation``: the texts differ only in how JSON is written (a call in compact JSON,
+  another key order) or in whitespace;
+- ``content``: the re-render shows the model something else than what it wrote (a template
+  that drops the content written beside a call, or earlier reasoning).
+
+``warn`` counts episodes by kind; ``strict`` also refuses ``content`` episodes (trained with no
+loss), the only kind where the training ids differ in meaning from what the conversation would
+show the model again. A malformed call is re-rendered as the text the model wrote (as the agent
+endpoint shows it), so a negative example is never refused; ``off`` skips the check.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -206,3 +216,34 @@ def rerender_mismatch(
     ids up to the start of its last assistant turn. -1 when they agree."""
     rendered = encoder._render(messages, add_generation_prompt=True)
     return first_mismatch(ids, rendered)
+
+
+def _canonical(text: str) -> str:
+    """``text`` with every JSON object or list written one way (sorted keys, compact) and
+    whitespace runs collapsed: what ``serialisation`` differences leave equal."""
+    out, i, decoder = [], 0, json.JSONDecoder()
+    while i < len(text):
+        if text[i] in "{[":
+            try:
+                obj, end = decoder.raw_decode(text, i)
+            except ValueError:
+                pass
+            else:
+                out.append(json.dumps(obj, sort_keys=True, separators=(",", ":")))
+                i = end
+                continue
+        out.append(text[i])
+        i += 1
+    return re.sub(r"\s+", " ", "".join(out)).strip()
+
+
+def mismatch_kind(tokenizer: Any, ids: Sequence[int], rendered: Sequence[int]) -> str:
+    """``tokens``, ``serialisation`` or ``content`` (module docstring) for ``ids`` that differ
+    from ``rendered`` over the length of ``ids``."""
+    mine = str(tokenizer.decode(list(ids), skip_special_tokens=False))
+    theirs = str(tokenizer.decode(list(rendered), skip_special_tokens=False))
+    if mine == theirs:
+        return "tokens"
+    if _canonical(mine) == _canonical(theirs):
+        return "serialisation"
+    return "content"
