@@ -220,7 +220,7 @@ def rerender_mismatch(
 
 def _canonical(text: str) -> str:
     """``text`` with every JSON object or list written one way (sorted keys, compact) and
-    whitespace runs collapsed: what ``serialisation`` differences leave equal."""
+    whitespace removed (templates trim turns): what ``serialisation`` differences leave equal."""
     out, i, decoder = [], 0, json.JSONDecoder()
     while i < len(text):
         if text[i] in "{[":
@@ -234,7 +234,7 @@ def _canonical(text: str) -> str:
                 continue
         out.append(text[i])
         i += 1
-    return re.sub(r"\s+", " ", "".join(out)).strip()
+    return re.sub(r"\s+", "", "".join(out))
 
 
 def mismatch_kind(tokenizer: Any, ids: Sequence[int], rendered: Sequence[int]) -> str:

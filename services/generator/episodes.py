@@ -120,9 +120,9 @@ class EpisodeRunner:
         body = ids[:-1] if ids and ids[-1] in self.encoder.end_ids else ids
         return str(self.tokenizer.decode(body, skip_special_tokens=False))
 
-    async def _answer(self, rec: EpisodeRecorder, call: ToolCall, extra: bool) -> dict[str, Any]:
+    async def _answer(self, call: ToolCall, extra: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """Run one call (or answer its parse error, or refuse a call past the family's limit
-        per turn); record it; the tool message."""
+        per turn): the tool message and the call's record."""
         if call.error:
             ok, reason, text, seconds = False, "malformed_call", f"Error: {call.error}", 0.0
         elif extra:
@@ -133,13 +133,13 @@ class EpisodeRunner:
             result = await self.sandbox.call(call.name, call.arguments)
             ok, reason, seconds = result.ok, result.reason, result.seconds
             text = _shown(result.text, self.s.tool_output_max_chars)
-        rec.add_tool_call(name=call.name or "?", arguments=call.raw if call.error else
-                          call.arguments, ok=ok, reason=reason, seconds=seconds)  # fmt: skip
+        record = {"name": call.name or "?", "arguments": call.raw if call.error else
+                  call.arguments, "ok": ok, "reason": reason, "seconds": seconds}  # fmt: skip
         self.metrics.tool_calls.labels(call.name if call.name in self.sandbox.specs else "?").inc()
         self.metrics.tool_seconds.observe(seconds)
         if not ok:
             self.metrics.tool_errors.labels(reason).inc()
-        return {"role": "tool", "name": call.name, "content": text, "tool_call_id": call.id}
+        return {"role": "tool", "name": call.name, "content": text, "tool_call_id": call.id}, record
 
     async def _turn(self, rec: EpisodeRecorder, sampling: Any, request_id: str, version: int):
         remaining = self.s.max_tokens - len(rec.ids)
@@ -186,10 +186,13 @@ class EpisodeRunner:
                 rec.finish_reason = "max_turns"
                 break
             limit = self.format.max_calls
-            answers = await asyncio.gather(*(
-                self._answer(rec, c, extra=limit is not None and k >= limit)
+            done = await asyncio.gather(*(
+                self._answer(c, extra=limit is not None and k >= limit)
                 for k, c in enumerate(parsed.calls)
             ))  # fmt: skip
+            answers = [message for message, _ in done]
+            for _, record in done:  # in the order the model wrote the calls
+                rec.add_tool_call(**record)
             closed = bool(ids) and ids[-1] in self.encoder.end_ids
             try:
                 delta = self.encoder.env_turn(list(answers), turn_closed=closed)
@@ -214,13 +217,15 @@ class EpisodeRunner:
     def _parse(self, ids: list[int], turn: int) -> tuple[ParsedTurn, dict[str, Any]]:
         """The turn parsed, its calls given ids (the model's own, else ``TTTTKKKKK``: nine
         characters, as Mistral's template wants), and the message a client would hold: a turn
-        with a malformed call is held as the text the model wrote."""
+        with a malformed call, or more calls than the family allows, is held as the text the
+        model wrote (a re-render then shows the model its own mistake)."""
         text = self._text(ids)
         parsed = self.format.parse(text)
         for k, call in enumerate(parsed.calls):
             call.id = call.id or f"{turn:04d}{k:05d}"
-        if any(c.error for c in parsed.calls):
-            return parsed, {"role": "assistant", "content": text}
+        limit = self.format.max_calls
+        if any(c.error for c in parsed.calls) or (limit is not None and len(parsed.calls) > limit):
+            return parsed, {"role": "assistant", "content": text}  # the model's mistake, as is
         return parsed, parsed.message(max_calls=self.format.max_calls)
 
     def _fail(self, rec: EpisodeRecorder, reason: str, why: str) -> None:
