@@ -51,6 +51,10 @@ class AgentMetrics:
             "agent episodes ended, by how", ["finish"],
             initial=("stop", "length", "max_turns", "agent_error", "agent_timeout"),
         )  # fmt: skip
+        self.blocked = metric(
+            "Counter", "tether_generator_agent_blocked_total",
+            "times an agent's code blocked the agents' event loop past BLOCKED_AFTER_S",
+        )  # fmt: skip
         self.extra_calls = metric(
             "Counter", "tether_generator_agent_extra_calls_total",
             "tool calls a reply did not return: past parallel_tool_calls = false",
