@@ -117,7 +117,7 @@ def _call_from_obj(obj: Any, raw: str, *, args_keys: tuple[str, ...]) -> ToolCal
     if not isinstance(args, dict):
         return ToolCall(name=obj["name"], arguments={}, raw=raw,
                         error=f'"{args_keys[0]}" must be a JSON object')  # fmt: skip
-    call_id = obj.get("id") if isinstance(obj.get("id"), str) else ""
+    call_id = obj["id"] if isinstance(obj.get("id"), str) else ""
     return ToolCall(name=obj["name"], arguments=args, raw=raw, id=call_id)
 
 
@@ -279,8 +279,8 @@ def tool_format(setting: str, *, model_type: str, vocab: Any = ()) -> ToolFormat
         return FORMATS[setting]
     name = BY_MODEL_TYPE.get(model_type)
     without = WITHOUT_FORMAT.get(model_type)
-    if name in NEEDS_TOKEN and NEEDS_TOKEN[name][0] not in vocab:
-        name, without = None, NEEDS_TOKEN[name][1]
+    if name is not None and name in NEEDS_TOKEN and NEEDS_TOKEN[name][0] not in vocab:
+        without, name = NEEDS_TOKEN[name][1], None
     if without is not None:
         raise ToolFormatError(
             f"{without} models ({model_type}) have no tool-call format: their chat template "
