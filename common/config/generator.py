@@ -64,11 +64,14 @@ class GeneratorConfig(Section):
         "package.module:function, path/file.py:function, or package.module:Class (each public "
         "method); schemas from signatures and docstrings; needs max_turns ≥ 2",
     )
-    tool_format: Literal["auto", "hermes", "llama3_json"] = Field(
-        "auto",
-        description="how the model writes tool calls; auto = from the model's model_type "
-        "(Qwen2.5/Qwen3 → hermes, Llama 3.x → llama3_json; Gemma 2 and Phi-3 have none and are "
-        "refused)",
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "qwen3_xml", "phi4_mini"] = (
+        Field(
+            "auto",
+            description="how the model writes tool calls; auto = from the model's model_type "
+            "(Qwen2.5/Qwen3 → hermes, Llama 3.x → llama3_json, Mistral → mistral, Phi-4-mini → "
+            "phi4_mini; Gemma 2, Phi-3 and SmolLM2 have none and are refused); qwen3_xml "
+            "(Qwen3-Coder) is never chosen by auto",
+        )
     )
     tool_timeout_s: float = Field(
         10.0, gt=0.0, description="wall-clock and CPU-time limit of one tool call in seconds"
@@ -94,6 +97,8 @@ class GeneratorConfig(Section):
     template_check: Literal["warn", "strict", "off"] = Field(
         "warn",
         description="re-render each episode's conversation through the chat template and count "
-        "episodes whose ids differ (warn), also train them with no loss (strict), or skip (off); "
-        "Tether trains on the ids as generated either way",
+        "episodes whose re-render differs from the ids, by kind (warn); strict also trains with "
+        "no loss the episodes whose re-render would show the model something else than what it "
+        "wrote (not a re-serialised call, not a malformed one); off skips it. Tether trains on "
+        "the ids as generated either way",
     )

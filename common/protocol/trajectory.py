@@ -29,7 +29,9 @@ unchanged):
 - ``agent_reward`` (default none): the reward components the agent's code returned; the scorer
   uses them instead of grading ``response_text``;
 - ``error`` (default ""): why the agent's code failed (``finish_reason`` ``agent_error`` or
-  ``agent_timeout``); such an episode is recorded and counted but never trained.
+  ``agent_timeout``), or why a built-in episode could not go on (``episode_error``: the chat
+  template refused a turn, a turn could not be encoded); such an episode is recorded and
+  counted but never trained.
 
 A v1 message (single-turn, ``version_spans``) is read as an episode of one assistant turn.
 """
@@ -60,7 +62,9 @@ MAX_TOOL_CALLS = 4096
 MAX_ARGUMENT_CHARS = 2000
 MAX_ERROR_CHARS = 1000
 MAX_REWARD_COMPONENTS = 64
-AGENT_FAILED = frozenset({"agent_error", "agent_timeout"})  # finish reasons never trained
+# finish reasons never trained: the agent's code failed, or (built-in loop) the episode could not
+# go on (its chat template refused a turn, a call could not be encoded): recorded and counted
+AGENT_FAILED = frozenset({"agent_error", "agent_timeout", "episode_error"})
 # fields written only when they differ from these defaults (see the module docstring)
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "segment": 0, "prompt_token_ids": None, "agent_reward": None, "error": "",

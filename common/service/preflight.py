@@ -265,11 +265,13 @@ def _tokenizer(cfg: TetherConfig) -> Any:
 
 def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
     """Episodes can run: every generator.tools entry resolves to a tool, the model has a tool
-    format (generator.tool_format), its chat template renders tools and appends turns by
-    difference, and the sandbox can isolate when generator.tool_sandbox requires it."""
+    format (generator.tool_format), its chat template renders tools, appends turns by
+    difference and plays a scripted episode with one and two calls (``common.chat.rehearsal``),
+    and the sandbox can isolate when generator.tool_sandbox requires it."""
     import json
     import shutil
 
+    from common.chat.rehearsal import rehearse
     from common.chat.tool_calls import ToolFormatError, tool_format
     from common.chat.turns import TemplateDeltaError, TurnEncoder, end_of_turn_ids
     from common.data.model_paths import policy_paths
@@ -281,8 +283,9 @@ def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
     try:
         schemas = tool_schemas(g.tools)
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
-        tool_format(g.tool_format, model_type=model_type, vocab=tokenizer.get_vocab())
-        TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, model_dir), tools=schemas)
+        fmt = tool_format(g.tool_format, model_type=model_type, vocab=tokenizer.get_vocab())
+        enc = TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, model_dir), tools=schemas)
+        rehearse(tokenizer, enc, fmt)  # one call, two calls, through the real template
     except (ToolDefinitionError, ToolFormatError, TemplateDeltaError, OSError) as exc:
         raise PreflightError(f"episodes cannot run: {exc}") from None
     if g.tool_sandbox == "namespaces" and (os.geteuid() != 0 or not shutil.which("unshare")):

@@ -32,6 +32,7 @@ import sys
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_DUMPABLE = 4
 DEVICES = ("null", "zero", "urandom", "random")
 WORK = "/work"
 
@@ -123,3 +124,12 @@ def clean_environment(home: str) -> None:
     """Forget the environment the worker was started with (secrets included)."""
     os.environ.clear()
     os.environ.update({"HOME": home, "PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})
+
+
+def make_undumpable() -> None:
+    """Make this process (the generator) non-dumpable: its ``/proc/<pid>/environ``, ``mem``,
+    ``maps`` and ``fd`` become root's, so a process of the same uid (a tool in ``rlimits``
+    mode) cannot read them, nor ptrace it. Side effects: no core dumps, and ``py-spy`` needs
+    root to attach. Exec'd children (the tool workers) are dumpable again."""
+    if _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise JailError(f"prctl(PR_SET_DUMPABLE, 0): {os.strerror(ctypes.get_errno())}")

@@ -10,9 +10,15 @@ only its own episode.
 Isolation (``isolation``): ``namespaces`` starts each worker in fresh network, PID, mount, IPC
 and UTS namespaces (``unshare``, as root) and the worker closes its jail
 (``common.tools.jail``: no network, a read-only view of ``/usr`` and Python, a private
-``/work``, a user id per slot, an empty environment); ``rlimits`` runs workers as plain
-processes with the same per-call limits and an empty environment but no network or file
-isolation; ``auto`` takes ``namespaces`` where it works and says so in the log when it falls
+``/work``, a user id per slot, an empty environment); ``rlimits`` (what a non-root generator
+gets) runs workers with the same per-call limits and an empty environment, in a new user and
+network namespace where the kernel allows unprivileged ones (``unshare --user --net``: no
+network), and makes the generator itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so a
+tool running under the generator's own uid cannot read the generator's ``/proc/<pid>/environ``
+(the Redis password), memory or open files through ``/proc``. What ``rlimits`` does not hide:
+files the generator's uid can read on disk (run the generator under a uid that owns no
+secrets on disk, or use ``namespaces``), and, where user namespaces are off, the network (the
+log says so). ``auto`` takes ``namespaces`` where it works and says so in the log when it falls
 back. Every worker kills what a call leaves behind (``common.tools.worker``).
 """
 
@@ -36,6 +42,7 @@ log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "namespaces", "rlimits"]
 UNSHARE = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child")
+UNSHARE_NET = ("--user", "--net")  # rlimits mode: no network, without privileges
 GRACE_S = 5.0  # a worker that misses a call's deadline by this much is wedged: restart it
 START_TIMEOUT_S = 30.0
 
@@ -89,6 +96,7 @@ class _Slot:
     isolation: str = ""
     workdir: str = ""
     calls: int = field(default=0)
+    netns: bool = False  # rlimits mode in a user + network namespace
 
 
 class ToolSandbox:
@@ -132,7 +140,9 @@ class ToolSandbox:
             "limits": asdict(self.limits),
         }
         cmd = [sys.executable, "-m", "common.tools.worker", json.dumps(config)]
-        return ["unshare", *UNSHARE, "--", *cmd] if isolate else cmd
+        if isolate:
+            return ["unshare", *UNSHARE, "--", *cmd]
+        return ["unshare", *UNSHARE_NET, "--", *cmd] if slot.netns else cmd
 
     async def _spawn(self, slot: _Slot, isolate: bool) -> dict[str, Any]:
         if not isolate and not slot.workdir:
@@ -177,13 +187,24 @@ class ToolSandbox:
                     "empty environment but CAN reach the network and the file system",
                     hello.get("error"),
                 )
+            slot.netns = shutil.which("unshare") is not None
             hello = await self._spawn(slot, isolate=False)
+            if not hello.get("ready") and slot.netns:  # no unprivileged user namespaces here
+                if slot.index == 0:
+                    log.warning("tool sandbox: no user namespace for the tools (%s); their "
+                                "network stays open", hello.get("error"))  # fmt: skip
+                slot.netns = False
+                hello = await self._spawn(slot, isolate=False)
             if not hello.get("ready"):
                 raise SandboxError(f"the tool sandbox cannot start: {hello.get('error')}")
         slot.isolation = str(hello["isolation"])
 
     async def start(self) -> None:
-        """Start every worker (about 0.15 s each); ``isolation`` says what they run with."""
+        """Start every worker (about 0.15 s each); ``isolation`` says what they run with. The
+        generator becomes non-dumpable first (module docstring)."""
+        from common.tools.jail import make_undumpable
+
+        make_undumpable()
         for slot in self._slots:
             await self._start_slot(slot)
             self._idle.put_nowait(slot)

@@ -18,7 +18,12 @@ your own. What ``run`` returns:
 
 **Isolation.** The agents of all episodes share one event loop in a thread of their own, so an
 agent that blocks (synchronous I/O, a long computation) stalls only agents, never the
-generator's loop (vLLM, weights, the endpoint). Each episode runs under ``agent.timeout_s``,
+generator's loop (vLLM, weights, the endpoint). It does stall every other agent, so it is
+found: a watchdog thread sends the agents' loop a heartbeat and, when one waits longer than
+``BLOCKED_AFTER_S``, logs a warning naming the episode whose code holds the loop and the line
+it is on, and counts it (``tether_generator_agent_blocked_total``). Write agents that await:
+``await asyncio.sleep`` not ``time.sleep``, the ``client`` Tether hands you (or ``httpx.AsyncClient``)
+not ``requests``, and ``await asyncio.to_thread(f, ...)`` for a slow synchronous function. Each episode runs under ``agent.timeout_s``,
 measured on the generator's loop: past it, or when the code raises, the episode ends with the
 error recorded (``agent_timeout`` / ``agent_error``), its requests still in flight are cancelled,
 and the generator goes on.
@@ -28,13 +33,18 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
+import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+log = logging.getLogger(__name__)
+BLOCKED_AFTER_S = 0.5  # a heartbeat of the agents' loop waiting longer: an agent blocks it
 
 
 class AgentCodeError(ValueError):
@@ -106,11 +116,21 @@ def _finite(value: Any, what: str) -> float:
 
 
 class AgentLoop:
-    """An event loop in a daemon thread where every episode's agent code runs."""
+    """An event loop in a daemon thread where every episode's agent code runs, watched for
+    code that blocks it (module docstring). ``on_blocked(episode, where, seconds)`` is called
+    once per blocking stretch."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, blocked_after_s: float = BLOCKED_AFTER_S,
+        on_blocked: Callable[[str, str, float], None] | None = None,
+    ) -> None:  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="tether-agents", daemon=True)
+        self._watch = threading.Thread(target=self._watchdog, name="tether-agents-watch",
+                                       daemon=True)  # fmt: skip
+        self._stop = threading.Event()
+        self.blocked_after_s, self.on_blocked = blocked_after_s, on_blocked
+        self._sent: float | None = None  # when the pending heartbeat was sent
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -118,12 +138,51 @@ class AgentLoop:
 
     def start(self) -> None:
         self._thread.start()
+        self._watch.start()
 
     def submit(self, work: Awaitable[Any]) -> Future:
         return asyncio.run_coroutine_threadsafe(work, self.loop)  # type: ignore[arg-type]
 
+    def _beat(self) -> None:
+        self._sent = None
+
+    def _watchdog(self) -> None:
+        reported = False
+        while not self._stop.wait(self.blocked_after_s / 4):
+            if self._sent is None:
+                reported = False
+                self._sent = time.monotonic()
+                try:
+                    self.loop.call_soon_threadsafe(self._beat)
+                except RuntimeError:  # the loop is closed
+                    return
+                continue
+            waited = time.monotonic() - self._sent
+            if waited > self.blocked_after_s and not reported:
+                reported = True
+                self._report(waited)
+
+    def _report(self, waited: float) -> None:
+        task = asyncio.current_task(self.loop)
+        episode = task.get_name() if task is not None else "?"
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        where = "?"
+        if frame is not None:
+            import linecache
+
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
+        log.warning(
+            "agent code blocks the agents' event loop (%.1f s so far; every other agent waits): "
+            "%s at %s. Await instead (asyncio.sleep, an async client, asyncio.to_thread).",
+            waited, episode, where,
+        )  # fmt: skip
+        if self.on_blocked is not None:
+            self.on_blocked(episode, where, waited)
+
     def stop(self) -> None:
         """Stop the loop (agents still running are abandoned: the thread is a daemon)."""
+        self._stop.set()
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5.0)

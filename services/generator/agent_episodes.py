@@ -214,7 +214,11 @@ class ContinuityRules:
             if (key == seg.tools_key and len(messages) > n and seg.transcript[-1]["role"] ==
                     "assistant" and all(map(same_message, messages[:n], seg.transcript))):  # fmt: skip
                 new = messages[n:]
-                delta = self.encoder(tools).env_turn(new, turn_closed=seg.closed)
+                try:
+                    delta = self.encoder(tools).env_turn(new, turn_closed=seg.closed)
+                except TemplateDeltaError as exc:  # the template refuses what the agent sent
+                    raise ApiError(400, f"the chat template cannot render the new messages: "
+                                   f"{exc}"[:600], code="template", param="messages") from None  # fmt: skip
                 calls = seg.transcript[-1].get("tool_calls", [])
                 answered = [(c["function"]["name"], c["function"]["arguments"])
                             for c, m in zip(calls, new, strict=False) if m["role"] == "tool"]  # fmt: skip

@@ -51,6 +51,14 @@ class AgentMetrics:
             "agent episodes ended, by how", ["finish"],
             initial=("stop", "length", "max_turns", "agent_error", "agent_timeout"),
         )  # fmt: skip
+        self.blocked = metric(
+            "Counter", "tether_generator_agent_blocked_total",
+            "times an agent's code blocked the agents' event loop past BLOCKED_AFTER_S",
+        )  # fmt: skip
+        self.extra_calls = metric(
+            "Counter", "tether_generator_agent_extra_calls_total",
+            "tool calls a reply did not return: past parallel_tool_calls = false",
+        )  # fmt: skip
 
 
 class AgentTurns:
@@ -69,19 +77,34 @@ class AgentTurns:
         if req.tools and self.format is None:
             raise api.bad("this model has no tool-call format Tether can parse, so tools "
                           "cannot be offered to it", "tools", "no_tool_format")  # fmt: skip
+        limit = self.format.max_calls if self.format is not None else None
+        if req.parallel_tool_calls and limit == 1:
+            raise api.bad(f"parallel_tool_calls = true is not offered for this model: its chat "
+                          f"template ({self.format.name}) allows one tool call per turn. Leave "
+                          "parallel_tool_calls out or set it to false.", "parallel_tool_calls",
+                          "unsupported_field")  # fmt: skip
+        if req.parallel_tool_calls is False:
+            limit = 1
         async with ep.lock:
             self._check_open(ep)
             prompt = self.rules.chat(ep, req.messages, req.tools)
             sample, ids, version = await self._sample(ep, prompt, req)
             text = self._text(ids, req.stop)
             parsed = self.format.parse(text) if req.tools else None
+            reasoning = parsed.reasoning if parsed is not None else ""
             if parsed is None or any(c.error for c in parsed.calls):
                 calls, content = [], text  # a malformed call is shown as the model wrote it
             else:
-                calls, content = parsed.calls, parsed.content
+                calls, content = parsed.calls[:limit], parsed.content
+                if len(parsed.calls) > len(calls):
+                    self.metrics.extra_calls.inc(len(parsed.calls) - len(calls))
+                for k, call in enumerate(calls):
+                    call.id = call.id or f"{ep.turns:04d}{k:05d}"  # 9 characters (Mistral's)
             self._record(ep, prompt, sample, ids, version, final_text=content)
             seg = prompt.segment
             reply_msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                reply_msg["reasoning_content"] = reasoning
             if calls:
                 reply_msg["tool_calls"] = [c.message() for c in calls]
             if calls and seg.last_finish == "stop":
@@ -95,7 +118,7 @@ class AgentTurns:
                 tool_calls=api.tool_call_entries(calls, f"{ep.episode_id[:8]}_{ep.turns}"),
                 finish=finish, prompt_tokens=len(prompt.ids), tokens=tokens or [""] * len(ids),
                 logprobs=list(sample.logprobs) if req.logprobs else None,
-                extra=self._extra(ep, prompt),
+                extra=self._extra(ep, prompt), reasoning=reasoning,
             )  # fmt: skip
             return api.with_ids(reply, prompt.ids, ids) if req.return_token_ids else reply
 

@@ -51,7 +51,8 @@ class AgentRunner:
         self.endpoint = AgentEndpoint(table=self.table, turns=self.turns, port=a.port,
                                       max_request_bytes=a.max_request_bytes, metrics=self.metrics)  # fmt: skip
         self.agent = agent if agent is not None else load_agent(a)
-        self.loop = AgentLoop()
+        blocked = self.metrics.blocked
+        self.loop = AgentLoop(on_blocked=lambda episode, where, seconds: blocked.inc())
         self.errors_logged = 0
 
     async def start(self) -> None:
@@ -139,6 +140,9 @@ class AgentRunner:
         """Runs on the agents' loop: a client for this episode, then the agent."""
         import openai
 
+        current = asyncio.current_task()
+        if current is not None:  # the name the blocking-agent warning gives
+            current.set_name(f"episode {task['episode_id']} (prompt {task['prompt_id']})")
         client = openai.AsyncOpenAI(base_url=task["base_url"], api_key=task["api_key"],
                                     max_retries=0, timeout=self.timeout_s)  # fmt: skip
         try:

@@ -12,8 +12,13 @@ per-token versions, turns, tool calls). Waits for vLLM (each turn is one request
 every other episode's turns by the engine) and for the sandbox (an async call: a slow tool holds
 only its own episode). Unblocked by the engine finishing a turn and a tool answering.
 
-A malformed call, an unknown tool or bad arguments get an error message as the tool's answer,
-counted; nothing a model writes raises here. Each turn's tokens carry the version of the weights
+A malformed call, an unknown tool, bad arguments, or a call beyond the family's limit per turn
+(``max_calls``: one for Llama 3.x) get an error message as the tool's answer, counted; nothing a
+model writes raises here. An episode that cannot go on — its chat template refuses a turn
+(``TemplateDeltaError``), a turn cannot be decoded or parsed — ends alone with finish
+``episode_error`` and the reason in ``error`` (recorded and counted, never trained:
+``tether_generator_episode_errors_total{reason}``); the prompt's other episodes and the
+generator go on. Each turn's tokens carry the version of the weights
 that sampled them (an in-flight update may land between or inside turns).
 """
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
-from common.chat.turns import TurnEncoder, rerender_mismatch
+from common.chat.turns import TemplateDeltaError, TurnEncoder, first_mismatch, mismatch_kind
 from common.telemetry.metrics import metric
 from services.generator.recorder import EpisodeRecorder
 from services.generator.seeds import episode_seed
@@ -46,7 +51,13 @@ class EpisodeMetrics:
     def __init__(self) -> None:
         self.episodes = metric(
             "Counter", "tether_generator_episodes_total", "episodes finished, by how they ended",
-            ["finish"], initial=("stop", "length", "max_turns", "template_mismatch"),
+            ["finish"],
+            initial=("stop", "length", "max_turns", "template_mismatch", "episode_error"),
+        )  # fmt: skip
+        self.errors = metric(
+            "Counter", "tether_generator_episode_errors_total",
+            "episodes ended because they could not go on, by reason", ["reason"],
+            initial=("template", "parse", "encoding"),
         )  # fmt: skip
         self.turns = metric(
             "Histogram", "tether_generator_episode_turns", "assistant turns per episode",
@@ -59,7 +70,7 @@ class EpisodeMetrics:
             "Counter", "tether_generator_tool_errors_total", "tool calls that failed, by reason",
             ["reason"], initial=("malformed_call", "unknown_tool", "bad_arguments", "timed_out",
                                  "output_exceeded", "killed", "out_of_memory", "worker",
-                                 "tool_error"),
+                                 "tool_error", "extra_call"),
         )  # fmt: skip
         self.tool_seconds = metric(
             "Histogram", "tether_generator_tool_seconds", "seconds per tool call",
@@ -67,7 +78,8 @@ class EpisodeMetrics:
         )  # fmt: skip
         self.mismatches = metric(
             "Counter", "tether_generator_template_mismatches_total",
-            "episodes whose re-rendered conversation differs from their ids",
+            "episodes whose re-rendered conversation differs from their ids, by kind", ["kind"],
+            initial=("tokens", "serialisation", "content"),
         )  # fmt: skip
 
 
@@ -108,21 +120,26 @@ class EpisodeRunner:
         body = ids[:-1] if ids and ids[-1] in self.encoder.end_ids else ids
         return str(self.tokenizer.decode(body, skip_special_tokens=False))
 
-    async def _answer(self, rec: EpisodeRecorder, call: ToolCall) -> dict[str, Any]:
-        """Run one call (or answer its parse error); record it; the tool message."""
+    async def _answer(self, call: ToolCall, extra: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run one call (or answer its parse error, or refuse a call past the family's limit
+        per turn): the tool message and the call's record."""
         if call.error:
             ok, reason, text, seconds = False, "malformed_call", f"Error: {call.error}", 0.0
+        elif extra:
+            ok, reason, seconds = False, "extra_call", 0.0
+            text = (f"Error: this model makes one tool call per turn; {call.name} was not run. "
+                    "Call it in the next turn.")  # fmt: skip
         else:
             result = await self.sandbox.call(call.name, call.arguments)
             ok, reason, seconds = result.ok, result.reason, result.seconds
             text = _shown(result.text, self.s.tool_output_max_chars)
-        rec.add_tool_call(name=call.name or "?", arguments=call.raw if call.error else
-                          call.arguments, ok=ok, reason=reason, seconds=seconds)  # fmt: skip
+        record = {"name": call.name or "?", "arguments": call.raw if call.error else
+                  call.arguments, "ok": ok, "reason": reason, "seconds": seconds}  # fmt: skip
         self.metrics.tool_calls.labels(call.name if call.name in self.sandbox.specs else "?").inc()
         self.metrics.tool_seconds.observe(seconds)
         if not ok:
             self.metrics.tool_errors.labels(reason).inc()
-        return {"role": "tool", "name": call.name, "content": text}
+        return {"role": "tool", "name": call.name, "content": text, "tool_call_id": call.id}, record
 
     async def _turn(self, rec: EpisodeRecorder, sampling: Any, request_id: str, version: int):
         remaining = self.s.max_tokens - len(rec.ids)
@@ -153,8 +170,12 @@ class EpisodeRunner:
             turn_sampling = dataclasses.replace(sampling, n=1, seed=seed)
             sample, ids = await self._turn(rec, turn_sampling, f"{request_id}/t{turn}", version)
             version = max(versions_of(sample, len(ids), version) or [version])
-            parsed = self.format.parse(self._text(ids))
-            rec.messages.append(parsed.message())
+            try:
+                parsed, message = self._parse(ids, turn)
+            except Exception as exc:  # a tokenizer or parser that fails on these ids
+                self._fail(rec, "parse", f"turn {turn} could not be decoded or parsed: {exc!r}")
+                break
+            rec.messages.append(message)
             if sample.finish_reason == "length" or len(rec.ids) >= self.s.max_tokens:
                 rec.finish_reason = "length"
                 break
@@ -164,19 +185,53 @@ class EpisodeRunner:
             if turn == self.s.max_turns - 1:
                 rec.finish_reason = "max_turns"
                 break
-            answers = await asyncio.gather(*(self._answer(rec, c) for c in parsed.calls))
+            limit = self.format.max_calls
+            done = await asyncio.gather(*(
+                self._answer(c, extra=limit is not None and k >= limit)
+                for k, c in enumerate(parsed.calls)
+            ))  # fmt: skip
+            answers = [message for message, _ in done]
+            for _, record in done:  # in the order the model wrote the calls
+                rec.add_tool_call(**record)
             closed = bool(ids) and ids[-1] in self.encoder.end_ids
-            delta = self.encoder.env_turn(list(answers), turn_closed=closed)
+            try:
+                delta = self.encoder.env_turn(list(answers), turn_closed=closed)
+            except TemplateDeltaError as exc:
+                self._fail(rec, "template", f"turn {turn}'s tool results: {exc}")
+                break
+            except Exception as exc:  # the tokenizer failed on the rendered text
+                self._fail(rec, "encoding", f"turn {turn}'s tool results: {exc!r}")
+                break
             if len(rec.ids) + len(delta) >= self.s.max_tokens:
                 rec.finish_reason = "length"  # no room for the answer and a next turn
                 break
             rec.add_context(delta, role="tool")
             rec.messages.extend(answers)
         rec.final_text = parsed.content
-        self._check_template(rec)
+        if rec.finish_reason != "episode_error":
+            self._check_template(rec)
         self.metrics.episodes.labels(rec.finish_reason).inc()
         self.metrics.turns.observe(rec.assistant_turns)
         return rec
+
+    def _parse(self, ids: list[int], turn: int) -> tuple[ParsedTurn, dict[str, Any]]:
+        """The turn parsed, its calls given ids (the model's own, else ``TTTTKKKKK``: nine
+        characters, as Mistral's template wants), and the message a client would hold: a turn
+        with a malformed call, or more calls than the family allows, is held as the text the
+        model wrote (a re-render then shows the model its own mistake)."""
+        text = self._text(ids)
+        parsed = self.format.parse(text)
+        for k, call in enumerate(parsed.calls):
+            call.id = call.id or f"{turn:04d}{k:05d}"
+        limit = self.format.max_calls
+        if any(c.error for c in parsed.calls) or (limit is not None and len(parsed.calls) > limit):
+            return parsed, {"role": "assistant", "content": text}  # the model's mistake, as is
+        return parsed, parsed.message(max_calls=self.format.max_calls)
+
+    def _fail(self, rec: EpisodeRecorder, reason: str, why: str) -> None:
+        log.warning("episode ended (%s): %s", reason, why)
+        rec.finish_reason, rec.error = "episode_error", why[:1000]
+        self.metrics.errors.labels(reason).inc()
 
     async def run_prompt(
         self, msg: Any, ids: list[int], sampling: Any, *, request_id: str, version: int,
@@ -204,18 +259,25 @@ class EpisodeRunner:
         await self.sandbox.close()
 
     def _check_template(self, rec: EpisodeRecorder) -> None:
-        """The re-render check (``generator.template_check``) over everything before the last
-        assistant turn; ``strict`` refuses a mismatching episode (the learner trains it with no
-        loss, counted)."""
+        """The re-render check (``generator.template_check``, ``common.chat.turns``) over
+        everything before the last assistant turn: counted by kind; ``strict`` refuses an
+        episode whose re-render differs in ``content`` (the learner trains it with no loss)."""
         if self.s.template_check == "off" or rec.assistant_turns < 2:
             return
         start = rec.last_assistant_start()
         messages = [*rec.prompt_messages, *rec.messages[:-1]]
-        at = rerender_mismatch(self.encoder, messages, rec.prompt_ids + rec.ids[:start])
+        ids = rec.prompt_ids + rec.ids[:start]
+        try:
+            rendered = self.encoder._render(messages, add_generation_prompt=True)
+        except Exception as exc:  # the template refuses the conversation as a client holds it
+            log.info("re-render check: the template refused the conversation (%r)", exc)
+            rendered = []
+        at = first_mismatch(ids, rendered) if rendered else 0
         rec.template_mismatch = at
         if at >= 0:
-            self.metrics.mismatches.inc()
-            if self.s.template_check == "strict":
+            kind = mismatch_kind(self.tokenizer, ids, rendered) if rendered else "content"
+            self.metrics.mismatches.labels(kind).inc()
+            if self.s.template_check == "strict" and kind == "content":
                 rec.finish_reason = "template_mismatch"
 
 

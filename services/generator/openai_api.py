@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Fields that label a request without changing what is sampled: accepted.
-LABELS = frozenset({"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                    "stream_options", "prompt_cache_key", "safety_identifier"})  # fmt: skip
+LABELS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
+                    "prompt_cache_key", "safety_identifier"})  # fmt: skip
 # Fields accepted only at their neutral value: (field, neutral values).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1, None),
@@ -53,9 +53,11 @@ WHY_NOT = {
 SAMPLING = ("temperature", "top_p", "top_k")
 # ``return_token_ids`` (vLLM's extension): the reply also carries ``prompt_token_ids`` and the
 # choice's ``token_ids``, the ids Tether records
+# ``parallel_tool_calls`` is honoured: false returns at most one call per reply; true is refused
+# for a family whose template allows one call per turn (Llama 3.x)
 CHAT_FIELDS = frozenset({"messages", "tools", "max_tokens", "max_completion_tokens", "stop",
-                         "logprobs", "seed", "return_token_ids", *SAMPLING, *LABELS,
-                         *NEUTRAL})  # fmt: skip
+                         "logprobs", "seed", "return_token_ids", "parallel_tool_calls",
+                         *SAMPLING, *LABELS, *NEUTRAL})  # fmt: skip
 COMPLETION_FIELDS = frozenset({"prompt", "max_tokens", "stop", "logprobs", "seed",
                                "return_token_ids", *SAMPLING, *LABELS, *NEUTRAL})  # fmt: skip
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
@@ -105,6 +107,7 @@ class TurnRequest:
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -217,6 +220,12 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if role != "assistant" or not isinstance(calls, list):
             raise bad(f"{where}.tool_calls: only an assistant message has a list of them", where)
         out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(calls)]
+    if (
+        role == "assistant"
+        and isinstance(m.get("reasoning_content"), str)
+        and m["reasoning_content"]
+    ):
+        out["reasoning_content"] = m["reasoning_content"]  # templates that render it (Qwen3)
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             if not isinstance(m[key], str):
@@ -259,8 +268,11 @@ def parse_chat(body: Any, *, sampling: Sampling, max_tokens: int, max_messages: 
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise bad("logprobs must be a boolean", "logprobs")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     return TurnRequest(messages=messages, tools=_tools(body.get("tools")), logprobs=logprobs,
-                       **common)  # fmt: skip
+                       parallel_tool_calls=parallel, **common)  # fmt: skip
 
 
 def parse_completion(body: Any, *, sampling: Sampling, max_tokens: int) -> TurnRequest:
@@ -289,7 +301,7 @@ def parse_completion(body: Any, *, sampling: Sampling, max_tokens: int) -> TurnR
 def tool_call_entries(calls: list[Any], prefix: str) -> list[dict[str, Any]]:
     """OpenAI ``tool_calls`` of parsed calls (``common.chat.tool_calls.ToolCall``)."""
     return [
-        {"id": f"call_{prefix}_{k}", "type": "function",
+        {"id": c.id or f"call_{prefix}_{k}", "type": "function",
          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
         for k, c in enumerate(calls)
     ]  # fmt: skip
@@ -318,8 +330,11 @@ def with_ids(reply: dict[str, Any], prompt_ids: list[int], ids: list[int]) -> di
 def chat_reply(
     *, model: str, content: str, tool_calls: list[dict[str, Any]], finish: str,
     prompt_tokens: int, tokens: list[str], logprobs: list[float] | None, extra: dict[str, Any],
+    reasoning: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:  # vLLM's reasoning parsers' field: the <think> text, apart from the content
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {

@@ -35,6 +35,7 @@ class EpisodeRecorder:
         self.final_text = ""
         self.finish_reason = ""
         self.template_mismatch = -1
+        self.error = ""  # why an episode that could not go on ended (finish "episode_error")
         self.seconds = {"generate_s": 0.0, "tool_s": 0.0}
 
     @property
@@ -113,4 +114,5 @@ class EpisodeRecorder:
             tool_calls=list(self.tool_calls),
             template_mismatch=self.template_mismatch,
             timings={**timings, **self.seconds},
+            error=self.error,
         )

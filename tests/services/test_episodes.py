@@ -184,12 +184,14 @@ def test_tool_output_is_cut_for_the_model(tok):
 
 @pytest.mark.parametrize("mode", ["warn", "strict", "off"])
 def test_the_rerender_check_modes(tok, mode):
-    # the model wrote the call without spaces; the template re-serialises it with them
+    # the model wrote the call without spaces; the template re-serialises it with them: found
+    # and counted, but a valid call in another serialisation is not refused, even by strict
+    # (tests/services/test_published_templates.py has the content mismatch strict refuses)
     terse = '<tool_call>{"name":"calculator","arguments":{"expression":"123*4567"}}</tool_call>'
     prompt, _, recs = _run(tok, {"e": [terse, "\\boxed{561741}"]}, check=mode)
     t = _roundtrip(recs["e"])
     at = len(prompt) + len(tok('<tool_call>{"name":', add_special_tokens=False).input_ids)
-    want = {"warn": (at, "stop"), "strict": (at, "template_mismatch"), "off": (-1, "stop")}[mode]
+    want = {"warn": (at, "stop"), "strict": (at, "stop"), "off": (-1, "stop")}[mode]
     assert (t.template_mismatch, t.finish_reason) == want
     assert tok.decode(t.response_token_ids[: t.turns[0][2] - 1].tolist()) == terse  # as sampled
 

@@ -63,7 +63,8 @@ def test_llama3_json_calls():
 @pytest.mark.parametrize(
     ("model_type", "vocab", "want"),
     [("qwen2", (), "hermes"), ("qwen3", (), "hermes"), ("qwen3_moe", (), "hermes"),
-     ("llama", ("<|eot_id|>",), "llama3_json")],
+     ("llama", ("<|eot_id|>",), "llama3_json"), ("mistral", ("[TOOL_CALLS]",), "mistral"),
+     ("phi3", ("<|tool_call|>",), "phi4_mini")],
 )  # fmt: skip
 def test_auto_picks_the_family_format(model_type, vocab, want):
     assert tool_format("auto", model_type=model_type, vocab=vocab).name == want
@@ -72,8 +73,8 @@ def test_auto_picks_the_family_format(model_type, vocab, want):
 @pytest.mark.parametrize(
     ("model_type", "words"),
     [("gemma2", "Gemma 2 models (gemma2) have no tool-call format"),
-     ("phi3", "Phi-3 models (phi3) have no tool-call format"),
-     ("llama", "does not know the tool-call format of model_type 'llama'"),  # Llama 2
+     ("phi3", "Phi-3 and Phi-3.5 models (phi3) have no tool-call format"),
+     ("llama", "Llama 2, SmolLM2 and other llama-type models (llama) have no tool-call"),
      ("mamba", "set generator.tool_format")],
 )  # fmt: skip
 def test_families_without_a_tool_format_are_refused(model_type, words):
@@ -85,3 +86,63 @@ def test_an_explicit_format_overrides_and_a_wrong_one_is_refused():
     assert tool_format("hermes", model_type="gemma2").name == "hermes"
     with pytest.raises(ToolFormatError, match="generator.tool_format = 'xml'"):
         tool_format("xml", model_type="qwen2")
+
+
+def test_a_call_inside_think_is_reasoning_not_a_call():
+    hermes = FORMATS["hermes"]
+    text = ('<think>\nmaybe <tool_call>{"name": "python", "arguments": {}}</tool_call>\n</think>'
+            '\n\nThe answer is 4.')  # fmt: skip
+    turn = hermes.parse(text)
+    assert turn.calls == [] and turn.content == "The answer is 4."
+    assert "maybe" in turn.reasoning and turn.message()["reasoning_content"] == turn.reasoning
+    # the template opened <think> in the prompt: everything before </think> is reasoning
+    turn = hermes.parse('x <tool_call>{"name": "a", "arguments": {}}</tool_call></think>\n\nok')
+    assert turn.calls == [] and turn.content == "ok"
+    # opened and never closed: all of it is reasoning, nothing runs
+    turn = hermes.parse('<think>\n<tool_call>{"name": "a", "arguments": {}}</tool_call>')
+    assert turn.calls == [] and turn.content == ""
+
+
+def test_mistral_calls_keep_their_ids():
+    fmt = FORMATS["mistral"]
+    turn = fmt.parse('Sure.[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1+1"}'
+                     ', "id": "abcdefghi"}, {"name": "python", "arguments": {"code": "1"}}]')  # fmt: skip
+    assert turn.content == "Sure."
+    assert [(c.name, c.id) for c in turn.calls] == [("calculator", "abcdefghi"), ("python", "")]
+    assert turn.message()["tool_calls"][0]["id"] == "abcdefghi"
+    assert "not valid JSON" in fmt.parse("[TOOL_CALLS][{").calls[0].error
+    assert fmt.parse("It is 2.").calls == []
+
+
+def test_qwen3_xml_calls():
+    fmt = FORMATS["qwen3_xml"]
+    text = (
+        "Let me run it.\n<tool_call>\n<function=python>\n<parameter=code>\nprint(1)\n"
+        "print(2)\n</parameter>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>"
+    )
+    turn = fmt.parse(text)
+    assert turn.content == "Let me run it."
+    assert [(c.name, c.arguments) for c in turn.calls] == [
+        ("python", {"code": "print(1)\nprint(2)", "n": 5})
+    ]
+    assert "<function=NAME>" in fmt.parse("<tool_call>\n{}\n</tool_call>").calls[0].error
+
+
+def test_phi4_mini_calls():
+    fmt = FORMATS["phi4_mini"]
+    turn = fmt.parse('<|tool_call|>{"name": "calculator", "arguments": {"expression": "2"}}'
+                     "<|/tool_call|>")  # fmt: skip
+    assert [(c.name, c.arguments) for c in turn.calls] == [("calculator", {"expression": "2"})]
+
+
+def test_llama3_allows_one_call_per_turn():
+    assert FORMATS["llama3_json"].max_calls == 1
+    assert FORMATS["hermes"].max_calls is None
+    two = FORMATS["llama3_json"].parse('{"name": "a", "parameters": {}}; {"name": "b", '
+                                       '"parameters": {}}')  # fmt: skip
+    assert [c["function"]["name"] for c in two.message(max_calls=1)["tool_calls"]] == ["a"]
+
+
+def test_an_unknown_format_is_refused_with_the_list():
+    with pytest.raises(ToolFormatError, match="hermes, llama3_json, mistral, qwen3_xml, phi4_mini"):
+        tool_format("pythonic", model_type="gemma3_text")

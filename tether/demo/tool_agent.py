@@ -9,33 +9,50 @@ token budget or of turns (``agent.max_turns = 3``); then return ``None``, so the
 product, as it grades the built-in loop's episodes. For the same sampled tokens its trajectories
 are the built-in loop's, id for id (``tests/services/test_agent_parity.py``).
 
-Differences a user may meet: the calculator runs here, in the agent's own process (it parses by
-an AST whitelist and computes nothing else), not in Tether's tool sandbox; a call the model
-writes malformed comes back as plain text (OpenAI's shape has no place for it), so this loop
+The calculator runs in Tether's tool sandbox (``common.tools.sandbox``: worker processes with
+per-call limits, no environment, no network where the OS allows), never in the generator's
+process: one sandbox per agents' event loop, started at the first call and kept for the
+generator's life. A difference a user may meet: a call the model writes malformed comes back as plain text (OpenAI's shape has no place for it), so this loop
 takes it as the final answer where the built-in loop answers it with an error message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
-from common.tools.calculator import calculator
-from common.tools.registry import tool_schemas
+from common.tools.registry import resolve_tools, tool_schemas
+from common.tools.sandbox import ToolSandbox
 
 MAX_TURNS = 3  # the built-in loop's generator.max_turns in tools.toml
 TOOLS = tool_schemas(["calculator"])
+OUTPUT_MAX_CHARS = 2000  # the built-in loop's generator.tool_output_max_chars
+_SANDBOXES: dict[int, ToolSandbox] = {}  # one per event loop
+_STARTING: dict[int, asyncio.Lock] = {}
 
 
-def _call(name: str, arguments: str) -> str:
-    """What the built-in loop's sandbox answers for a calculator call."""
-    if name != "calculator":
-        return f"Error: unknown tool {name!r}; tools: calculator"
+async def _sandbox() -> ToolSandbox:
+    key = id(asyncio.get_running_loop())
+    async with _STARTING.setdefault(key, asyncio.Lock()):
+        if key not in _SANDBOXES:
+            box = ToolSandbox(resolve_tools(["calculator"]), workers=2, isolation="auto")
+            await box.start()
+            _SANDBOXES[key] = box
+    return _SANDBOXES[key]
+
+
+async def _call(name: str, arguments: str) -> str:
+    """What the built-in loop's sandbox answers for a call, from the same sandbox."""
     try:
-        args = json.loads(arguments)
-        return calculator(**args)
-    except Exception as exc:  # the tool's own error is the answer
-        return f"Error: {type(exc).__name__}: {exc}"
+        args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError as exc:
+        return f"Error: the arguments are not JSON ({exc})"
+    result = await (await _sandbox()).call(name, args if isinstance(args, dict) else {})
+    text = result.text
+    if len(text) > OUTPUT_MAX_CHARS:
+        text = f"{text[:OUTPUT_MAX_CHARS]}\n… ({len(text) - OUTPUT_MAX_CHARS} more characters cut)"
+    return text
 
 
 async def run(client: Any, task: dict[str, Any]) -> None:
@@ -59,5 +76,6 @@ async def run(client: Any, task: dict[str, Any]) -> None:
             return None
         for call in choice.message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": _call(call.function.name, call.function.arguments)})  # fmt: skip
+                             "content": await _call(call.function.name,
+                                                    call.function.arguments)})  # fmt: skip
     return None
