@@ -141,18 +141,24 @@ class Dispatcher:
     def _publish_train(self, cycle: int, records: list[tuple[int, Any]], *, suffix: str) -> None:
         """Publish ``records`` (position, record) as ``cycle``'s training prompts, with ids
         ``c<cycle>/<position>/<record id><suffix>``."""
-        need = self._min_version(cycle)
-        for g, record in records:
+        prompts = [(g, f"c{cycle}/{g}/{record.prompt_id}{suffix}", record) for g, record in records]
+        self._publish("train", cycle, prompts, min_version=self._min_version(cycle))
+
+    def _publish(
+        self, split: str, cycle: int, prompts: list[tuple[int, str, Any]], *, min_version: int
+    ) -> None:
+        """Publish ``prompts`` (index, prompt id, record) of ``split`` and count them."""
+        for index, prompt_id, record in prompts:
             msg = self._prompt(
                 record,
-                prompt_id=f"c{cycle}/{g}/{record.prompt_id}{suffix}",
+                prompt_id=prompt_id,
                 cycle=cycle,
-                index=g,
-                split="train",
-                min_version=need,
+                index=index,
+                split=split,
+                min_version=min_version,
             )
             self.bus.publish(streams.PROMPTS, msg)
-        self.prompts_dispatched.labels("train").inc(len(records))
+        self.prompts_dispatched.labels(split).inc(len(prompts))
 
     def _dispatch_round(self, cycle: int, count: int) -> None:
         start = self.cursor if self.dynamic else cycle * self.cfg.run.prompts_per_cycle
@@ -223,15 +229,9 @@ class Dispatcher:
         ``tag`` names the learner process that runs the round (``evaluation.py``)."""
         if self.eval_set is None:
             return 0
-        for i, record in enumerate(self.eval_set):
-            msg = self._prompt(
-                record,
-                prompt_id=f"eval{round_id}.{tag}/{i}/{record.prompt_id}",
-                cycle=round_id,
-                index=i,
-                split="eval",
-                min_version=version,
-            )
-            self.bus.publish(streams.PROMPTS, msg)
-        self.prompts_dispatched.labels("eval").inc(len(self.eval_set))
-        return len(self.eval_set)
+        prompts = [
+            (i, f"eval{round_id}.{tag}/{i}/{record.prompt_id}", record)
+            for i, record in enumerate(self.eval_set)
+        ]
+        self._publish("eval", round_id, prompts, min_version=version)
+        return len(prompts)
