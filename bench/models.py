@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import child_process
+from bench.models_table import pending_row, table_markdown
 
 log = logging.getLogger(__name__)
 
@@ -313,17 +314,5 @@ def run_models_bench(
     return report(result, format_models(result), out_path)
 
 
-def pending_row(name: str) -> dict[str, Any]:
-    """A family's row before it runs: named, with no stage, marked pending (a run that stops
-    early leaves the families it did not reach in the JSON, marked, not dropped)."""
-    from fixtures.model_families import FAMILIES
-
-    f = FAMILIES[name]
-    return {"family": name, "title": f.title, "architecture": f.architecture,
-            "notes": f.notes, "pending": True}  # fmt: skip
-
-
 def format_models(result: dict[str, Any]) -> str:
-    from bench.models_table import table_markdown
-
     return table_markdown(result)

@@ -148,10 +148,19 @@ def bench_readme_row(result: dict[str, Any]) -> str:
     )
 
 
+def pending_row(name: str) -> dict[str, Any]:
+    """A family's row before it runs: named, with no stage, marked pending (a run that stops
+    early leaves the families it did not reach in the JSON, marked, not dropped)."""
+    from fixtures.model_families import FAMILIES
+
+    f = FAMILIES[name]
+    return {"family": name, "title": f.title, "architecture": f.architecture,
+            "notes": f.notes, "pending": True}  # fmt: skip
+
+
 def unmeasured() -> dict[str, Any]:
     """What the table shows while ``bench/results/models.json`` is absent: every family with no
     figure (``pending`` rows), saying why."""
-    from bench.models import pending_row
     from fixtures.model_families import FAMILIES
 
     return {"command": "tether bench models", "complete": False, "unmeasured": True,

@@ -9,12 +9,17 @@ from pydantic import Field
 from common.config.shared import DERIVED, Section
 
 Tracker = Literal["tensorboard", "wandb"]
+# The loss's modes, named once: the learner's loss code checks its arguments against these.
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+OffPolicy = Literal["none", "tis", "decoupled"]
+IsOverCap = Literal["truncate", "mask"]
 
 # Each correction's own cap and over-cap rule, as its sources define them (``learner.is_cap`` and
 # ``learner.is_over_cap`` default to these): AReaL's decoupled PPO drops a token whose behaviour
 # weight exceeds ``behav_imp_weight_cap`` (5 in every AReaL example config); truncated IS clips
 # the weight at C (2 in the TIS write-up, verl's ``rollout_is_threshold`` and slime's ``tis_clip``).
-OFF_POLICY_DEFAULTS: dict[str, tuple[float, Literal["truncate", "mask"]]] = {
+OFF_POLICY_DEFAULTS: dict[str, tuple[float, IsOverCap]] = {
     "decoupled": (5.0, "mask"),
     "tis": (2.0, "truncate"),
 }
@@ -114,7 +119,7 @@ class LearnerConfig(Section):
         description="mask responses cut off at run.max_response_tokens from the loss (DAPO "
         "over-long filtering; counted), beside scorer.overlong_penalty's soft penalty",
     )
-    policy_loss: Literal["ppo", "gspo", "cispo"] = Field(
+    policy_loss: PolicyLoss = Field(
         "ppo",
         description="ppo = clipped token ratio; gspo = clipped length-normalised sequence ratio; "
         "cispo = clipped, detached IS weight on every token's policy gradient",
@@ -131,9 +136,7 @@ class LearnerConfig(Section):
     dual_clip: float | None = Field(
         None, gt=1.0, description="dual-clip constant c > 1 for negative advantages; unset = off"
     )
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
-        "token-mean", description="loss aggregation"
-    )
+    loss_agg: LossAgg = Field("token-mean", description="loss aggregation")
     entropy_coef: float = Field(0.0, description="entropy bonus coefficient")
     kl_coef: float = Field(
         0.0, ge=0.0, description="KL-to-reference coefficient; 0 = no reference model"
@@ -152,7 +155,7 @@ class LearnerConfig(Section):
         description="clamp each token's KL estimate to [−kl_clamp, kl_clamp] (verl clamps "
         "low_var_kl to ±10); unset = no clamp",
     )
-    off_policy: Literal["none", "tis", "decoupled"] = Field(
+    off_policy: OffPolicy = Field(
         "decoupled",
         description="correction for stale behaviour policies (decoupled PPO, truncated IS, none)",
     )
@@ -163,7 +166,7 @@ class LearnerConfig(Section):
         "default 5 for decoupled (AReaL's examples: behav_imp_weight_cap = 5), 2 for tis (the TIS "
         "write-up's C = 2, verl's rollout_is_threshold and slime's tis_clip defaults)",
     )
-    is_over_cap: Literal["truncate", "mask"] | None = Field(
+    is_over_cap: IsOverCap | None = Field(
         None,
         description="what a token whose behaviour weight exceeds is_cap gets: truncate = weight C "
         "(TIS); mask = weight 0, kept in the loss denominator (AReaL's decoupled PPO); default mask "

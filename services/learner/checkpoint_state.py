@@ -185,12 +185,15 @@ def load(directory: Path, state: dict[str, Any], *, group: Any) -> None:
         dcp.load(state, **kwargs)
 
 
-def joined_optimizer_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer state dict ``set_optimizer_state_dict`` takes, from the loaded tensors and
-    the JSON part."""
+def joined_optimizer_state(
+    tensors: dict[str, Any], meta: dict[str, Any], *, prefix: str = OPTIM
+) -> dict[str, Any]:
+    """The optimizer state dict ``set_optimizer_state_dict`` takes, from the loaded tensors
+    (keyed ``<prefix><parameter name>/<state name>``) and the JSON part. Format-1 checkpoints
+    (``checkpoint_v1``) key their tensors without the prefix."""
     state: dict[str, dict[str, Any]] = {}
     for key, value in tensors.items():
-        fqn, name = key[len(OPTIM) :].rsplit("/", 1)
+        fqn, name = key[len(prefix) :].rsplit("/", 1)
         state.setdefault(fqn, {})[name] = value
     for fqn, values in meta["scalars"].items():
         state.setdefault(fqn, {}).update(values)

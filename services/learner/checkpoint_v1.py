@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from services.learner.checkpoint_state import joined_optimizer_state
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -31,19 +33,6 @@ def read_model_state(checkpoint_dir: Path, *, tie_word_embeddings: bool) -> dict
     if tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
-
-
-def _join_optimizer_state(tensors: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        fqn, name = key.rsplit("/", 1)
-        state.setdefault(fqn, {})[name] = value
-    for fqn, values in meta["scalars"].items():
-        state.setdefault(fqn, {}).update(values)
-    groups = [
-        {k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]
-    ]
-    return {"state": state, "param_groups": groups}
 
 
 def load_state(checkpoint_dir: Path, *, model: Any, optimizer: Any) -> None:
@@ -72,5 +61,5 @@ def load_state(checkpoint_dir: Path, *, model: Any, optimizer: Any) -> None:
     meta = json.loads((checkpoint_dir / "optimizer.json").read_text(encoding="utf-8"))
     tensors = load_file(str(checkpoint_dir / "optimizer.safetensors"))
     set_optimizer_state_dict(
-        model, optimizer, _join_optimizer_state(tensors, meta), options=options
+        model, optimizer, joined_optimizer_state(tensors, meta, prefix=""), options=options
     )

@@ -100,11 +100,7 @@ class Dispatcher:
         rate = sampling.next_filter_rate(self.filter_rate, filtered=filtered, examined=examined)
         count = sampling.top_up_size(missing, rate or 0.0, cap_left=cap - self.extra_used(cycle))
         if count:
-            run = self.cfg.run
-            need = min_policy_version(
-                cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
-            )
-            self._dispatch_round(cycle, count, need)
+            self._dispatch_round(cycle, count)
             log.info(
                 "cycle %d: %d informative group(s) missing, %d more prompts", cycle, missing, count
             )
@@ -134,19 +130,39 @@ class Dispatcher:
         }
         self.filter_rate = state["filter_rate"]
 
-    def _dispatch_round(self, cycle: int, count: int, min_version: int) -> None:
-        start = self.cursor if self.dynamic else cycle * self.cfg.run.prompts_per_cycle
-        for g, record in self.records_at(start, count):
+    def _min_version(self, cycle: int) -> int:
+        """The oldest weights ``cycle``'s prompts may be generated with (the staleness rule)."""
+        run = self.cfg.run
+        assert run.train_steps_per_cycle is not None and run.max_staleness is not None
+        return min_policy_version(
+            cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
+        )
+
+    def _publish_train(self, cycle: int, records: list[tuple[int, Any]], *, suffix: str) -> None:
+        """Publish ``records`` (position, record) as ``cycle``'s training prompts, with ids
+        ``c<cycle>/<position>/<record id><suffix>``."""
+        prompts = [(g, f"c{cycle}/{g}/{record.prompt_id}{suffix}", record) for g, record in records]
+        self._publish("train", cycle, prompts, min_version=self._min_version(cycle))
+
+    def _publish(
+        self, split: str, cycle: int, prompts: list[tuple[int, str, Any]], *, min_version: int
+    ) -> None:
+        """Publish ``prompts`` (index, prompt id, record) of ``split`` and count them."""
+        for index, prompt_id, record in prompts:
             msg = self._prompt(
                 record,
-                prompt_id=f"c{cycle}/{g}/{record.prompt_id}",
+                prompt_id=prompt_id,
                 cycle=cycle,
-                index=g,
-                split="train",
+                index=index,
+                split=split,
                 min_version=min_version,
             )
             self.bus.publish(streams.PROMPTS, msg)
-        self.prompts_dispatched.labels("train").inc(count)
+        self.prompts_dispatched.labels(split).inc(len(prompts))
+
+    def _dispatch_round(self, cycle: int, count: int) -> None:
+        start = self.cursor if self.dynamic else cycle * self.cfg.run.prompts_per_cycle
+        self._publish_train(cycle, self.records_at(start, count), suffix="")
         if self.dynamic:
             self.cursor = start + count
             self.rounds.setdefault(cycle, []).append((start, count))
@@ -179,9 +195,7 @@ class Dispatcher:
         done = []
         c = max(self.dispatched_through + 1, first_cycle)
         while c < run.num_cycles:
-            need = min_policy_version(
-                c, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
-            )
+            need = self._min_version(c)
             if not usable(version, oldest=need):
                 break
             p = run.prompts_per_cycle
@@ -189,7 +203,7 @@ class Dispatcher:
             if self.dynamic:
                 cap = self.cfg.learner.max_extra_prompts_per_cycle or 0
                 extra = sampling.extra_prompts(p, self.filter_rate or 0.0, cap)
-            self._dispatch_round(c, p + extra, need)
+            self._dispatch_round(c, p + extra)
             self.dispatched_through = c
             done.append(c)
             log.info(
@@ -206,39 +220,18 @@ class Dispatcher:
         """Dispatch ``positions`` of ``cycle`` again: their prompts and groups vanished from
         Redis (``watchdog.py``). New prompt ids (``…/r<n>``), so that a generator whose dedupe
         set survived generates them; the learner keeps one group per position."""
-        run = self.cfg.run
-        assert run.train_steps_per_cycle is not None and run.max_staleness is not None
-        need = min_policy_version(
-            cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
-        )
         self.redispatches[cycle] = attempt = self.redispatches.get(cycle, 0) + 1
-        for g in sorted(positions):
-            ((_, record),) = self.records_at(g, 1)
-            msg = self._prompt(
-                record,
-                prompt_id=f"c{cycle}/{g}/{record.prompt_id}/r{attempt}",
-                cycle=cycle,
-                index=g,
-                split="train",
-                min_version=need,
-            )
-            self.bus.publish(streams.PROMPTS, msg)
-        self.prompts_dispatched.labels("train").inc(len(positions))
+        records = [self.records_at(g, 1)[0] for g in sorted(positions)]
+        self._publish_train(cycle, records, suffix=f"/r{attempt}")
 
     def dispatch_eval(self, round_id: int, version: int, *, tag: str) -> int:
         """Send the held-out set (greedy by default) for evaluation of weights >= ``version``;
         ``tag`` names the learner process that runs the round (``evaluation.py``)."""
         if self.eval_set is None:
             return 0
-        for i, record in enumerate(self.eval_set):
-            msg = self._prompt(
-                record,
-                prompt_id=f"eval{round_id}.{tag}/{i}/{record.prompt_id}",
-                cycle=round_id,
-                index=i,
-                split="eval",
-                min_version=version,
-            )
-            self.bus.publish(streams.PROMPTS, msg)
-        self.prompts_dispatched.labels("eval").inc(len(self.eval_set))
-        return len(self.eval_set)
+        prompts = [
+            (i, f"eval{round_id}.{tag}/{i}/{record.prompt_id}", record)
+            for i, record in enumerate(self.eval_set)
+        ]
+        self._publish("eval", round_id, prompts, min_version=version)
+        return len(prompts)

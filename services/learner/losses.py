@@ -16,19 +16,19 @@ Names of the three log-probs of one token, used throughout:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
-from common.config.learner import OFF_POLICY_DEFAULTS
+from common.config.learner import OFF_POLICY_DEFAULTS, IsOverCap, LossAgg, OffPolicy, PolicyLoss
 
 if TYPE_CHECKING:
     import torch
 
 KL_KINDS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 KL_KINDS["abs"] = "abs"
-OFF_POLICY_MODES = ("none", "tis", "decoupled")
-LOSS_TYPES = ("ppo", "gspo", "cispo")
-IS_OVER_CAP = ("truncate", "mask")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+OFF_POLICY_MODES = get_args(OffPolicy)  # the names are the config's (common/config/learner.py)
+LOSS_TYPES = get_args(PolicyLoss)
+IS_OVER_CAP = get_args(IsOverCap)
+AGG_MODES = get_args(LossAgg)
 # exp() of a log-ratio above this overflows float32 soon after; clamping keeps loss finite.
 MAX_LOG_RATIO = 20.0
 # GSPO's sequence log-ratio is clamped above at 10, as verl does (its loss and gradient there:

@@ -16,7 +16,6 @@ import asyncio
 import json
 import re
 import time
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -30,29 +29,32 @@ from common.tools.registry import resolve_tools
 from common.tools.sandbox import ToolSandbox
 from services.generator.agents import AgentRunner
 from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from tests.fake_engine import FakeEngine
 from tether.demo import tool_agent
 from tether.demo.tiny_model import build_tokenizer
 
 QUESTIONS = [(417, 2093), (418, 2093), (419, 7001), (420, 1234), (421, 5555), (422, 9)]
 
 
-@dataclass
-class FakeSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str
-    seconds: float
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-class PolicyFake:
+class PolicyFake(FakeEngine):
     """A fake engine whose reply depends only on the prompt ids (see the module docstring)."""
 
     def __init__(self, tok) -> None:
-        self.tok, self.eos = tok, tok.convert_tokens_to_ids("<|im_end|>")
+        super().__init__(tok, logprob=0.0, version="7")
 
-    def _answer(self, text: str) -> str:
+    def answer(self, ids, request_id):
+        return self._text(self.tok.decode(ids, skip_special_tokens=False))
+
+    def logprobs(self, ids, n):
+        return [-((len(ids) + k) % 37 + 1) / 50 for k in range(n)]
+
+    def spans(self, ids, n):
+        prompt = self.tok.decode(ids, skip_special_tokens=False)
+        v = 7 + prompt.count("<tool_response>")  # versions grow turn by turn
+        half = n // 2 if len(ids) % 2 else n  # an update inside some turns
+        return [(str(v), 0, half), (str(v + 1), half, n)]
+
+    def _text(self, text: str) -> str:
         a, b = map(int, re.findall(r"What is (\d+)\*(\d+)\?", text)[-1])
         answered = text.count("<tool_response>")
         call = {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
@@ -62,19 +64,6 @@ class PolicyFake:
         if a % 3 == 1 and answered:
             return f"The product is \\boxed{{{a * b}}}"
         return f"<tool_call>{compact}</tool_call>"  # a % 3 == 2: calls on every turn
-
-    async def generate_group(self, ids, params, request_id):
-        prompt = self.tok.decode(ids, skip_special_tokens=False)
-        text = self._answer(prompt)
-        out = [*self.tok(text, add_special_tokens=False).input_ids, self.eos]
-        finish = "stop"
-        if len(out) > params.max_tokens:
-            out, finish = out[: params.max_tokens], "length"
-        lps = [-((len(ids) + k) % 37 + 1) / 50 for k in range(len(out))]
-        v = 7 + prompt.count("<tool_response>")  # versions grow turn by turn
-        half = len(out) // 2 if len(ids) % 2 else len(out)  # an update inside some turns
-        spans = [(str(v), 0, half), (str(v + 1), half, len(out))]
-        return [FakeSample(out, lps, finish, text, 0.001, spans)]
 
 
 @pytest.fixture(scope="module")

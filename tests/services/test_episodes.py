@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from common.protocol import wire
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
 from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from tests.fake_engine import ScriptedEngine
 from tether.demo.tiny_model import build_tokenizer
 
 SPECS = resolve_tools(["calculator", "python"])
@@ -30,38 +30,6 @@ TOOLS = [s.schema() for s in SPECS]
 QUESTION = [{"role": "user", "content": "What is 123*4567?"}]
 FINISHED: dict[str, float] = {}  # seconds from the start of _run to each episode's end
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*4567"}}</tool_call>'
-
-
-@dataclass
-class FakeSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str
-    seconds: float
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-class ScriptedEngine:
-    """A fake engine: turn k of request ``<id>/t<k>`` answers ``script[<id>][k]``, a text (or a
-    ``(text, [(version, start, end)])`` pair), encoded and closed by the end-of-turn id."""
-
-    def __init__(self, tok, script: dict[str, list]) -> None:
-        self.tok, self.script = tok, script
-        self.prompts: dict[str, list[list[int]]] = {}
-        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def generate_group(self, ids, params, request_id):
-        episode, _, turn = request_id.rpartition("/t")
-        self.prompts.setdefault(episode, []).append(list(ids))
-        entry = self.script[episode][int(turn)]
-        text, spans = entry if isinstance(entry, tuple) else (entry, [("7", 0, 10_000)])
-        out = [*self.tok(text, add_special_tokens=False).input_ids, self.eos]
-        finish = "stop"
-        if len(out) > params.max_tokens:
-            out, finish = out[: params.max_tokens], "length"
-        spans = [(v, s, min(e, len(out))) for v, s, e in spans]
-        return [FakeSample(out, [-0.5] * len(out), finish, text, 0.01, spans)]
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,15 @@ scripted engine: turn continuity (a conversation that extends its recorded ids, 
 re-renders to an extension, one that breaks it and starts a new segment), the trajectories of
 the segments, tool calls in OpenAI's shape, the limits, and the request checks.
 
-``ScriptedEngine`` is a fake of vLLM's engine, named as one: each request answers the next
-scripted text, encoded and closed by the end-of-turn id, so the ids can be checked exactly. The
-same code runs on the real engine over HTTP in ``tests/services/test_agent_endpoint.py``.
+``InOrderEngine`` (``tests/fake_engine.py``) is a fake of vLLM's engine, named as one: each
+request answers the next scripted text, encoded and closed by the end-of-turn id, so the ids can
+be checked exactly. The same code runs on the real engine over HTTP in ``tests/services/test_agent_endpoint.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from common.protocol import wire
 from services.generator.agent_episodes import EpisodeTable
 from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
 from services.generator.openai_api import ApiError, Sampling
+from tests.fake_engine import InOrderEngine
 from tether.demo.tiny_model import build_tokenizer
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
@@ -32,40 +32,13 @@ QUESTION = [{"role": "user", "content": "What is 6*7?"}]
 RUN = Sampling(temperature=1.0, top_p=1.0, top_k=0)
 
 
-@dataclass
-class FakeSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str
-    seconds: float
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-class ScriptedEngine:
-    """A fake engine: the k-th request answers ``script[k]``, closed by ``<|im_end|>``."""
-
-    def __init__(self, tok, script: list[str]) -> None:
-        self.tok, self.script, self.prompts = tok, list(script), []
-        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def generate_group(self, ids, params, request_id):
-        self.prompts.append(list(ids))
-        text = self.script.pop(0)
-        out = [*self.tok(text, add_special_tokens=False).input_ids, self.eos]
-        finish = "stop"
-        if len(out) > params.max_tokens:
-            out, finish = out[: params.max_tokens], "length"
-        return [FakeSample(out, [-0.25] * len(out), finish, text, 0.01, [("3", 0, len(out))])]
-
-
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok"), tools=True)
 
 
 def _setup(tok, script, **limits):
-    engine = ScriptedEngine(tok, script)
+    engine = InOrderEngine(tok, script)
     lim = {"max_turns": 8, "max_tokens_per_request": 200, "max_response_tokens": 400,
            "max_model_len": 800, "max_messages": 16, **limits}  # fmt: skip
     turns = AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS["hermes"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -9,6 +11,8 @@ import tomllib
 import pytest
 
 from common.config.load import load_config
+from tests.paths import REPO
+from tether.cli.tool_verbs import NOT_IN_A_CLONE
 
 
 def tether(*args, env=None):
@@ -137,3 +141,21 @@ def test_imported_toml_passes_config_check(peer, fixture, tmp_path):
     f.write_text(r.stdout)
     check = tether("config", "check", "--config", str(f))
     assert check.returncode == 0, check.stderr
+
+
+def test_bench_outside_a_clone_exits_2_with_the_way_to_a_clone(tmp_path):
+    """An installed wheel holds tether/, common/ and services/ but not bench/: `tether bench`
+    says where the benchmarks live instead of failing on an import."""
+    site = tmp_path / "site"
+    for package in ("tether", "common", "services"):
+        shutil.copytree(
+            REPO / package, site / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "bench", "bus", "--quick"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert NOT_IN_A_CLONE in r.stderr
+    assert "Traceback" not in r.stderr

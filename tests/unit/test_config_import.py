@@ -4,9 +4,9 @@ import tomllib
 
 import pytest
 
-from common.config.importers.render import render_mapping_table, render_toml
-from common.config.importers.translate import import_peer_config
 from tests.paths import FIXTURES as TEST_FIXTURES
+from tether.config_import.render import render_mapping_table, render_toml
+from tether.config_import.translate import import_peer_config
 
 FIXTURES = TEST_FIXTURES / "import"
 ALL = [

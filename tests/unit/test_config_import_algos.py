@@ -4,9 +4,9 @@ that the imported TOML loads."""
 
 from __future__ import annotations
 
-from common.config.importers.render import render_toml
-from common.config.importers.translate import import_peer_config
 from common.config.load import load_config
+from tether.config_import.render import render_toml
+from tether.config_import.translate import import_peer_config
 
 VERL = (
     "python3 -m verl.trainer.main_ppo data.train_batch_size=8 actor_rollout_ref.rollout.n=2 "

@@ -3,8 +3,8 @@ and verl's tool config file, what maps and what is said not to."""
 
 from __future__ import annotations
 
-from common.config.importers.render import render_toml
-from common.config.importers.translate import import_peer_config
+from tether.config_import.render import render_toml
+from tether.config_import.translate import import_peer_config
 
 TOOLS_YAML = """\
 tools:

@@ -4,8 +4,8 @@ rendering of every fixture: test_config_import.py."""
 
 import pytest
 
-from common.config.importers.translate import import_peer_config
 from tests.unit.test_config_import import assert_invariant, load, unmapped_keys
+from tether.config_import.translate import import_peer_config
 
 # --------------------------------------------------------------------------- slime
 
@@ -132,7 +132,7 @@ def test_quotes_inside_words_and_quoted_substitutions():
     word, a quoted command substitution with quotes inside, and the three ways to write $X."""
     import shlex
 
-    from common.config.importers.shell import _Shell
+    from tether.config_import.shell import _Shell
 
     text = 'X="a b"\npython3 t.py --q="$X" --r=$X --s=\'$X\' --t="$(date "+%s")" ${X}c\n'
     shell = _Shell(text, {})

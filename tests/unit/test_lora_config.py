@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from common.config.errors import ConfigError
-from common.config.importers.render import render_toml
-from common.config.importers.translate import import_peer_config
 from common.config.load import load_config
+from tether.config_import.render import render_toml
+from tether.config_import.translate import import_peer_config
 
 
 def cfg(*overrides: str):

@@ -48,7 +48,7 @@ def test_a_failed_stage_shows_its_error_in_the_table() -> None:
 
 
 def test_a_partial_run_names_the_families_it_did_not_reach() -> None:
-    from bench.models import pending_row
+    from bench.models_table import pending_row
 
     done = {**pending_row("llama3"), "build": {"ok": True}, "load": {"ok": False, "error": "E"}}
     del done["pending"]

@@ -36,8 +36,8 @@ def _show(args: argparse.Namespace) -> int:
 
 def _import(args: argparse.Namespace) -> int:
     """A peer's launch script or YAML → Tether TOML (stdout) + mapping (stderr)."""
-    from common.config.importers.render import render_mapping_table, render_toml
-    from common.config.importers.translate import import_peer_config
+    from tether.config_import.render import render_mapping_table, render_toml
+    from tether.config_import.translate import import_peer_config
 
     variables = {}
     for item in args.var:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 from tether.cli.args import add_config_args, config_flags
 
@@ -19,6 +18,7 @@ NOT_IN_A_CLONE = (
     "installed with the package. Clone it, then run `make bench`, or `python -m tether.cli bench "
     "...` from the clone's top directory."
 )
+CLONE = Path(__file__).resolve().parents[2]  # the clone's top directory, when this runs from one
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -48,28 +48,28 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_runner() -> ModuleType | None:
-    """``bench.runner`` of the clone this command runs from, or None outside a clone. The
-    benchmarks are not part of the installed package: an editable install finds them beside
-    ``common/``, and ``python -m tether.cli`` from the clone's top directory finds them too."""
-    try:
-        return importlib.import_module("bench.runner")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.runner"):
-            raise
-    clone = Path(__file__).resolve().parents[2]
+def bench_on_path(clone: Path = CLONE) -> bool:
+    """Whether ``bench`` can be imported, putting the clone this command runs from on the path
+    when it is one. The benchmarks are not part of the installed package: ``python -m tether.cli``
+    from the clone's top directory finds them already; the ``tether`` script of an editable
+    install does not (the install maps only tether/, common/ and services/), so the clone beside
+    ``tether/`` is added to the path. Outside a clone (an installed wheel) this is False."""
+    if importlib.util.find_spec("bench") is not None:
+        return True
     if not (clone / "bench" / "runner.py").is_file():
-        return None
+        return False
     sys.path.insert(0, str(clone))
-    return importlib.import_module("bench.runner")
+    return True
 
 
 def _bench(args: argparse.Namespace) -> int:
-    runner = bench_runner()
-    if runner is None:
+    if not bench_on_path():
         print(NOT_IN_A_CLONE, file=sys.stderr)
         return 2
-    return int(runner.run_bench(args))
+    # Imported here: bench/ exists only in a clone, never in the installed wheel (bench_on_path).
+    from bench.runner import run_bench
+
+    return int(run_bench(args))
 
 
 def add_tool_verbs(sub: argparse._SubParsersAction) -> None:

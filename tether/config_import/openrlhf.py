@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.config.importers.lora import map_openrlhf_lora
-from common.config.importers.mapping import Mapper, Skip, to_lr_schedule, to_one_path
-from common.config.importers.sources import coerce
+from tether.config_import.lora import map_openrlhf_lora
+from tether.config_import.mapping import Mapper, Skip, to_lr_schedule, to_one_path
+from tether.config_import.sources import coerce
 
 
 def _openrlhf_batches(m: Mapper) -> int | None:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.config.importers.sources import Source
+from tether.config_import.sources import Source
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.config.importers.mapping import Mapper
+from tether.config_import.mapping import Mapper
 
 _A = "actor_rollout_ref.actor."
 _RC = "algorithm.rollout_correction."

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.config.importers.result import ImportResult
 from common.config.schema import CYCLE_KEYS
+from tether.config_import.result import ImportResult
 
 _ORDER = {
     "run": ["name", "seed", "model", *CYCLE_KEYS, "max_prompt_tokens", "max_response_tokens"],

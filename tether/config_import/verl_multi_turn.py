@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common.config.importers.mapping import Mapper
+from tether.config_import.mapping import Mapper
 
 _MT = "actor_rollout_ref.rollout.multi_turn."
 DEFAULT_MAX_TURNS = 5  # when verl leaves max_assistant_turns unset (no limit)

@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.config.importers.loss_and_sampling import map_loss_and_sampling
-from common.config.importers.mapping import Mapper, why_unmapped
-from common.config.importers.openrlhf import map_openrlhf
-from common.config.importers.result import PEERS, ImportProblem, ImportResult
-from common.config.importers.roll import map_roll
-from common.config.importers.shell import read_script
-from common.config.importers.slime import map_slime
-from common.config.importers.sources import read_yaml
-from common.config.importers.verl import map_verl
+from tether.config_import.loss_and_sampling import map_loss_and_sampling
+from tether.config_import.mapping import Mapper, why_unmapped
+from tether.config_import.openrlhf import map_openrlhf
+from tether.config_import.result import PEERS, ImportProblem, ImportResult
+from tether.config_import.roll import map_roll
+from tether.config_import.shell import read_script
+from tether.config_import.slime import map_slime
+from tether.config_import.sources import read_yaml
+from tether.config_import.verl import map_verl
 
 _MAPPERS = {"verl": map_verl, "openrlhf": map_openrlhf, "slime": map_slime, "roll": map_roll}
 

@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from common.config.importers.result import ImportProblem, ImportResult, MappedKey
-from common.config.importers.sources import Source, coerce
+from tether.config_import.result import ImportProblem, ImportResult, MappedKey
+from tether.config_import.sources import Source, coerce
 
 
 class Skip(Exception):

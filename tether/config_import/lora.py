@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.config.importers.mapping import Mapper
+from tether.config_import.mapping import Mapper
 
 VERL_MODEL = "actor_rollout_ref.model."
 _LR_NOTE = (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
-from common.config.importers.sources import device_count
+from tether.config_import.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
+from tether.config_import.sources import device_count
 
 _T = "actor_train."
 

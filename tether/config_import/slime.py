@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.config.importers.mapping import Mapper, to_lr_schedule, to_one_path
 from common.config.rules import default_max_staleness
+from tether.config_import.mapping import Mapper, to_lr_schedule, to_one_path
 
 _SLIME_NEW = {
     "prompts_per_cycle": "rollout_batch_size",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.config.importers.lora import map_verl_lora
-from common.config.importers.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
-from common.config.importers.verl_multi_turn import map_multi_turn
+from tether.config_import.lora import map_verl_lora
+from tether.config_import.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
+from tether.config_import.verl_multi_turn import map_multi_turn
 
 _A, _R, _O = (
     "actor_rollout_ref.actor.",
