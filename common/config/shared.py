@@ -138,6 +138,7 @@ class BusConfig(Section):
 # ``common.weights.publisher.WeightPublisher`` and ``tether plan``'s model.
 CHUNK_MB = 4.0
 BUCKET_MB = 64.0
+MIN_GB_PER_S = 0.25  # the slowest rate a publish is allowed: its deadline grows with its bytes
 
 
 class WeightsConfig(Section):
@@ -153,9 +154,15 @@ class WeightsConfig(Section):
     timeout_s: float = Field(
         120.0,
         gt=0.0,
-        description="deadline of one publish to every generator; in a chain, a generator that "
-        "makes no progress for a quarter of it is dropped (it rejoins) and the rest get the "
-        "version at once",
+        description="deadline of one publish to every generator, plus the update's bytes at "
+        "min_gb_per_s; in a chain, a generator that makes no progress for a quarter of "
+        "timeout_s is dropped (it rejoins) and the rest get the version at once",
+    )
+    min_gb_per_s: float = Field(
+        MIN_GB_PER_S,
+        gt=0.0,
+        description="GB/s: the slowest a publish may go; its deadline is timeout_s + bytes / "
+        "this (32B in bf16, 65.5 GB: 120 s + 262 s), so a large model is not dropped for its size",
     )
     fanout: Literal["chain", "pairwise"] = Field(
         "chain",

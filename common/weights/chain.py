@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from common.weights.layout import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
+RELAY_WINDOW_OPS = 4  # collectives a relay keeps in flight to the member below
 PROGRESS_EVERY_S = 0.05  # a member reports progress at most this often (a store round trip)
 
 
@@ -120,6 +122,18 @@ class Forwarder:
     def put(self, t) -> None:
         self._q.put(t)
 
+    def drain(self, deadline: float) -> None:
+        """Wait until everything put in has been passed on (or the relay failed, or
+        ``deadline``): the receiver then reuses the buffer those tensors are views into (if the
+        relay still holds one, the receiver takes a new buffer instead: ``StagingBuffer``)."""
+        done = self._q.all_tasks_done
+        with done:
+            while self._q.unfinished_tasks and self.error is None and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                done.wait(min(left, 0.1))
+
     def close(self) -> None:
         self._q.put(None)
 
@@ -132,14 +146,25 @@ class Forwarder:
     def _run(self) -> None:
         try:
             self.pg = self._make_link()
+            ops: deque = deque()  # a few in flight, as the learner sends them (transfer.py)
             while (t := self._q.get()) is not None:
-                finish(self.pg, broadcast(self.pg, t), self.deadline, self.cancelled)
+                ops.append(broadcast(self.pg, t))
+                while len(ops) > RELAY_WINDOW_OPS or (ops and self._q.empty()):
+                    finish(self.pg, ops.popleft(), self.deadline, self.cancelled)
+                    self._q.task_done()
+            while ops:
+                finish(self.pg, ops.popleft(), self.deadline, self.cancelled)
+                self._q.task_done()
         except Exception as e:  # noqa: BLE001 - recorded; the learner sees the next member fail
             self.error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             logger.warning("weight sync: passing the update on failed: %s", self.error)
             self._on_error(self.error)
         finally:
             self.pg = None  # any wait in its destructor is this thread's
+            with self._q.mutex:  # let go of the views still queued: their buffer may be freed
+                self._q.queue.clear()
+                self._q.unfinished_tasks = 0
+                self._q.all_tasks_done.notify_all()
 
 
 @dataclass(eq=False)
