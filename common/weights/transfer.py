@@ -72,6 +72,23 @@ def send_update(
     ops.drain()
 
 
+def tensor_at(buf, offset: int, dtype, shape) -> Any:
+    """A tensor of ``dtype`` and ``shape`` over the bytes of ``buf`` from ``offset`` (aligned):
+    it shares ``buf``'s memory directly, not through a chain of views, so emptying it
+    (``set_()``) lets go of that memory at once (a ``view(dtype).reshape`` keeps its
+    intermediate view, and so the memory, alive)."""
+    import torch
+
+    t = torch.empty(0, dtype=dtype, device=buf.device)
+    elem = t.element_size()
+    stride, size = [], 1
+    for n in reversed(list(shape)):
+        stride.insert(0, size)
+        size *= int(n)
+    return t.set_(buf.untyped_storage(), (buf.storage_offset() + offset) // elem, list(shape),
+                  stride)  # fmt: skip
+
+
 def _holders(t) -> int:
     """How many tensors share ``t``'s memory (``t`` included); a large number when torch does
     not say (then the buffer is never reused)."""
@@ -149,6 +166,7 @@ class IncomingUpdate:
         if self.deadline is not None and allowance:
             self.deadline = max(self.deadline, started + allowance)
         self.checksum: str | None = None  # hex, once every unit arrived and matched
+        self.current: Any = None  # the bytes of the unit last handed out (TP rank 0 passes them on)
         self._hasher = UpdateHasher(self.layout)
 
     def _recv(self, t) -> None:
@@ -166,6 +184,7 @@ class IncomingUpdate:
         reserve = largest_unit(self.layout)
         n = 0
         for k, (start, end, first, last) in enumerate(self.layout["units"]):
+            self.current = None
             if self.wait_relayed is not None:
                 self.wait_relayed()
             buf = self.staging.take(end - start, reserve=reserve)
@@ -192,9 +211,10 @@ class IncomingUpdate:
                     f"received {got}; the update was discarded from there on"
                 )
             named = [
-                (name, buf[off - start : off - start + nb].view(dtype_of(dt)).reshape(shape))
-                for name, dt, shape, off, nb in self.layout["tensors"][first:last]
+                (name, tensor_at(buf, off - start, dtype_of(dt), shape))
+                for name, dt, shape, off, _ in self.layout["tensors"][first:last]
             ]
+            self.current = buf
             del buf, ops
             if k + 1 == len(self.layout["units"]):
                 self.checksum = sent
@@ -202,3 +222,4 @@ class IncomingUpdate:
                 on_unit(k)
             yield k, named
             del named
+        self.current = None
