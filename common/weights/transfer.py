@@ -81,7 +81,8 @@ def tensor_at(buf, offset: int, dtype, shape) -> Any:
 
     t = torch.empty(0, dtype=dtype, device=buf.device)
     elem = t.element_size()
-    stride, size = [], 1
+    stride: list[int] = []
+    size = 1
     for n in reversed(list(shape)):
         stride.insert(0, size)
         size *= int(n)
