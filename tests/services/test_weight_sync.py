@@ -134,7 +134,8 @@ def _hand_rolled_learner(store, member: str, epoch: int):
     return pstore, make_pair_group(pstore, 0, backend="gloo", timeout_s=5.0)
 
 
-def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False) -> None:
+def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False,
+          corrupt_unit: int = -1) -> None:  # fmt: skip
     named = sorted(named)
     layout = build_layout(named, version, 1 << 20)
     from common.weights.buckets import unit_buffers
@@ -146,8 +147,8 @@ def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool =
         hasher.upto(unit, start, end)
         digests.append(hasher.digest())
     if corrupt:
-        units[-1] = units[-1].clone()
-        units[-1][5] ^= 0xFF  # one flipped byte in the data, checksum of the original
+        units[corrupt_unit] = units[corrupt_unit].clone()
+        units[corrupt_unit][5] ^= 0xFF  # one flipped byte in the data, checksum of the original
     pstore.set("pending", str(version))
     if cut:  # header and the first unit, then the learner goes away
 
@@ -284,24 +285,44 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
     finally:
         pub.close()
 
-    # A learner that sends a corrupted update: nothing is applied, version 1 stays.
+    # A learner that sends a corrupted update. Each unit is verified before it loads: a bad
+    # first unit leaves version 1 whole; a bad later one leaves the units before it loaded, so
+    # the engine drops its version label ("mixed": the generator keeps it paused) until a
+    # whole version loads.
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    doubled = [(n, t * 2) for n, t in new]
+    for epoch, (unit, version) in enumerate([(0, 2), (-1, 2)], start=1):
+        join = threading.Thread(
+            target=lambda: _rpc(llm, "tether_join", "127.0.0.1", store.port, "gen0", 10.0)
+        )
+        join.start()
+        pstore, pg = _hand_rolled_learner(store, "gen0", epoch)
+        join.join(30)
+        sender = threading.Thread(target=_send, args=(pstore, pg, doubled, version),
+                                  kwargs={"corrupt": True, "corrupt_unit": unit})  # fmt: skip
+        sender.start()
+        res = _rpc(llm, "tether_receive_update", 30.0)
+        sender.join(30)
+        assert not res["ok"] and "checksum mismatch" in res["error"]
+        if unit == 0:
+            assert not res["mixed"] and _rpc(llm, "tether_version") == 1
+            assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+            assert _greedy(llm) == after
+        else:
+            assert res["mixed"] and _rpc(llm, "tether_version") is None
+    # the whole current version then loads (the generator's rejoin asks for it: has = -1)
     join = threading.Thread(
         target=lambda: _rpc(llm, "tether_join", "127.0.0.1", store.port, "gen0", 10.0)
     )
     join.start()
-    pstore, pg = _hand_rolled_learner(store, "gen0", 1)
+    pstore, pg = _hand_rolled_learner(store, "gen0", 3)
     join.join(30)
-    sender = threading.Thread(
-        target=_send, args=(pstore, pg, [(n, t * 2) for n, t in new], 2), kwargs={"corrupt": True}
-    )
+    sender = threading.Thread(target=_send, args=(pstore, pg, doubled, 3))
     sender.start()
     res = _rpc(llm, "tether_receive_update", 30.0)
     sender.join(30)
-    assert not res["ok"] and "checksum mismatch" in res["error"]
-    assert _rpc(llm, "tether_version") == 1
-    assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
-    assert _greedy(llm) == after
+    assert res["ok"] and _rpc(llm, "tether_version") == 3
+    assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(doubled)
 
 
 def test_receiver_takes_the_learners_backend_and_refuses_a_conflicting_one():
