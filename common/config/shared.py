@@ -136,8 +136,10 @@ class BusConfig(Section):
 
 # The weight broadcast's sizes, defined once: the config's defaults, and those of
 # ``common.weights.publisher.WeightPublisher`` and ``tether plan``'s model.
-CHUNK_MB = 4.0
+CHUNK_MB = 4.0  # gloo: host memory over TCP
 BUCKET_MB = 64.0
+CHUNK_MB_NCCL = 64.0  # GPU to GPU: 1.3 ms at 50 GB/s, so the per-op cost stays small
+BUCKET_MB_NCCL = 256.0
 MIN_GB_PER_S = 0.25  # the slowest rate a publish is allowed: its deadline grows with its bytes
 
 
@@ -171,13 +173,17 @@ class WeightsConfig(Section):
         "pairwise = the learner sends the whole model to every generator (N × its bytes)",
     )
     chunk_mb: float = Field(
-        CHUNK_MB,
+        DERIVED,
         gt=0.0,
         description="piece a chain passes on at a time: smaller = less delay per extra "
-        "generator (one piece each), larger = fewer operations",
+        "generator (one piece each), larger = fewer operations; default 4 on gloo, 64 on nccl",
     )
     bucket_mb: float = Field(
-        BUCKET_MB, gt=0.0, description="tensors are flattened into buckets of this size"
+        DERIVED,
+        gt=0.0,
+        description="tensors under 1 MiB are packed into buckets of this size (a larger tensor "
+        "goes alone, from its own memory); a generator stages max(bucket, largest tensor) at "
+        "a time; default 64 on gloo, 256 on nccl",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

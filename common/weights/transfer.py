@@ -103,11 +103,11 @@ def _holders(t) -> int:
 
 class StagingBuffer:
     """The one buffer a receiver stages a unit in, reused from unit to unit and update to update
-    while nothing else holds a view of it. A view kept elsewhere (an update collected whole, a
-    relay still sending, vLLM's layerwise reload holding a layer's tensors until the layer is
-    complete) keeps its memory alive; the next unit then gets a new buffer and the old one goes
-    with its last view. Sized at the first unit to the update's largest unit, so a receiver
-    holds one largest unit, not the model."""
+    while nothing else holds a view of it. Sized at its first use to the update's largest unit,
+    so a receiver holds one largest unit, not the model. A view kept elsewhere (an update
+    collected whole, a relay still sending, vLLM's layerwise reload holding a fused layer's
+    first parts until its last arrives) keeps that buffer alive: the unit then goes to a
+    temporary buffer of its own size, and the kept one is reused once let go."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
@@ -117,12 +117,15 @@ class StagingBuffer:
     def take(self, nbytes: int, *, reserve: int = 0) -> Any:
         import torch
 
-        buf, self._buf = self._buf, None
-        if buf is None or buf.numel() < nbytes or _holders(buf) > 1:
-            buf = None  # let go first: an unshared old buffer is freed before the new one
+        buf = self._buf
+        if buf is not None and _holders(buf) > 1:  # still read elsewhere: a temporary one
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if buf is None or buf.numel() < nbytes:
+            self._buf = buf = None  # let go first: the old one is freed before the new one
             buf = torch.empty(max(nbytes, reserve), dtype=torch.uint8, device=self.device)
             self.allocations += 1
-        self._buf = buf
+            self._buf = buf
         return buf[:nbytes]
 
     def drop(self) -> None:
