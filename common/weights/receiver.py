@@ -1,6 +1,8 @@
-"""Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``receive()`` when an
+"""Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``begin()`` when an
 update is pending, from the learner (pairwise) or from the member above in the chain, passing it
-on to the member below; a failed update leaves the previous complete version in place."""
+on to the member below; ``Receipt.units()`` hands it out a verified unit at a time from one
+staging buffer (``receive()`` collects it whole). ``version`` moves only when every unit
+arrived and matched."""
 
 from __future__ import annotations
 
