@@ -37,11 +37,13 @@ from common.weights.transfer import IncomingUpdate, StagingBuffer
 
 logger = logging.getLogger(__name__)
 
-ANNOUNCE_CHECK_S = 0.25  # a receiver waiting for an update checks this often for "dropped"
+ANNOUNCE_CHECK_S = 0.002  # a receiver waiting in begin() looks for the learner's next announcement
+POLL_S = 0.25  # and reads ``pending`` and ``dropped`` this often
 # Before a unit reuses the staging buffer, how long to wait for the relay to pass the last one
-# on; past that the unit goes to a new buffer, so a member below that falls behind never holds
-# this member back (the learner blames it after a quarter of its deadline without progress).
-RELAY_WAIT_S = 0.25
+# on; past that the unit goes to a buffer of its own, so a member below that falls behind never
+# holds this member back (the learner blames it after a quarter of its deadline without
+# progress, and the relay's views go with its called-off round).
+RELAY_WAIT_S = 0.05
 
 
 class WeightReceiver:
@@ -207,22 +209,22 @@ class WeightReceiver:
         return Receipt(self, incoming, route, text, pg, fwd)
 
     def _wait_pending(self, deadline: float, wait_s: float | None) -> None:
-        """Until ``pending`` names a newer version: blocks on the store's ``announce/<n>`` key
-        (the learner sets it after ``route`` and ``pending``), so an update starts at once
-        rather than at the next poll; every ``ANNOUNCE_CHECK_S`` it also checks ``dropped``."""
-        from datetime import timedelta
-
+        """Until ``pending`` names a newer version: checks the store's ``announce/<n>`` key (the
+        learner sets it after ``route`` and ``pending``) every ``ANNOUNCE_CHECK_S``, and
+        ``pending`` itself (and ``dropped``) every ``POLL_S``. A generator calls ``begin`` once
+        ``poll()`` found an update pending, so it does not wait here at all."""
+        last_poll = time.monotonic()
         while self.poll() is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WeightSyncError(f"no weight update arrived within {wait_s} s")
-            key = f"announce/{self._announced + 1}"
-            try:
-                self._pstore.wait([key], timedelta(seconds=min(ANNOUNCE_CHECK_S, left)))
+            while not self._pstore.check([f"announce/{self._announced + 1}"]):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise WeightSyncError(f"no weight update arrived within {wait_s} s")
+                if now - last_poll >= POLL_S:
+                    break
+                time.sleep(ANNOUNCE_CHECK_S)
+            else:
                 self._announced += 1
-            except Exception:  # noqa: BLE001 - DistStoreError on the slice's timeout: look again
-                if self._pstore.check([key]):
-                    self._announced += 1
+            last_poll = time.monotonic()
 
     def _failed(self, e: Exception, route: Route, text: str, pg, fwd) -> None:
         """After a failed update: never reuse its staging buffer (an op left behind may still
@@ -234,7 +236,7 @@ class WeightReceiver:
         if route.epoch:  # the pairwise group is intact: the learner retries or drops us
             release_later((self._links, pg), after_s=self.timeout_s + 1)
             self._links = {}
-            _report(self._pstore, f"{text}|err|{reason}")
+            _ended(self._pstore, text, f"{text}|err|{reason}")
         else:
             release_later((pg,), after_s=self.timeout_s + 1)
             self._pg = None  # the group is in an unknown state: rejoin
@@ -302,7 +304,7 @@ class Receipt:
         if self.fwd is not None:
             self.fwd.close()
             rx._forwarding.append(self.fwd)  # let it finish passing the last pieces on
-        _report(rx._pstore, f"{self.text}|ok")
+        _ended(rx._pstore, self.text, f"{self.text}|ok")
         rx.version, self.checksum = self.version, self.incoming.checksum
 
     def abandon(self, reason: str) -> None:
@@ -327,6 +329,13 @@ def _report(pstore, value: str, key: str = "result") -> None:
         pstore.set(key, value)
     except Exception:  # noqa: BLE001 - the learner then blames us after its stall time
         logger.warning("weight sync: could not report %r to the learner", value, exc_info=True)
+
+
+def _ended(pstore, route: str, result: str) -> None:
+    """The member's outcome of a round: ``result``, then ``end/<route>`` (the learner blocks on
+    it, ``chain._wait_end``)."""
+    _report(pstore, result)
+    _report(pstore, result, f"end/{route}")
 
 
 def _reporter(pstore, route: str):

@@ -23,6 +23,7 @@ from common.weights.group import broadcast, finish
 from common.weights.layout import MAGIC, WeightSyncError, dtype_of, largest_unit, pieces
 
 WINDOW_OPS = 4  # collectives in flight per link and side
+RELEASE_WAIT_S = 0.002  # see StagingBuffer.take
 
 
 class _InFlight:
@@ -118,6 +119,12 @@ class StagingBuffer:
         import torch
 
         buf = self._buf
+        if buf is not None and _holders(buf) > 1:
+            # gloo's worker thread lets go of a finished op's tensors a moment after its wait
+            # returns: give it that moment before taking a temporary buffer
+            until = time.monotonic() + RELEASE_WAIT_S
+            while _holders(buf) > 1 and time.monotonic() < until:
+                time.sleep(0.0001)
         if buf is not None and _holders(buf) > 1:  # still read elsewhere: a temporary one
             self.allocations += 1
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -193,21 +200,24 @@ class IncomingUpdate:
                 self.wait_relayed()
             buf = self.staging.take(end - start, reserve=reserve)
             plan = pieces(0, end - start, chunk)
-            ops = _InFlight(self.pg, self.deadline, self.cancelled, len(plan))
+            tail = torch.zeros(16, dtype=torch.uint8, device=self.staging.device)
+            targets = [buf[a:b] for a, b in plan] + [tail]  # the checksum comes in the window too
+            ops = _InFlight(self.pg, self.deadline, self.cancelled, len(targets))
             posted = 0
-            for a, b in plan:
-                while posted < len(plan) and len(ops.ops) < self.window:
-                    ops.post(buf[plan[posted][0] : plan[posted][1]])
+            for j, t in enumerate(targets):
+                while posted < len(targets) and len(ops.ops) < self.window:
+                    ops.post(targets[posted])
                     posted += 1
-                ops.oldest()  # piece (a, b): the next ones are on their way meanwhile
+                ops.oldest()  # target j: the next ones are on their way meanwhile
                 if self.relay is not None:
-                    self.relay(buf[a:b])
-                self._hasher.upto(buf, start, start + b)
+                    self.relay(t)
+                if t is tail:
+                    break
+                self._hasher.upto(buf, start, start + plan[j][1])
                 n += 1
                 if self.progress is not None:
                     self.progress(n)
-            tail = torch.zeros(16, dtype=torch.uint8, device=self.staging.device)
-            self._recv(tail)
+            del targets, t
             sent, got = bytes(tail.cpu().numpy()).hex(), self._hasher.digest().hex()
             if sent != got:
                 raise WeightSyncError(
