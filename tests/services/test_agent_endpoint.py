@@ -109,6 +109,7 @@ def test_the_ids_recorded_are_the_ids_vllm_sampled(engine, runner):
         return 1.0
 
     ids, (t,) = _run(engine, runner, agent)
+    assert len(replies) == 1, f"the agent's request ended {t.finish_reason}: {t.error}"
     (r,) = replies
     sampled = r["choices"][0]["token_ids"]
     assert r["prompt_token_ids"] == ids  # the messages render to the group's prompt
