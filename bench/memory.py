@@ -67,7 +67,7 @@ def derive(r: dict[str, Any]) -> dict[str, Any]:
     """The figures computed from the per-rank records in ``r["ranks"]``: the highest per-rank
     peak at 1 and 2 ranks and their ratios (the runner writes them; a test recomputes them)."""
     one, two = r["ranks"]["1"], r["ranks"]["2"]
-    out = {
+    out: dict[str, float] = {
         "peak_rss_1": _peak(one, "peak_rss"),
         "peak_rss_2": _peak(two, "peak_rss"),
         "peak_anon_1": _peak(one, "peak_anon"),

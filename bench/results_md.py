@@ -218,7 +218,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
 
 
 def _commit_cell(r: dict[str, Any]) -> str:
-    g = r.get("git") if isinstance(r.get("git"), dict) else {}
+    got = r.get("git")
+    g: dict[str, Any] = got if isinstance(got, dict) else {}
     commit = g.get("commit") or r.get("git_commit")
     dirty = g.get("dirty") if "dirty" in g else r.get("git_dirty")
     return f"{commit[:10]}{' (dirty)' if dirty else ''}" if commit else "none recorded"
