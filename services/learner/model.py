@@ -30,15 +30,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def process_group_backend(device_type: str, device_backend: str, *, offload: bool) -> str:
+    """The default process group's backend string.
+
+    NCCL (``device_backend`` on CUDA) refuses host tensors. With ``learner.cpu_offload`` (or
+    ``reference_cpu_offload``) the parameter shards, their gradients and AdamW's state live in
+    host memory, and collectives outside FSDP's own all-gather / reduce-scatter take tensors
+    made from them (the gradient norm's all-reduce, a step's loss sum, a checkpoint's
+    agreement): the group then gets a gloo backend for host tensors beside the device's
+    (``cpu:gloo,cuda:nccl``, as torchtitan does), and each tensor goes to the backend of its
+    device. Without offload, or with a CPU device (gloo carries both), the device's backend
+    alone.
+    """
+    if device_type == "cpu" or device_backend == "gloo" or not offload:
+        return device_backend
+    return f"cpu:gloo,{device_type}:{device_backend}"
+
+
 def setup_distributed(
-    backend: str | None = None, *, timeout_s: float = 1800.0
+    backend: str | None = None, *, timeout_s: float = 1800.0, offload: bool = False
 ) -> tuple[int, int, torch.device]:
     """Join (or create) the default process group; returns ``(rank, world_size, device)``.
 
     Under ``torchrun`` the ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables are used. Without them a
     one-rank group on a free loopback port is created, so the same learner code runs as a plain
-    ``python`` process. ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``.
-    Calling it again returns the existing group's values.
+    ``python`` process. ``backend`` (the device's) defaults to ``nccl`` when CUDA is available,
+    else ``gloo``; ``offload``: host tensors get a gloo backend of their own
+    (``process_group_backend``). Calling it again returns the existing group's values.
     """
     import torch
     import torch.distributed as dist
@@ -48,7 +66,9 @@ def setup_distributed(
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
-    backend = backend or ("nccl" if use_cuda else "gloo")
+    backend = process_group_backend(
+        device.type, backend or ("nccl" if use_cuda else "gloo"), offload=offload
+    )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         init_method = "env://"
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
