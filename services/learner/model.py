@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.ports import free_port
+from services.learner import lora as lora_mod
 from services.learner import packing, shard_loading
 
 if TYPE_CHECKING:
@@ -189,17 +190,22 @@ def _load_sharded(
     param_dtype: Any,
     prepare: Callable[[Any], None],
     offload: bool = False,
+    not_in_files: Callable[[str], bool] | None = None,
 ) -> Any:
     """Meta device -> ``prepare`` (on meta parameters) -> FSDP2 -> each rank reads its shards
     (``shard_loading``): no rank ever holds the whole model. With ``offload`` the shards stay
-    in host memory (FSDP2's ``CPUOffloadPolicy``) and only the buffers go to ``device``."""
+    in host memory (FSDP2's ``CPUOffloadPolicy``) and only the buffers go to ``device``.
+    ``not_in_files``: parameters ``prepare`` added (a LoRA adapter's), left for the caller to
+    set (``shard_loading.load_shards``)."""
     import torch
 
     model = shard_loading.build_on_meta(path, attn=attn)
     prepare(model)
     _shard(model, device=device, param_dtype=param_dtype, offload=offload)
     cpu = offload and device.type != "cpu"
-    shard_loading.load_shards(model, path, device=torch.device("cpu") if cpu else device)
+    shard_loading.load_shards(
+        model, path, device=torch.device("cpu") if cpu else device, not_in_files=not_in_files
+    )
     if cpu:
         for module in model.modules():  # rotary frequencies etc. are used where compute runs
             for name, buf in list(module.named_buffers(recurse=False)):
@@ -234,9 +240,9 @@ def load_policy(
     ``fsdp=True`` (needs ``setup_distributed``): sharded start-up (``_load_sharded``); every rank
     holds only its shards from the start. ``fsdp=False``: a plain module in one process.
 
-    ``lora``: wrap the model with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
-    it is sharded; only the adapter trains. For now a LoRA policy starts from the whole model on
-    each rank (loaded, wrapped, then sharded), not from the sharded start-up.
+    ``lora``: wrap the model with a LoRA adapter (``lora.attach``) before it is sharded (under
+    FSDP on the meta model, then the sharded start-up: no rank holds the whole base model) and
+    initialise it from ``seed``; only the adapter trains.
 
     ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
     device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
@@ -263,20 +269,25 @@ def load_policy(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
 
-    if fsdp and lora is None:
+    if fsdp:
+
+        def prepare_with_adapter(model: Any) -> None:
+            prepare(model)
+            if lora is not None:  # on the meta model: the adapter's values come after loading
+                lora_mod.attach(model, lora, seed=None)
+
         model = _load_sharded(
-            path, device=device, attn=attn, param_dtype=param_dtype, prepare=prepare,
-            offload=offload,
+            path, device=device, attn=attn, param_dtype=param_dtype,
+            prepare=prepare_with_adapter, offload=offload,
+            not_in_files=lora_mod.is_adapter_param if lora is not None else None,
         )  # fmt: skip
+        if lora is not None:
+            lora_mod.init_adapter(model, seed=seed)  # every rank the same, each keeps its shard
     else:
         model = _load_whole(path, device=device, attn=attn)
         prepare(model)
         if lora is not None:
-            from services.learner import lora as lora_mod
-
-            lora_mod.attach(model, lora, seed=seed)  # on whole tensors: every rank the same
-        if fsdp:
-            _shard(model, device=device, param_dtype=param_dtype, offload=offload)
+            lora_mod.attach(model, lora, seed=seed)  # on whole tensors
     model.tether_source_dir = str(path.resolve())  # the tokenizer's home for `tether export`
     if pack_sequences:
         _probe_packing(model, device=device)
