@@ -251,6 +251,10 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
             rows += [row_episodes(r)]
         elif kind == "memory":
             rows += [row_memory(r)]
+        elif kind == "memory_scale":
+            from bench.memory_scale import row_scale
+
+            rows += [row_scale(r)]
         elif kind == "lora":
             rows += row_lora(r)
         else:

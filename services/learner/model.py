@@ -104,11 +104,18 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _shard(
-    model: torch.nn.Module, *, device: torch.device, param_dtype: Any, offload: bool = False
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    param_dtype: Any,
+    offload: bool = False,
+    mesh: Any = None,
 ) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head).
     ``offload``: ``CPUOffloadPolicy`` (shards, gradients and optimizer state in host memory;
-    each unit's parameters go to the device for its forward and backward only)."""
+    each unit's parameters go to the device for its forward and backward only). ``mesh``: the
+    device mesh (default: every rank of the default group; a fake-tensor run builds it before
+    entering fake mode, ``bench/memory_scale.py``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
@@ -120,7 +127,7 @@ def _shard(
 
     from services.learner.dist import rank_world
 
-    mesh = init_device_mesh(device.type, (rank_world()[1],))
+    mesh = mesh or init_device_mesh(device.type, (rank_world()[1],))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
