@@ -17,7 +17,8 @@ its largest) with the loss of ``token_logprobs_and_entropy``, then the tensors a
 save hands to DCP (``checkpoint_state.model_state`` / ``optimizer_state``) and a streamed
 publish's gather, unit by unit (``gather.stream_units``). Each phase's peak is taken from the
 tracker (reset at each phase's start): ``forward_backward`` (up to the optimizer step),
-``optimizer`` (the step), ``checkpoint``, ``publish``.
+``optimizer`` (the step), ``checkpoint``, ``publish``; the GPU's share after every operator
+(``DevicePeak``).
 
 The device is the CPU (torch here has no CUDA, and a fake CUDA tensor cannot run an operator
 with autograd on it), so every tensor lands on one device. With offload the "device" bytes are
@@ -49,7 +50,7 @@ WORLD = 8
 TOKENS = 4096
 SHAPES = ("qwen3-32b", "qwen3-30b-a3b")
 TOLERANCE = 0.10  # the plan within 10 % of the measured peak, per phase
-OFFLOADED_KINDS = ("Sharded Param", "Sharded Grad", "Optstate")
+OFFLOADED_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
 
 
 class KnownValues(TorchDispatchMode):
@@ -85,6 +86,37 @@ class KnownValues(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class DevicePeak(TorchDispatchMode):
+    """The GPU's share of the tracker's running total after every operator, and its peak:
+    everything, or with offload everything but what offload keeps in host memory
+    (``OFFLOADED_KINDS``). With offload the GPU's peak need not fall where the total's does (at
+    the logits rather than at the end of backward), so it is followed operator by operator."""
+
+    def __init__(self, tracker: Any, *, offload: bool) -> None:
+        super().__init__()
+        self.tracker, self.offload = tracker, offload
+        self.peak = 0
+
+    def now(self) -> int:
+        total = 0
+        for snap in self.tracker._curr_mem_snap.values():  # read only
+            total += snap.get("Total", 0)
+            if self.offload:
+                total -= sum(
+                    v for k, v in snap.items() if getattr(k, "value", k) in OFFLOADED_KINDS
+                )
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.distributed.tensor import DTensor
+
+        if any(t == DTensor for t in types):
+            return NotImplemented  # as the tracker: count the local operators DTensor runs
+        res = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.now())
+        return res
+
+
 def hf_config(name: str) -> Any:
     """The Hugging Face config of a ``memory_plan.MODELS`` shape (its config.json values)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
@@ -116,16 +148,19 @@ class PhasePeaks:
     keeps one running peak, so the reset writes its two private fields, as its ``__enter__``
     does)."""
 
-    def __init__(self, tracker: Any) -> None:
-        self.tracker = tracker
+    def __init__(self, tracker: Any, device: DevicePeak) -> None:
+        self.tracker, self.device = tracker, device
         self.phases: dict[str, dict[str, int]] = {}
+        self.device_peaks: dict[str, int] = {}
 
     def reset(self) -> None:
         t = self.tracker
         t._peak_mem_snap = t.get_tracker_snapshot("current")
         t._peak_mem = {dev: snap["Total"] for dev, snap in t._peak_mem_snap.items()}
+        self.device.peak = self.device.now()
 
     def end(self, name: str) -> None:
+        self.device_peaks[name] = self.device.peak
         snap = self.tracker.get_tracker_snapshot("peak")
         merged: dict[str, int] = {}
         for dev_snap in snap.values():
@@ -140,13 +175,6 @@ class PhasePeaks:
         self.reset()
         yield
         self.end(name)
-
-
-def _device_bytes(snap: dict[str, int], *, offload: bool) -> int:
-    """The GPU's share of a phase's peak snapshot (module docstring: with offload, what stays
-    in host memory, the optimizer's state and step included, is left out)."""
-    total = snap.get("Total", 0)
-    return total - sum(snap.get(k, 0) for k in OFFLOADED_KINDS) if offload else total
 
 
 def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORLD) -> dict:
@@ -185,7 +213,8 @@ def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORL
         scheduler = build_scheduler(optimizer, build_schedule(warmup_steps=1))
         tracker = FSDPMemTracker(mod=model, optm=optimizer)
         tracker.track_inputs(tuple(batch.values()))
-        peaks = PhasePeaks(tracker)
+        device_peak = DevicePeak(tracker, offload=offload)
+        peaks = PhasePeaks(tracker, device_peak)
         optimizer.register_step_pre_hook(lambda *_: peaks.end("forward_backward"))
         optimizer.register_step_post_hook(lambda *_: peaks.end("optimizer"))
 
@@ -194,7 +223,7 @@ def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORL
                                                            mb["resp"])  # fmt: skip
             return -(logp * mb["resp"]).sum() / tokens
 
-        with tracker:
+        with tracker, device_peak:
             for step in range(2):  # the first step makes AdamW's state; the second is measured
                 peaks.reset()
                 train_step(model, optimizer, scheduler, [batch], loss_fn, grad_clip=1.0)
@@ -206,12 +235,22 @@ def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORL
                 optim_tensors, _ = checkpoint_state.optimizer_state(model, optimizer)
                 del state, optim_tensors
             with peaks.phase("publish"):
+                # Under fake tensors the work registry of torch's functional collectives keeps
+                # every gathered unit (its wait never runs), so each unit's own rise is taken,
+                # from its start, on top of the memory before the publish.
+                before = device_peak.now()
                 items = gather.publish_items(model)
                 specs = gather.publish_specs(items, torch.bfloat16)
                 layout = build_layout(specs, 1, int(BUCKET_MB * 2**20))
+                rise, start = 0, device_peak.now()
+                device_peak.peak = start
                 for _k, tensors in gather.stream_units(items, layout, dtype=torch.bfloat16,
                                                        rank0=True, device=device):  # fmt: skip
                     del tensors
+                    rise = max(rise, device_peak.peak - start)
+                    start = device_peak.now()
+                    device_peak.peak = start
+            peaks.device_peaks["publish"] = before + rise
     phases = peaks.phases
     return {
         "model": name,
@@ -221,7 +260,7 @@ def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORL
         "seconds": round(time.monotonic() - t0, 1),
         "phases": phases,
         "first_step_optimizer": first.get("optimizer", {}),
-        "device_bytes": {p: _device_bytes(s, offload=offload) for p, s in phases.items()},
+        "device_bytes": dict(peaks.device_peaks),
     }
 
 

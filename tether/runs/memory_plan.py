@@ -161,10 +161,10 @@ def phase_peaks(
     - ``forward_backward``: the larger of two moments. At the logits (no gradient yet): the
       model states, the gathered root unit, each layer's checkpointed input and the logits path
       (``LOGITS_BYTES_PER_ENTRY``). At the end of backward (the gradients nearly all there):
-      the model states and gradients, plus the unit being reduced: a decoder layer's two
-      gathered copies (it and the next, prefetched), its all-gather buffer, its bf16 gradients
-      and their fp32 copy for the reduce-scatter (12 bytes × the layer); or the root unit's
-      gathered bf16 parameters, bf16 gradients and fp32 copy (8 bytes × the root).
+      the model states and gradients, the root unit still gathered (bf16, from the forward to
+      the end of backward), and the layer being reduced: its two gathered copies (it and the
+      next, prefetched), its all-gather buffer, its bf16 gradients and their fp32 copy for the
+      reduce-scatter (12 bytes × the layer).
     - ``optimizer``: weights, gradients, AdamW's moments and the step's temporary (the
       multi-tensor step: 4P/R; parameter by parameter above ``FOREACH_MAX_TEMPORARY_BYTES``:
       two fp32 copies of the largest shard). With offload the step runs in host memory.
@@ -184,9 +184,7 @@ def phase_peaks(
     shard_in = 4 * max(layer, root) // ranks if offload else 0
     activations = t * h * 2 * model.layers
     at_logits = states + 2 * root + activations + t * v * LOGITS_BYTES_PER_ENTRY + shard_in
-    end_layer = 12 * layer
-    end_root = 8 * root
-    at_end = states + on_device_grads + max(end_layer, end_root) + shard_in
+    at_end = states + on_device_grads + 2 * root + 12 * layer + shard_in
     if 4 * p // ranks <= FOREACH_MAX_TEMPORARY_BYTES:
         temporary = 4 * p // ranks
     else:
