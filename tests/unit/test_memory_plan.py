@@ -96,3 +96,24 @@ def test_deploy_readme_tables_are_the_plans(marker: str, flags: list[str], capsy
     assert text[begin : text.index("<!-- memory-plan:end -->", begin)].strip() == table, (
         f"regenerate with: tether plan --memory {' '.join(flags)}"
     )
+
+
+def test_the_plan_is_within_tolerance_of_the_committed_measurement() -> None:
+    """Each phase's planned GPU bytes against bench/results/memory_scale.json: the learner's own
+    step at 32B and 30B-A3B on 8 (fake) ranks, measured under fake tensors (`tether bench memory
+    --size scale`). Changing the plan, or the code the measurement ran, means rerunning it."""
+    import json
+
+    from bench.memory_scale import within
+    from tether.runs.memory_plan import phase_peaks
+
+    result = json.loads((REPO / "bench" / "results" / "memory_scale.json").read_text())
+    assert {m["model"] for m in result["runs"]} == {"qwen3-32b", "qwen3-30b-a3b"}
+    for m in result["runs"]:
+        plan = phase_peaks(MODELS[m["model"]], ranks=m["world_size"], offload=m["offload"],
+                           tokens_per_micro_batch=m["tokens_per_micro_batch"])  # fmt: skip
+        for phase, measured in m["device_bytes"].items():
+            assert within(plan[phase], measured), (
+                f"{m['model']} offload={m['offload']} {phase}: plan {plan[phase] / GiB:.2f} GiB, "
+                f"measured {measured / GiB:.2f} GiB"
+            )

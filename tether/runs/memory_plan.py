@@ -159,7 +159,8 @@ def phase_peaks(
     ``bench/memory_scale.py`` measures under fake tensors, phase by phase):
 
     - ``forward_backward``: the larger of two moments. At the logits (no gradient yet): the
-      model states, the gathered root unit, each layer's checkpointed input and the logits path
+      model states, the gathered root unit and last layer (and the layer prefetched for the
+      backward's recompute), each layer's checkpointed input and the logits path
       (``LOGITS_BYTES_PER_ENTRY``). At the end of backward (the gradients nearly all there):
       the model states and gradients, the root unit still gathered (bf16, from the forward to
       the end of backward), and the layer being reduced: its two gathered copies (it and the
@@ -169,8 +170,8 @@ def phase_peaks(
       multi-tensor step: 4P/R; parameter by parameter above ``FOREACH_MAX_TEMPORARY_BYTES``:
       two fp32 copies of the largest shard). With offload the step runs in host memory.
     - ``checkpoint``: the weights and moments (the state a save hands to DCP is views).
-    - ``publish``: the weights and moments, plus the unit being gathered in bf16 (a bucket, or
-      the largest tensor) and its all-gather buffer.
+    - ``publish``: the weights and moments, plus the unit being gathered whole in bf16 (a
+      bucket, or the largest tensor) and this rank's shard of it cast to bf16.
 
     With ``offload`` the weights, gradients and moments are in host memory; the GPU holds a
     layer's fp32 shard on its way to the all-gather."""
@@ -183,18 +184,19 @@ def phase_peaks(
     on_device_grads = 0 if offload else grads
     shard_in = 4 * max(layer, root) // ranks if offload else 0
     activations = t * h * 2 * model.layers
-    at_logits = states + 2 * root + activations + t * v * LOGITS_BYTES_PER_ENTRY + shard_in
+    gathered = 2 * root + 2 * 2 * layer  # the root and the last layer (and its prefetch), bf16
+    at_logits = states + gathered + activations + t * v * LOGITS_BYTES_PER_ENTRY + shard_in
     at_end = states + on_device_grads + 2 * root + 12 * layer + shard_in
     if 4 * p // ranks <= FOREACH_MAX_TEMPORARY_BYTES:
         temporary = 4 * p // ranks
     else:
         temporary = 2 * 4 * _largest_tensor(model) // ranks
-    largest = max(bucket_bytes, 2 * _largest_tensor(model))
+    unit = max(bucket_bytes, 2 * _largest_tensor(model))  # bf16, gathered whole on rank 0
     return {
         "forward_backward": max(at_logits, at_end),
         "optimizer": 0 if offload else weights + grads + moments + temporary,
         "checkpoint": states,
-        "publish": states + 2 * largest + shard_in,
+        "publish": states + unit + 2 * _largest_tensor(model) // ranks,
     }
 
 
