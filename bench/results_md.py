@@ -211,6 +211,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         return [row_episodes(r)]
     if kind == "memory":
         return [row_memory(r)]
+    if kind == "memory_scale":
+        from bench.memory_scale import row_scale
+
+        return [row_scale(r)]
     if kind == "lora":
         return row_lora(r)
     packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r

@@ -131,6 +131,8 @@ def run_one(
         from bench.staleness_design import OF_RECORD
 
         suffix = "" if (size or "full") in OF_RECORD and not quick else f"_{size or 'smoke'}"
+    if what == "memory" and size in ("lora", "scale"):
+        suffix = f"_{size}" + ("_quick" if quick else "")
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
@@ -141,6 +143,8 @@ def run_one(
         kwargs["size"] = size
     if what in ("models", "learner", "episodes", "memory", "lora"):
         kwargs["work_dir"] = work_dir
+    if what == "memory" and size:
+        kwargs["mode"] = size
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:

@@ -6,6 +6,7 @@ after its config is resolved and before it starts Redis, a subprocess, an engine
 ====================================  =======  ==========  =========  ===========
 check                                 train    learner     generator  scorer
 ====================================  =======  ==========  =========  ===========
+transformers, vLLM versions (stack)   yes      yes (**)    yes        solver mode
 learner.trackers installed            yes      yes         -          -
 peft installed (learner.lora_rank)    yes      yes         -          -
 policy model + tokenizer directories  yes      yes         yes        solver mode
@@ -18,6 +19,7 @@ episodes: tools, tool format, sandbox yes      -           yes        -
 every dataset row, token lengths      yes      rank 0      -          -
 ====================================  =======  ==========  =========  ===========
 
+(**) transformers only: the learner runs no vLLM (``common.service.stack``).
 (*) Not when `tether train` started the service: it pinged (or started the server) itself, and
 a service it restarts during a Redis outage must wait for Redis, not exit 2 and stop the run.
 The eviction policy is checked by every service once its bus client is made (``check_server``:
@@ -90,6 +92,11 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
     from common.data.model_paths import policy_paths, solver_path
 
     checks: list[Any] = []
+    if role != "scorer" or cfg.scorer.mode == "solver":  # every role that loads a model
+        from common.service.stack import check_stack
+
+        vllm = role in ("train", "generator", "scorer")  # the engines; the learner has none
+        checks.append(lambda: check_stack(generator=vllm))
     if role in ("train", "learner"):
         from common.telemetry.trackers import require_trackers
 

@@ -62,18 +62,25 @@ def _out_dtype(t: Any, dtype: Any) -> Any:
 
 
 def stream_units(
-    items: list[tuple[str, Any]], layout: dict, *, dtype: torch.dtype | None, rank0: bool
+    items: list[tuple[str, Any]],
+    layout: dict,
+    *,
+    dtype: torch.dtype | None,
+    rank0: bool,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[int, list[Any]]]:
     """Every rank: each unit of ``layout`` gathered in turn, ``(k, its whole tensors)`` on rank
     0 (``(k, [])`` elsewhere). A collective per tensor under FSDP; at most one unit's tensors
-    exist at a time here (the caller sends them before asking for the next)."""
+    exist at a time here (the caller sends them before asking for the next). ``device``: where
+    the gather runs; a shard held elsewhere (``learner.cpu_offload``: in host memory) is moved
+    there first, so that the all-gather runs on the device's backend (NCCL), not on gloo."""
     from torch.distributed.tensor import DTensor
 
     for k, (_, _, first, last) in enumerate(layout["units"]):
         tensors = []
         for _, tensor in items[first:last]:
             # cast the shard first: the gather moves (and rank 0 holds) the published dtype
-            t = tensor.detach().to(_out_dtype(tensor, dtype))
+            t = tensor.detach().to(device=device, dtype=_out_dtype(tensor, dtype))
             if isinstance(t, DTensor):
                 t = t.full_tensor()  # all-gather: every rank takes part, only rank 0 keeps it
             if rank0:
@@ -102,7 +109,7 @@ def stream_publish(
         feed = session.next_pass() if session is not None else None
         if not broadcast_int(int(feed is not None), device):
             return
-        for k, tensors in stream_units(items, layout, dtype=dtype, rank0=rank0):
+        for k, tensors in stream_units(items, layout, dtype=dtype, rank0=rank0, device=device):
             if session is not None:
                 session.put(feed, k, tensors)
 

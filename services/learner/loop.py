@@ -118,8 +118,9 @@ class LearnerService:
         that can fail on bad input, before the model is loaded."""
         from services.learner import model as model_mod
 
+        ln = self.cfg.learner
         self.rank, self.world, self.device = model_mod.setup_distributed(
-            timeout_s=self.cfg.learner.collective_timeout_s
+            timeout_s=ln.collective_timeout_s, offload=ln.cpu_offload or ln.reference_cpu_offload
         )
         set_cpu_threads(self.device, self.cfg.learner.cpu_threads)
         if self.rank == 0:

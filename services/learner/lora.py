@@ -1,7 +1,7 @@
 """LoRA: the learner's policy as a frozen base model plus a peft LoRA adapter.
 
 With ``learner.lora_rank > 0``, ``model.load_policy`` calls ``attach`` on the Hugging Face model
-before FSDP2 shards it. ``attach`` uses peft's ``inject_adapter_in_model``: the target linear
+(on the meta device, under FSDP) before FSDP2 shards it. ``attach`` uses peft's ``inject_adapter_in_model``: the target linear
 layers are wrapped in place and the model stays its own HF class, so sharding (one FSDP unit per
 decoder layer), packing, gradient checkpointing and ``token_logprobs_and_entropy`` run unchanged.
 Only the adapter's parameters require grad, so only they get gradients and AdamW state
@@ -14,7 +14,9 @@ Only the adapter's parameters require grad, so only they get gradients and AdamW
   loader and ``peft.PeftModel.from_pretrained`` read (``peft_name``).
 - The adapter is initialised like peft's default (``lora_A`` Kaiming-uniform, ``lora_B`` zero,
   so the first policy is the base model), from a generator seeded with ``run.seed`` in module
-  order, so every rank builds the same adapter before FSDP2 keeps each rank's shard of it.
+  order: every rank draws the same whole adapter and keeps its shard of it.
+- Under FSDP the adapter goes on the meta model (``attach`` with ``seed=None``), before the
+  sharded start-up: no rank ever holds the whole base model (``model._load_sharded``).
 
 peft is imported inside functions only (the ``lora`` extra): a full fine-tuning learner never
 needs it.
@@ -61,10 +63,14 @@ class LoraSettings:
         )
 
 
-def attach(model: Any, settings: LoraSettings, *, seed: int) -> Any:
+def attach(model: Any, settings: LoraSettings, *, seed: int | None) -> Any:
     """Wrap ``model``'s target layers with a LoRA adapter in place (before FSDP2 shards it) and
     freeze everything else; returns the same model. ``ValueError`` when a target names no
-    module of this model."""
+    module of this model.
+
+    ``seed``: initialise the adapter now (``init_adapter``, on whole tensors); ``None`` for a
+    model on the meta device (the sharded start-up: the adapter's parameters have no values
+    yet; ``init_adapter`` runs on the shards once they exist)."""
     from common.service.preflight import require_peft
 
     require_peft()  # ConfigError naming the `lora` extra
@@ -93,7 +99,8 @@ def attach(model: Any, settings: LoraSettings, *, seed: int) -> Any:
         ) from None
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_param(name))
-    init_adapter(model, seed=seed)
+    if seed is not None:
+        init_adapter(model, seed=seed)
     return model
 
 
@@ -116,20 +123,39 @@ def _lora_layers(model: Any) -> list[tuple[str, Any]]:
     )
 
 
-def init_adapter(model: Any, *, seed: int) -> None:
+def initial_adapter(model: Any, *, seed: int) -> dict[str, Any]:
     """peft's default LoRA init, reproducible: ``lora_A`` Kaiming-uniform (a = √5, like an
-    ``nn.Linear``), ``lora_B`` zero, drawn from one generator in module-name order. Run on whole
-    (unsharded) tensors before ``fully_shard``."""
+    ``nn.Linear``), ``lora_B`` zero, drawn from one generator in module-name order; whole
+    tensors (a DTensor's shape is the whole parameter's), by parameter name, fp32 on CPU."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Any] = {}
+    for name, layer in _lora_layers(model):
+        a = layer.lora_A[ADAPTER].weight
+        fresh = torch.empty(tuple(a.shape), dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
+        out[f"{name}.lora_A.{ADAPTER}.weight"] = fresh
+        b = layer.lora_B[ADAPTER].weight
+        out[f"{name}.lora_B.{ADAPTER}.weight"] = torch.zeros(tuple(b.shape))
+    return out
+
+
+def init_adapter(model: Any, *, seed: int) -> None:
+    """Set the adapter to ``initial_adapter``: in place on whole tensors, or, on a sharded
+    model (FSDP2 DTensors), each rank its shard of the same whole tensors (every rank draws
+    them all: the adapter is small)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    state = initial_adapter(model, seed=seed)
+    params = dict(adapter_params(model))
+    if any(isinstance(p, DTensor) for p in params.values()):
+        _set_whole(model, state)
+        return
     with torch.no_grad():
-        for _, layer in _lora_layers(model):
-            a = layer.lora_A[ADAPTER].weight
-            fresh = torch.empty(a.shape, dtype=torch.float32)
-            torch.nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=gen)
-            a.copy_(fresh.to(a.dtype))
-            layer.lora_B[ADAPTER].weight.zero_()
+        for name, value in state.items():
+            params[name].copy_(value.to(params[name].dtype))
 
 
 @contextlib.contextmanager
@@ -192,8 +218,6 @@ def load_adapter_state(model: Any, state: dict[str, Any]) -> None:
     """Put a saved adapter (PEFT names, whole tensors, on every rank) into the model's adapter
     parameters (each rank keeps its shard); ``ValueError`` when the names or shapes differ from
     this model's adapter (another rank, other target modules)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     params = dict(adapter_params(model))
     by_file = {peft_name(fqn): fqn for fqn in params}
     if set(by_file) != set(state):
@@ -211,12 +235,18 @@ def load_adapter_state(model: Any, state: dict[str, Any]) -> None:
                 f"the saved adapter's {name} has shape {tuple(tensor.shape)}, this model's "
                 f"{shape}: resume with the run's learner.lora_rank"
             )
+    _set_whole(model, {by_file[name]: tensor for name, tensor in state.items()})
+
+
+def _set_whole(model: Any, full: dict[str, Any]) -> None:
+    """Whole adapter tensors (by parameter name, the same on every rank) into the adapter's
+    parameters; under FSDP each rank keeps its shard. Not a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():  # a forward without backward leaves the root unsharded
         if isinstance(module, FSDPModule):
             module.reshard()
-    full = {by_file[name]: tensor for name, tensor in state.items()}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.ports import free_port
+from services.learner import lora as lora_mod
 from services.learner import packing, shard_loading
 
 if TYPE_CHECKING:
@@ -30,15 +31,33 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def process_group_backend(device_type: str, device_backend: str, *, offload: bool) -> str:
+    """The default process group's backend string.
+
+    NCCL (``device_backend`` on CUDA) refuses host tensors. With ``learner.cpu_offload`` (or
+    ``reference_cpu_offload``) the parameter shards, their gradients and AdamW's state live in
+    host memory, and collectives outside FSDP's own all-gather / reduce-scatter take tensors
+    made from them (the gradient norm's all-reduce, a step's loss sum, a checkpoint's
+    agreement): the group then gets a gloo backend for host tensors beside the device's
+    (``cpu:gloo,cuda:nccl``, as torchtitan does), and each tensor goes to the backend of its
+    device. Without offload, or with a CPU device (gloo carries both), the device's backend
+    alone.
+    """
+    if device_type == "cpu" or device_backend == "gloo" or not offload:
+        return device_backend
+    return f"cpu:gloo,{device_type}:{device_backend}"
+
+
 def setup_distributed(
-    backend: str | None = None, *, timeout_s: float = 1800.0
+    backend: str | None = None, *, timeout_s: float = 1800.0, offload: bool = False
 ) -> tuple[int, int, torch.device]:
     """Join (or create) the default process group; returns ``(rank, world_size, device)``.
 
     Under ``torchrun`` the ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables are used. Without them a
     one-rank group on a free loopback port is created, so the same learner code runs as a plain
-    ``python`` process. ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``.
-    Calling it again returns the existing group's values.
+    ``python`` process. ``backend`` (the device's) defaults to ``nccl`` when CUDA is available,
+    else ``gloo``; ``offload``: host tensors get a gloo backend of their own
+    (``process_group_backend``). Calling it again returns the existing group's values.
     """
     import torch
     import torch.distributed as dist
@@ -48,7 +67,9 @@ def setup_distributed(
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), device
-    backend = backend or ("nccl" if use_cuda else "gloo")
+    backend = process_group_backend(
+        device.type, backend or ("nccl" if use_cuda else "gloo"), offload=offload
+    )
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         init_method = "env://"
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -83,11 +104,18 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _shard(
-    model: torch.nn.Module, *, device: torch.device, param_dtype: Any, offload: bool = False
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    param_dtype: Any,
+    offload: bool = False,
+    mesh: Any = None,
 ) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, tied lm_head).
     ``offload``: ``CPUOffloadPolicy`` (shards, gradients and optimizer state in host memory;
-    each unit's parameters go to the device for its forward and backward only)."""
+    each unit's parameters go to the device for its forward and backward only). ``mesh``: the
+    device mesh (default: every rank of the default group; a fake-tensor run builds it before
+    entering fake mode, ``bench/memory_scale.py``)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
@@ -99,7 +127,7 @@ def _shard(
 
     from services.learner.dist import rank_world
 
-    mesh = init_device_mesh(device.type, (rank_world()[1],))
+    mesh = mesh or init_device_mesh(device.type, (rank_world()[1],))
     kwargs: dict[str, Any] = {"mesh": mesh}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -169,17 +197,22 @@ def _load_sharded(
     param_dtype: Any,
     prepare: Callable[[Any], None],
     offload: bool = False,
+    not_in_files: Callable[[str], bool] | None = None,
 ) -> Any:
     """Meta device -> ``prepare`` (on meta parameters) -> FSDP2 -> each rank reads its shards
     (``shard_loading``): no rank ever holds the whole model. With ``offload`` the shards stay
-    in host memory (FSDP2's ``CPUOffloadPolicy``) and only the buffers go to ``device``."""
+    in host memory (FSDP2's ``CPUOffloadPolicy``) and only the buffers go to ``device``.
+    ``not_in_files``: parameters ``prepare`` added (a LoRA adapter's), left for the caller to
+    set (``shard_loading.load_shards``)."""
     import torch
 
     model = shard_loading.build_on_meta(path, attn=attn)
     prepare(model)
     _shard(model, device=device, param_dtype=param_dtype, offload=offload)
     cpu = offload and device.type != "cpu"
-    shard_loading.load_shards(model, path, device=torch.device("cpu") if cpu else device)
+    shard_loading.load_shards(
+        model, path, device=torch.device("cpu") if cpu else device, not_in_files=not_in_files
+    )
     if cpu:
         for module in model.modules():  # rotary frequencies etc. are used where compute runs
             for name, buf in list(module.named_buffers(recurse=False)):
@@ -214,9 +247,9 @@ def load_policy(
     ``fsdp=True`` (needs ``setup_distributed``): sharded start-up (``_load_sharded``); every rank
     holds only its shards from the start. ``fsdp=False``: a plain module in one process.
 
-    ``lora``: wrap the model with a LoRA adapter (``lora.attach``, seeded with ``seed``) before
-    it is sharded; only the adapter trains. For now a LoRA policy starts from the whole model on
-    each rank (loaded, wrapped, then sharded), not from the sharded start-up.
+    ``lora``: wrap the model with a LoRA adapter (``lora.attach``) before it is sharded (under
+    FSDP on the meta model, then the sharded start-up: no rank holds the whole base model) and
+    initialise it from ``seed``; only the adapter trains.
 
     ``pack_sequences``: the forward will run packed micro-batches (``packing.py``): on a CUDA
     device with flash-attn installed the model gets ``flash_attention_2`` (varlen), else
@@ -243,20 +276,25 @@ def load_policy(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
 
-    if fsdp and lora is None:
+    if fsdp:
+
+        def prepare_with_adapter(model: Any) -> None:
+            prepare(model)
+            if lora is not None:  # on the meta model: the adapter's values come after loading
+                lora_mod.attach(model, lora, seed=None)
+
         model = _load_sharded(
-            path, device=device, attn=attn, param_dtype=param_dtype, prepare=prepare,
-            offload=offload,
+            path, device=device, attn=attn, param_dtype=param_dtype,
+            prepare=prepare_with_adapter, offload=offload,
+            not_in_files=lora_mod.is_adapter_param if lora is not None else None,
         )  # fmt: skip
+        if lora is not None:
+            lora_mod.init_adapter(model, seed=seed)  # every rank the same, each keeps its shard
     else:
         model = _load_whole(path, device=device, attn=attn)
         prepare(model)
         if lora is not None:
-            from services.learner import lora as lora_mod
-
-            lora_mod.attach(model, lora, seed=seed)  # on whole tensors: every rank the same
-        if fsdp:
-            _shard(model, device=device, param_dtype=param_dtype, offload=offload)
+            lora_mod.attach(model, lora, seed=seed)  # on whole tensors
     model.tether_source_dir = str(path.resolve())  # the tokenizer's home for `tether export`
     if pack_sequences:
         _probe_packing(model, device=device)

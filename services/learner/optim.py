@@ -98,6 +98,8 @@ def build_optimizer(
     """AdamW over the trainable parameters (FSDP2 DTensor shards work as plain tensors here).
 
     Biases and norm weights (1-D parameters) get no weight decay unless ``decay_1d_params``.
+    The multi-tensor step when its temporary stays under ``FOREACH_MAX_TEMPORARY_BYTES``, else
+    the step parameter by parameter.
     """
     import torch
 
@@ -112,7 +114,25 @@ def build_optimizer(
     groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    foreach = foreach_temporary_bytes(decay + no_decay) <= FOREACH_MAX_TEMPORARY_BYTES
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
+
+
+# AdamW's multi-tensor ("foreach") step makes a temporary of every parameter's fp32 size at once
+# (the square root of the second moments): 4P/R bytes, +15.3 GiB per rank at 32B on 8 ranks,
+# which tips a model that fits into one that does not (bench/results/memory_scale.json). Above
+# this, the step goes parameter by parameter (its temporary: one parameter's shard); the
+# arithmetic is the same, and the few hundred extra kernel launches cost milliseconds.
+FOREACH_MAX_TEMPORARY_BYTES = 1 << 30
+
+
+def foreach_temporary_bytes(params: list[Any]) -> int:
+    """The bytes of the foreach step's temporary: the fp32 size of this rank's shards."""
+    total = 0
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * 4
+    return total
 
 
 def build_scheduler(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,12 +95,21 @@ def build_meta_from_config(config: Any) -> Any:
     return model
 
 
-def load_shards(model: Any, model_dir: str | Path, *, device: torch.device) -> None:
+def load_shards(
+    model: Any,
+    model_dir: str | Path,
+    *,
+    device: torch.device,
+    not_in_files: Callable[[str], bool] | None = None,
+) -> None:
     """Fill ``model`` (built by ``build_on_meta``, sharded or not) from ``model_dir``'s
     safetensors files: each rank reads its own slices. Parameters land on ``device``.
 
     Refuses a checkpoint that misses a parameter or has one of another shape (``from_pretrained``
-    would initialise it at random and train from noise)."""
+    would initialise it at random and train from noise). ``not_in_files(name)``: parameters the
+    files do not hold by design (a LoRA adapter added on the meta model): they are allocated
+    on ``device`` with transformers' default init, for the caller to set. A layer a LoRA
+    adapter wraps reads the file's weights under its ``base_layer``."""
     import torch
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -117,13 +127,14 @@ def load_shards(model: Any, model_dir: str | Path, *, device: torch.device) -> N
     )
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     try:
-        lazy = {key: h.get_slice(key) for h in handles for key in h.keys()}
+        wrapped = _wrapped_layers(model)
+        lazy = {_as_wrapped(key, wrapped): h.get_slice(key) for h in handles for key in h.keys()}
         info, _ = convert_and_load_state_dict_in_model(model, lazy, load_config)
     finally:
         for h in handles:
             h.__exit__(None, None, None)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    missing = sorted(set(info.missing_keys) - tied)
+    missing = sorted(k for k in set(info.missing_keys) - tied if not (not_in_files or _no)(k))
     if missing or info.mismatched_keys:
         shapes = [f"{k}: file {tuple(a)} vs model {tuple(b)}" for k, a, b in info.mismatched_keys]
         raise ValueError(
@@ -140,3 +151,19 @@ def load_shards(model: Any, model_dir: str | Path, *, device: torch.device) -> N
         )
     # from_pretrained's finishing step: buffers off meta (rotary frequencies computed), ties
     type(model)._finalize_model_loading(model, load_config, info)
+
+
+def _no(_: str) -> bool:
+    return False
+
+
+def _wrapped_layers(model: Any) -> set[str]:
+    """Names of the modules a wrap put around a layer of the file (a LoRA adapter: peft's
+    layers keep the original layer as ``base_layer``)."""
+    return {n for n, m in model.named_modules() if hasattr(m, "base_layer") and n}
+
+
+def _as_wrapped(key: str, wrapped: set[str]) -> str:
+    """A file's ``<layer>.weight`` as the wrapped model names it (``<layer>.base_layer.weight``)."""
+    module, _, leaf = key.rpartition(".")
+    return f"{module}.base_layer.{leaf}" if module in wrapped else key

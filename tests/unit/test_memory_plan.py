@@ -23,12 +23,27 @@ def test_offload_moves_the_model_states_to_host_memory() -> None:
     on_gpu = rank_memory(m, ranks=8, offload=False)
     offloaded = rank_memory(m, ranks=8, offload=True)
     states = 16 * m.params // 8  # fp32 weights + fp32 gradients + two AdamW moments
-    assert on_gpu["gpu_terms"]["model_states"] == states
-    assert offloaded["gpu_terms"]["model_states"] == 0
+    # a save's state dict: the weights and the moments, on the GPU without offload
+    assert on_gpu["gpu_phases"]["checkpoint"] == 12 * m.params // 8
+    assert offloaded["gpu_phases"]["checkpoint"] == 0
+    assert offloaded["gpu_phases"]["optimizer"] == 0  # the step runs in host memory
     assert offloaded["host_terms"]["offloaded_states"] == states
-    assert on_gpu["gpu_bytes"] - offloaded["gpu_bytes"] == states
     # sharding: twice the ranks, half the states
-    assert rank_memory(m, ranks=16, offload=False)["gpu_terms"]["model_states"] == states // 2
+    assert (
+        rank_memory(m, ranks=16, offload=False)["gpu_phases"]["checkpoint"] == 12 * m.params // 16
+    )
+
+
+def test_the_optimizer_step_goes_tensor_by_tensor_when_its_temporary_is_large() -> None:
+    """AdamW's multi-tensor step holds a temporary of 4P/R bytes: 15.3 GiB at 32B on 8 ranks,
+    so there the step goes parameter by parameter (services.learner.optim)."""
+    from tether.runs.memory_plan import phase_peaks
+
+    small, big = MODELS["qwen2.5-0.5b"], MODELS["qwen3-32b"]
+    states = 16 * small.params // 8
+    assert phase_peaks(small, ranks=8, offload=False)["optimizer"] == states + 4 * small.params // 8
+    peak = phase_peaks(big, ranks=8, offload=False)["optimizer"]
+    assert 16 * big.params // 8 < peak < 16 * big.params // 8 + 1 * GiB
 
 
 def test_what_fits_on_8_gpus_of_80_gb() -> None:
@@ -81,3 +96,24 @@ def test_deploy_readme_tables_are_the_plans(marker: str, flags: list[str], capsy
     assert text[begin : text.index("<!-- memory-plan:end -->", begin)].strip() == table, (
         f"regenerate with: tether plan --memory {' '.join(flags)}"
     )
+
+
+def test_the_plan_is_within_tolerance_of_the_committed_measurement() -> None:
+    """Each phase's planned GPU bytes against bench/results/memory_scale.json: the learner's own
+    step at 32B and 30B-A3B on 8 (fake) ranks, measured under fake tensors (`tether bench memory
+    --size scale`). Changing the plan, or the code the measurement ran, means rerunning it."""
+    import json
+
+    from bench.memory_scale import within
+    from tether.runs.memory_plan import phase_peaks
+
+    result = json.loads((REPO / "bench" / "results" / "memory_scale.json").read_text())
+    assert {m["model"] for m in result["runs"]} == {"qwen3-32b", "qwen3-30b-a3b"}
+    for m in result["runs"]:
+        plan = phase_peaks(MODELS[m["model"]], ranks=m["world_size"], offload=m["offload"],
+                           tokens_per_micro_batch=m["tokens_per_micro_batch"])  # fmt: skip
+        for phase, measured in m["device_bytes"].items():
+            assert within(plan[phase], measured), (
+                f"{m['model']} offload={m['offload']} {phase}: plan {plan[phase] / GiB:.2f} GiB, "
+                f"measured {measured / GiB:.2f} GiB"
+            )

@@ -27,6 +27,8 @@ WITHOUT_COMMAND = {
     "lora.json": "lora (dd7d8fc)",
     "memory.json": "memory (b95404e)",
     "reproducibility.json": "reproducibility (0aa688e)",
+    "memory_lora.json": "memory --size lora (64922da, dirty, load 19.7)",
+    "memory_scale.json": "memory --size scale (14e50bf)",
 }
 
 

@@ -129,13 +129,15 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("what", choices=[*BENCHMARKS, "all"], help="which benchmark")
     bench.add_argument(
         "--size",
-        choices=["quick", "medium", "full", "tests", "s4", "smoke", "slice"],
+        choices=["quick", "medium", "full", "tests", "s4", "smoke", "slice", "lora", "scale"],
         default=None,
         help="workload preset for pipeline/peer (quick, medium, full); staleness: full (the "
         "pre-registered study, 21 arms × 8 seeds), tests (its 7 arms of the pre-registered tests "
         "× 8 seeds), s4 (those and every other S = 4 arm: 14 arms × 8 seeds), slice (4 of its "
         "arms × 2 seeds, to time it) or "
-        "smoke (every arm kind once, a few minutes) "
+        "smoke (every arm kind once, a few minutes); memory: full (default), lora (a LoRA "
+        "policy, 1 vs 2 ranks) or scale (the 32B shapes under fake tensors, world size 8, "
+        "against `tether plan --memory`) "
         "(default: full, or the smallest with --quick)",
     )
     bench.add_argument(

@@ -7,13 +7,10 @@ Per rank, with R ranks, P parameters (FSDP2 full sharding, bf16 compute, fp32 ma
   with ``learner.cpu_offload`` they live in host memory (FSDP2 CPUOffloadPolicy) instead;
 - the frozen reference (``learner.kl_coef > 0``): its fp32 shards 4P/R, in host memory with
   ``learner.reference_cpu_offload``;
-- gathered parameters: FSDP all-gathers one unit (a decoder layer) at a time in bf16 and
-  prefetches the next: 2 × 2 bytes × the largest layer; the root unit (embeddings, final norm,
-  untied ``lm_head``) stays gathered from the forward to the backward: 2 bytes × its params;
-- gradients of one unit before their reduce-scatter, in fp32: 4 bytes × the largest layer;
-- activations (gradient checkpointing on): each layer's input, T × H × 2 bytes × layers, one
-  layer recomputed (T × (4H + 3I_active) × 2 bytes), and the logits: T × V × 6 bytes (bf16
-  logits, fp32 rows of the response tokens), T = tokens per micro-batch per rank;
+- the GPU's peak is that of the learner's highest phase (``phase_peaks``: forward/backward, the
+  optimizer step, a checkpoint's state dict, a publish's gather), each phase's terms checked
+  against the learner's own step run under fake tensors at 32B, world size 8
+  (``tether bench memory --size scale``, ``bench/memory_scale.py``);
 - GPU runtime (CUDA context, NCCL buffers, allocator slack): ``GPU_RUNTIME_BYTES``, assumed:
   no GPU was available to measure it (``bench/README.md``);
 - host memory per rank: the process (``HOST_PROCESS_BYTES``: Python, torch, transformers; the
@@ -114,20 +111,17 @@ def rank_memory(
     """Bytes per rank on the GPU and in host memory, term by term (module docstring)."""
     if ranks < 1 or tokens_per_micro_batch < 1:
         raise ValueError(f"ranks ({ranks}) and tokens_per_micro_batch must be >= 1")
-    p, t, h = model.params, tokens_per_micro_batch, model.hidden
+    p = model.params
     states = 16 * p // ranks
     ref = 4 * p // ranks if reference else 0
+    phases = phase_peaks(model, ranks=ranks, offload=offload,
+                         tokens_per_micro_batch=tokens_per_micro_batch, bucket_bytes=bucket_bytes)  # fmt: skip
     gpu = {
-        "model_states": 0 if offload else states,
+        "peak_phase": max(phases.values()),  # bench/memory_scale.py measures each phase
         "reference": 0 if reference_offload else ref,
-        "gathered_layers": 2 * 2 * model.layer_params,
-        "gathered_root": 2 * model.root_params,
-        "unit_gradients": 4 * model.layer_params,
-        "activations": t * h * 2 * model.layers
-        + t * (4 * h + 3 * model.active_intermediate) * 2
-        + t * model.vocab * 6,
         "runtime": GPU_RUNTIME_BYTES,
     }
+    h = model.hidden
     # the largest tensor a publish gathers whole (bf16): the embedding, or a fused projection
     fused = model.intermediate * h * (2 * model.experts if model.experts else 1)
     largest = max(model.vocab * h, fused) * 2
@@ -146,8 +140,70 @@ def rank_memory(
         "gpu_bytes": sum(gpu.values()),
         "host_bytes": sum(host.values()),
         "gpu_terms": gpu,
+        "gpu_phases": phases,
         "host_terms": host,
     }
+
+
+# The logits path as ``token_logprobs_and_entropy`` runs it, bytes per token per vocabulary entry
+# at its peak (the start of backward): the bf16 logits (2), the selected rows' bf16 copy (2), their
+# fp32 copy (4), and, as backward starts, the logsumexp's softmax and the fp32 gradient (4 + 4).
+LOGITS_BYTES_PER_ENTRY = 16
+
+
+def phase_peaks(
+    model: ModelShape, *, ranks: int, offload: bool, tokens_per_micro_batch: int = 4096,
+    bucket_bytes: int = 64 << 20,
+) -> dict[str, int]:  # fmt: skip
+    """Each phase's peak GPU bytes per rank, without ``GPU_RUNTIME_BYTES`` (what
+    ``bench/memory_scale.py`` measures under fake tensors, phase by phase):
+
+    - ``forward_backward``: the larger of two moments. At the logits (no gradient yet): the
+      model states, the gathered root unit and last layer (and the layer prefetched for the
+      backward's recompute), each layer's checkpointed input and the logits path
+      (``LOGITS_BYTES_PER_ENTRY``). At the end of backward (the gradients nearly all there):
+      the model states and gradients, the root unit still gathered (bf16, from the forward to
+      the end of backward), and the layer being reduced: its two gathered copies (it and the
+      next, prefetched), its all-gather buffer, its bf16 gradients and their fp32 copy for the
+      reduce-scatter (12 bytes × the layer).
+    - ``optimizer``: weights, gradients, AdamW's moments and the step's temporary (the
+      multi-tensor step: 4P/R; parameter by parameter above ``FOREACH_MAX_TEMPORARY_BYTES``:
+      two fp32 copies of the largest shard). With offload the step runs in host memory.
+    - ``checkpoint``: the weights and moments (the state a save hands to DCP is views).
+    - ``publish``: the weights and moments, plus the unit being gathered whole in bf16 (a
+      bucket, or the largest tensor) and this rank's shard of it cast to bf16.
+
+    With ``offload`` the weights, gradients and moments are in host memory; the GPU holds a
+    layer's fp32 shard on its way to the all-gather."""
+    from services.learner.optim import FOREACH_MAX_TEMPORARY_BYTES
+
+    p, t, h, v = model.params, tokens_per_micro_batch, model.hidden, model.vocab
+    layer, root = model.layer_params, model.root_params
+    weights, moments, grads = 4 * p // ranks, 8 * p // ranks, 4 * p // ranks
+    states = 0 if offload else weights + moments
+    on_device_grads = 0 if offload else grads
+    shard_in = 4 * max(layer, root) // ranks if offload else 0
+    activations = t * h * 2 * model.layers
+    gathered = 2 * root + 2 * 2 * layer  # the root and the last layer (and its prefetch), bf16
+    at_logits = states + gathered + activations + t * v * LOGITS_BYTES_PER_ENTRY + shard_in
+    at_end = states + on_device_grads + 2 * root + 12 * layer + shard_in
+    if 4 * p // ranks <= FOREACH_MAX_TEMPORARY_BYTES:
+        temporary = 4 * p // ranks
+    else:
+        temporary = 2 * 4 * _largest_tensor(model) // ranks
+    unit = max(bucket_bytes, 2 * _largest_tensor(model))  # bf16, gathered whole on rank 0
+    return {
+        "forward_backward": max(at_logits, at_end),
+        "optimizer": 0 if offload else weights + grads + moments + temporary,
+        "checkpoint": states,
+        "publish": states + unit + 2 * _largest_tensor(model) // ranks,
+    }
+
+
+def _largest_tensor(model: ModelShape) -> int:
+    """Elements of the model's largest tensor: the embedding, or a fused expert projection."""
+    fused = 2 * model.intermediate * model.hidden * (model.experts or 1)
+    return max(model.vocab * model.hidden, fused)
 
 
 GPU_HEADROOM = 0.9  # a plan "fits" in 90 % of the GPU: fragmentation and peaks the terms miss
