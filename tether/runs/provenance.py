@@ -10,10 +10,15 @@ from typing import Any
 
 # the checkout this package runs from (an installed wheel has no .git: no commit)
 CODE_ROOT = Path(__file__).resolve().parents[2]
+# what the benchmarks write into the clone: a result one of them wrote is not a change to the
+# code the next one runs (else every benchmark after the first of `tether bench all`, or the
+# second demo kind of a sitting, would be stamped dirty)
+OUTPUTS = ("bench/results", "bench/README.md")
 
 
 def git_state(clone: Path = CODE_ROOT) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` (None outside a git checkout)."""
+    """``{"commit": sha or None, "dirty": bool or None}`` (None outside a git checkout);
+    ``dirty``: a tracked file other than the benchmarks' ``OUTPUTS`` differs from the commit."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -22,7 +27,10 @@ def git_state(clone: Path = CODE_ROOT) -> dict[str, Any]:
 
     try:
         commit = git("rev-parse", "HEAD").strip()
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+        outputs = [f":(exclude){path}" for path in OUTPUTS]
+        dirty = bool(
+            git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs).strip()
+        )
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
     return {"commit": commit, "dirty": dirty}
