@@ -5,27 +5,13 @@ device it ran on."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from tether.runs.provenance import git_state
+
 CLONE = Path(__file__).resolve().parents[1]
-
-
-def git_state(clone: Path = CLONE) -> dict[str, Any]:
-    """``{"commit": sha or None, "dirty": bool or None}`` (None outside a git checkout)."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(clone), *args], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-
-    try:
-        commit = git("rev-parse", "HEAD").strip()
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": dirty}
+__all__ = ["CLONE", "device_name", "git_state", "stamp"]
 
 
 def stamp(

@@ -25,8 +25,10 @@ SIZES = {"full": 10, "quick": 3}  # cycles of 2 optimizer steps (16 prompts × 8
 
 
 def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, seed: int = 0,
+               generators: int = 1, sets: dict[str, str] | None = None,
                timeout_s: float = 1200.0) -> list[dict[str, Any]]:  # fmt: skip
-    """One `tether train` run; its step records."""
+    """One `tether train` run with ``generators`` generator processes (``sets``: more
+    ``--set`` settings); its step records."""
     from tether.demo.run import DEMO_CONFIG
     from tether.runs.supervisor import tether_command
 
@@ -41,6 +43,8 @@ def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, se
         "learner.checkpoint_every_steps": "0",
         "learner.eval_every_steps": "0",
         "learner.trackers": "[]",
+        "generator.replicas": str(generators),
+        **(sets or {}),
     }
     if mode == "sync":
         sets["run.max_staleness"] = "1"  # S − 1 with the demo's 2 steps per cycle
@@ -75,14 +79,26 @@ def derive(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """How two runs' step records differ: rewards, batches, losses, staleness."""
+    """How two runs' step records differ: rewards, batches, the trained samples (each sample's
+    response token ids and reward, ``services.learner.step_log.samples_digests``), losses and
+    staleness. ``samples_differing``: per step, how many of its samples differ (a step whose
+    batch holds other sample ids counts all of them)."""
     pairs = list(zip(a, b, strict=True))
     rewards = [[x["reward_mean"], y["reward_mean"]] for x, y in pairs]
+    differing = [
+        sum(p != q for p, q in zip(x["sample_digests"], y["sample_digests"], strict=True))
+        if x["batch_digest"] == y["batch_digest"]
+        else len(x["sample_digests"])
+        for x, y in pairs
+    ]
     return {
         "steps": len(pairs),
         "rewards": rewards,
         **reward_figures(rewards),
         "batches_equal": sum(x["batch_digest"] == y["batch_digest"] for x, y in pairs),
+        "samples_equal_steps": sum(x["samples_digest"] == y["samples_digest"] for x, y in pairs),
+        "samples_compared": sum(len(x["sample_digests"]) for x in a),
+        "samples_differing": differing,
         "loss_abs_diff_max": max(abs(x["loss"] - y["loss"]) for x, y in pairs),
         "staleness_counts_equal": sum(
             x["staleness_counts"] == y["staleness_counts"] for x, y in pairs

@@ -60,7 +60,7 @@ def readme_for(out_dir: Path) -> Path:
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos",
 )  # fmt: skip
 
 
@@ -89,6 +89,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "models": {"quick": True},
         "memory": {"quick": True},
         "lora": {"quick": True, "steps": 2, "repeats": 2},
+        "demos": {"quick": True},
     }
     return presets[what]
 
@@ -115,6 +116,8 @@ def run_one(
     size: str | None = None,
     generators: tuple[int, ...] = (),
     lr: float | None = None,
+    kind: str | None = None,
+    seeds: tuple[int, ...] | None = None,
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -136,15 +139,19 @@ def run_one(
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
+    if what == "demos":  # one file per demo kind, each a README table (bench.demos_report)
+        out = out_dir / "demos" / f"{kind or 'arithmetic'}{'_quick' if quick else ''}.json"
     kwargs = _quick_kwargs(what, quick)
     if e2e:
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner", "episodes", "memory", "lora"):
+    if what in ("models", "learner", "episodes", "memory", "lora", "demos"):
         kwargs["work_dir"] = work_dir
     if what == "memory" and size:
         kwargs["mode"] = size
+    if what == "demos":
+        kwargs.update(kind=kind, seeds=seeds)
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:
@@ -157,8 +164,9 @@ def run_one(
 
     machine = machine_info()  # its load average is the load when the benchmark started
     result = fn(out_path=out, **kwargs)
-    stamp(out, git_state(), command=command_line(what, quick=quick, size=size, threads=threads,
-          generators=generators, lr=lr), machine=machine)  # fmt: skip
+    command = command_line(what, quick=quick, size=size, threads=threads, generators=generators,
+                           lr=lr, kind=kind, seeds=seeds)  # fmt: skip
+    stamp(out, git_state(), command=command, machine=machine)
     if isinstance(result, dict):
         result.setdefault("git", git_state())
     return result
@@ -166,7 +174,8 @@ def run_one(
 
 def command_line(
     what: str, *, quick: bool = False, size: str | None = None, threads: int | None = None,
-    generators: tuple[int, ...] = (), lr: float | None = None,
+    generators: tuple[int, ...] = (), lr: float | None = None, kind: str | None = None,
+    seeds: tuple[int, ...] | None = None,
 ) -> str:  # fmt: skip
     """The ``tether bench`` command that runs ``what`` with these settings."""
     parts = ["tether bench", what]
@@ -179,6 +188,8 @@ def command_line(
         else []
     )
     parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
+    parts += [f"--kind {kind}"] if kind and what == "demos" else []
+    parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what == "demos" else []
     return " ".join(parts)
 
 
@@ -210,10 +221,11 @@ def run_bench(args: Any) -> int:
     size = getattr(args, "size", None)
     generators = _generators(getattr(args, "generators", None) or ("1,2" if quick else "1,2,4"))
     lr = getattr(args, "lr", None)
+    demos = {"kind": getattr(args, "kind", None), "seeds": getattr(args, "seeds", None)}
     try:
         with stop_on_signals():
             _run(what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-                 generators=generators, lr=lr)  # fmt: skip
+                 generators=generators, lr=lr, demos=demos)  # fmt: skip
     except Interrupted as exc:
         print(f"tether bench {what}: {exc}; what it had started is stopped", file=sys.stderr)
         return 128 + exc.signum
@@ -226,12 +238,14 @@ def run_bench(args: Any) -> int:
 
 
 def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int | None,
-         size: str | None, generators: tuple[int, ...], lr: float | None) -> None:  # fmt: skip
-    """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout."""
+         size: str | None, generators: tuple[int, ...], lr: float | None,
+         demos: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout.
+    ``demos``: the demos benchmark's ``kind`` and ``seeds``."""
     if what != "all":
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-            generators=generators, lr=lr,
+            generators=generators, lr=lr, **(demos or {}),
         )  # fmt: skip
         if result is None:
             raise LookupError("its module is not available in this checkout")

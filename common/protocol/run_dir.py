@@ -4,7 +4,8 @@
 launcher), ``redis/`` (the embedded server's data and ``server.conf``), ``metrics.jsonl``,
 ``tensorboard/``, ``wandb/`` and ``checkpoints/`` (the learner), ``tools/`` (a generator's tool
 sandbox without namespaces), ``status.json`` (the last status
-snapshot) and ``report.html`` (the launcher, at the end of a run), ``assets/`` (``tether demo``).
+snapshot) and ``report.html`` (the launcher, at the end of a run), ``assets/`` and
+``demo_result.json`` (``tether demo``).
 The learner writes half of it and the launcher, ``tether status`` and ``tether report`` read it,
 so the names live here, below both.
 """
@@ -69,3 +70,7 @@ class RunDir:
     @property
     def assets(self) -> Path:
         return self.root / "assets"
+
+    @property
+    def demo_result(self) -> Path:
+        return self.root / "demo_result.json"

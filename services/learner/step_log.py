@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from common.protocol.run_dir import RunDir
 from services.learner import losses
@@ -44,6 +47,7 @@ def step_record(
     turned ``version − 1`` into ``version`` lags ``version − 1 − v``."""
     rewards = [samples[i].reward for i in idx]
     lags = [version - 1 - samples[i].policy_version for i in idx]
+    trained_digest, per_sample = samples_digests([samples[i] for i in idx])
     return {
         "step": version,
         "cycle": cycle,
@@ -56,6 +60,8 @@ def step_record(
         "seconds": seconds,
         "response_tokens": sum(len(samples[i].response_ids) for i in idx),
         "batch_digest": batch_digest(samples[i].sample_id for i in idx),
+        "samples_digest": trained_digest,
+        "sample_digests": per_sample,
         "staleness_max": max(lags),
         # responses per staleness (index = optimizer steps behind): the measured distribution
         "staleness_counts": [lags.count(k) for k in range(max(lags) + 1)],
@@ -89,6 +95,29 @@ def episode_record(samples: list[Sample]) -> dict[str, float]:
 def batch_digest(ids: Iterable[str]) -> str:
     """A short fingerprint of a step's batch (its sample ids), to show resume picks the same one."""
     return hashlib.blake2b("\n".join(sorted(ids)).encode(), digest_size=8).hexdigest()
+
+
+def _sample_bytes(s: Sample) -> bytes:
+    """What a sample contributes to the update and can differ between runs of one seed: its
+    response token ids (as int64, little-endian) and its reward (as float64)."""
+    ids = np.asarray(s.response_ids, dtype="<i8").tobytes()
+    return struct.pack("<Q", len(s.response_ids)) + ids + struct.pack("<d", s.reward)
+
+
+def samples_digests(batch: list[Sample]) -> tuple[str, list[str]]:
+    """Fingerprints of what a step trained on, to compare two runs sample by sample: one over
+    every sample's id, response token ids and reward (16 hex digits), and one per sample over
+    its response token ids and reward (8 hex digits), in the order of the sorted sample ids
+    (the ids themselves are ``batch_digest``'s). Hashing 64 responses of 32 ids takes ~0.1 ms;
+    the per-sample list adds ~11 bytes per sample to the step's record."""
+    ordered = sorted(batch, key=lambda s: s.sample_id)
+    whole = hashlib.blake2b(digest_size=8)
+    per_sample = []
+    for s in ordered:
+        data = _sample_bytes(s)
+        whole.update(s.sample_id.encode() + b"\0" + data)
+        per_sample.append(hashlib.blake2b(data, digest_size=4).hexdigest())
+    return whole.hexdigest(), per_sample
 
 
 class StepLog:

