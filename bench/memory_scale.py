@@ -181,12 +181,26 @@ class PhasePeaks:
 def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORLD) -> dict:
     """One shape, one offload setting: the learner's step, a checkpoint's state dict and a
     publish's gather under fake tensors; each phase's peak by kind, in bytes."""
-    import torch
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # the fake group is this measurement's own: left behind, it would tell every later user of
+    # torch.distributed in the process (a test's micro-batches) that there are 8 ranks
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        return _measure(name, offload=offload, tokens=tokens, world=world)
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def _measure(name: str, *, offload: bool, tokens: int, world: int) -> dict:
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from common.config.shared import BUCKET_MB
     from common.weights.layout import build_layout
@@ -195,8 +209,6 @@ def measure(name: str, *, offload: bool, tokens: int = TOKENS, world: int = WORL
     from services.learner.optim import build_optimizer, build_schedule, build_scheduler
     from services.learner.train_step import train_step
 
-    if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     mesh = init_device_mesh("cpu", (world,))  # outside fake mode (it reads its rank list)
     device = torch.device("cpu")
     config = hf_config(name)

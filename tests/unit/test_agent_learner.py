@@ -108,8 +108,11 @@ def test_segments_share_their_episodes_reward_and_failed_episodes_are_not_traine
 
 def test_the_books_balance_with_segments_and_failed_agents():
     # 2 groups of 3 episodes; one episode had 2 segments, one agent failed; all trained else
-    status = {"accounting": {"groups_generated": 2, "trained_samples": 6,
-                             "segment_samples": 1, "agent_failed_samples": 1}, "streams": {}}  # fmt: skip
+    from common.protocol.books import LearnerBooks, RunBooks
+
+    books = RunBooks(groups_generated=2, learner=LearnerBooks(
+        trained_samples=6, segment_samples=1, agent_failed_samples=1))  # fmt: skip
+    status = {"accounting": books.to_dict(), "streams": {}}
     rows = {k: v for k, _, v, _ in accounting_rows(status, responses_per_prompt=3,
                                                    passes_per_cycle=1, eval_groups=0)}  # fmt: skip
     assert rows["generated"] == 7 and rows["agent_failed"] == 1 and rows["unaccounted"] == 0
