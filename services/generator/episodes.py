@@ -78,7 +78,7 @@ class EpisodeMetrics:
         )  # fmt: skip
         self.mismatches = metric(
             "Counter", "tether_generator_template_mismatches_total",
-            "episodes whose re-rendered conversation differs from their ids, by kind", ["kind"],
+            "episodes whose re-rendered conversation differs from their ids, by difference", ["difference"],
             initial=("tokens", "serialisation", "content"),
         )  # fmt: skip
 
