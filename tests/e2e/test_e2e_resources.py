@@ -49,7 +49,7 @@ def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_pat
     r = run_training(config, redis_url=redis_server.url, name="six_kills",
                      kill_plan=[("learner-0", 1)] * 6, timeout_s=1200)  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
-    assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6
+    assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6, r.output[-6000:]
     assert dead_letters(redis_server.url, "six_kills") == []
     assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
     assert books(r)["unaccounted"] == 0
