@@ -44,6 +44,8 @@ def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, se
         "learner.eval_every_steps": "0",
         "learner.trackers": "[]",
         "generator.replicas": str(generators),
+        # no prompts before every generator is up: one that starts late would sample nothing
+        "run.start_with_generators": str(generators),
         **(sets or {}),
     }
     if mode == "sync":

@@ -74,6 +74,13 @@ class RunConfig(Section):
     crash_window_s: float = Field(
         300.0, gt=0.0, description="window in seconds over which max_crashes is counted"
     )
+    start_with_generators: int = Field(
+        0,
+        ge=0,
+        description="the learner holds the run's first prompts until this many generators joined "
+        "the weight sync (0 = at once: whichever generator is up first takes them); for runs "
+        "compared side by side, where a generator that starts late would sample nothing",
+    )
 
 
 class DataConfig(Section):

@@ -44,6 +44,7 @@ as duplicates without training.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -78,6 +79,17 @@ if TYPE_CHECKING:
     from common.data.datasets import PromptSet
 
 log = logging.getLogger(__name__)
+
+# Tests only: seconds to sleep after every optimizer step, to stand for a real model's slow
+# steps: a restarted learner on the test model otherwise retrains a whole run in a second,
+# before a test that kills it once per life sees it mid-run (tests/e2e/test_e2e_resources.py).
+TEST_ONLY_STEP_DELAY_ENV = "TETHER_TEST_ONLY_STEP_DELAY_S"
+
+
+def _test_only_step_delay() -> None:
+    delay_s = float(os.environ.get(TEST_ONLY_STEP_DELAY_ENV) or 0)
+    if delay_s > 0:
+        time.sleep(delay_s)
 
 
 class LearnerService:
@@ -391,6 +403,7 @@ class LearnerService:
                 seconds=time.monotonic() - t0,
             )
             self.step_log.record(self.last_step, st)
+            _test_only_step_delay()
             if self.version % ln.publish_every_steps == 0:
                 self.publish()
             self.bus_side.dispatch(self.version, first_cycle=self.next_cycle)
@@ -443,6 +456,24 @@ class LearnerService:
                 self.publish(catch_up=True)
         return word, stopping
 
+    def _wait_for_generators(self, n: int) -> None:
+        """Rank 0, before the first dispatch: with ``run.start_with_generators``, hold the
+        prompts until ``n`` generators joined the weight sync (each gets the current weights
+        at once, through ``_idle``), saying every minute how many are in. The other ranks are
+        in ``_listen`` meanwhile, following its words."""
+        if not n or not isinstance(self.bus_side, BusSide):
+            return
+        t0 = last_said = time.monotonic()
+        while not self._stop and self.publishing.joined() < n:
+            self._idle()
+            if time.monotonic() - last_said >= 60.0:
+                last_said = time.monotonic()
+                log.info("waiting for generators: %d of %d joined (run.start_with_generators) "
+                         "after %.0f s", self.publishing.joined(), n, last_said - t0)  # fmt: skip
+            time.sleep(0.2)
+        log.info("%d generator(s) joined after %.1f s: dispatching", self.publishing.joined(),
+                 time.monotonic() - t0)  # fmt: skip
+
     def _finish_run(self) -> None:
         """Every cycle trained and checkpointed: rank 0 runs the last held-out round and writes
         the run-finished record (``BusSide.finish_run``). While it waits, a generator that joins
@@ -460,6 +491,7 @@ class LearnerService:
         self.resume()
         self.publish()
         run = self.cfg.run
+        self._wait_for_generators(run.start_with_generators)
         self.bus_side.begin(self.version, self.next_cycle)  # held-out round, dispatch
         self.ready = True
         self.live.beat()

@@ -64,6 +64,10 @@ class WeightPublishing:
         """A generator joined since the last publish and waits for the current weights."""
         return bool(self.publisher.behind())
 
+    def joined(self) -> int:
+        """Generators in the weight sync now."""
+        return len(self.publisher.members())
+
     def finish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
         if session is None:
             return
@@ -103,6 +107,9 @@ class NoPublishing:
 
     def catch_up_due(self) -> bool:
         return False
+
+    def joined(self) -> int:
+        return 0
 
     def finish(self, session: Any, version: int, *, catch_up: bool = False) -> None:
         pass

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from common.bus.server import EmbeddedRedis
+from services.learner.loop import TEST_ONLY_STEP_DELAY_ENV
 from tests.conftest import test_server_binary
 from tests.e2e_support import (
     CHECKPOINT_HOOK_ENV,
@@ -41,15 +42,20 @@ def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_pat
     # learner's pending groups back from the start (more deliveries than bus.max_deliveries, and
     # held longer than bus.claim_idle_s) and trains them again. Nothing is dead-lettered.
     # (run.crash_window_s = 5: kills more than 5 s apart are not a crash loop, so the launcher
-    # restarts after 2 s instead of backing off to 30 s.)
-    cycles = 4
+    # restarts after 2 s instead of backing off to 30 s.) Each learner process is killed once the
+    # harness sees it at step >= 1; the step delay (a test hook) keeps it there long enough: the
+    # test model otherwise retrains the whole run within a second of a restart, and in a CI run
+    # the second learner finished before the harness saw it (one kill of six).
+    cycles = 6
     config = recovery_config(tmp_path, "six_kills", cycles=cycles, checkpoint_every_steps=None,
                              assets=ASSETS,
                              run_extra="crash_window_s = 5.0")  # fmt: skip
     r = run_training(config, redis_url=redis_server.url, name="six_kills",
-                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1200)  # fmt: skip
+                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1200,
+                     env={TEST_ONLY_STEP_DELAY_ENV: "2"})  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
     assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6, r.output[-6000:]
+    assert max(r.killed_at_steps) < cycles, r.killed_at_steps  # every kill mid-run
     assert dead_letters(redis_server.url, "six_kills") == []
     assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
     assert books(r)["unaccounted"] == 0

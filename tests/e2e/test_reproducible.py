@@ -31,12 +31,16 @@ def test_two_synchronous_runs_of_one_seed_train_the_same_responses_with_two_gene
     a = train_once(tmp_path, assets, name="first", mode="sync", cycles=3, generators=2, sets=sets)
     b = train_once(tmp_path, assets, name="second", mode="sync", cycles=3, generators=2, sets=sets)
     split = [_groups_per_generator(tmp_path / "runs" / name) for name in ("first", "second")]
-    # the runs sampled on both generators: each took prompts in each run, or the prompts moved
-    # between them from one run to the other (a generator that started late may take none)
+    # the runs sampled on both generators (train_once holds the prompts until both joined,
+    # run.start_with_generators: without it, one that started 20 s late took none in both runs
+    # of a CI run): each took prompts in each run, or the prompts moved between them
     both = all(n > 0 for run in split for n in run)
     assert both or (
         split[0] != split[1] and all(sum(col) > 0 for col in zip(*split, strict=True))
     ), split
+    for name in ("first", "second"):  # the learner held the prompts until both were in
+        log = (tmp_path / "runs" / name / "logs" / "learner.log").read_text()
+        assert "2 generator(s) joined after" in log, log[-2000:]
     rewards = [r["reward_mean"] for r in a]
     assert len(a) == 6 and 0 < max(rewards), rewards  # something to get wrong
     got = compare(a, b)
