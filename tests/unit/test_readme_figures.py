@@ -1,0 +1,118 @@
+"""Figures the README cites in its prose, pinned to their source: each test reads the README's
+sentence or table and recomputes what it says from the committed result JSON or from the tool
+that prints it. A figure changed in the README, or a result measured again, fails here until the
+other follows. (The benchmark and demo tables are generated instead: test_results_provenance.py,
+test_bench_demos.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+
+
+def _row(label: str) -> list[str]:
+    """The cells of the README table row whose first cell starts with ``label``."""
+    for line in README.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and cells[0].startswith(label):
+            return cells[1:]
+    raise AssertionError(f"no README table row starts with {label!r}")
+
+
+def test_the_lora_measured_table_is_lora_json():
+    r = json.loads((REPO / "bench" / "results" / "lora.json").read_text())
+    lo, fu = r["lora"], r["full"]
+    mib = 2**20
+
+    def ratio(key: str, digits: int) -> str:
+        return f"{r[f'{key}_lora_over_full']:.{digits}f}"
+
+    assert _row("bytes per publish") == [
+        f"{lo['publish_bytes'] / 1e6:.2f} MB",
+        f"{fu['publish_bytes'] / 1e6:.1f} MB",
+        ratio("publish_bytes", 3),
+    ]
+    assert _row("seconds per publish") == [
+        f"{lo['publish_seconds_median']:.3f}",
+        f"{fu['publish_seconds_median']:.3f}",
+        ratio("publish_seconds_median", 2),
+    ]
+    assert _row("seconds per optimizer step") == [
+        f"{lo['step_seconds_median']:.2f}",
+        f"{fu['step_seconds_median']:.2f}",
+        ratio("step_seconds_median", 2),
+    ]
+    assert _row("learner tensors") == [
+        f"{lo['learner_state_bytes'] / mib:.0f} MiB",
+        f"{fu['learner_state_bytes'] / mib:.0f} MiB",
+        ratio("learner_state_bytes", 2),
+    ]
+    assert _row("peak resident memory") == [
+        f"{lo['peak_rss_bytes'] / mib:,.0f} MiB",
+        f"{fu['peak_rss_bytes'] / mib:,.0f} MiB",
+        ratio("peak_rss_bytes", 2),
+    ]
+    s = r["settings"]
+    assert (
+        f"{s['num_layers']} layers), rank {s['rank']} on every linear layer" in README
+        and f"{s['responses']} × {s['tokens']} tokens per step" in README
+    )
+
+
+def test_the_redis_figures_are_what_tether_plan_prints(capsys):
+    from tether.cli.main import main
+
+    assert main(["plan"]) == 0  # the seed 001 shape on H100 rates, as the README says
+    out = capsys.readouterr().out
+    m = re.search(r"([\d.]+) MB per cycle; a checkpoint every 30 min ≈ \d+ cycles: ≈ (\d+) MB", out)
+    assert m, out
+    per_cycle, peak = m.group(1), m.group(2)
+    said = " ".join(README.split())  # the README wraps the sentence
+    assert (
+        f"(the seed 001 shape on H100s: {per_cycle} MB per cycle, ≈ {peak} MB at the peak" in said
+    )
+    # checkpoints only at the end: a thousand cycles' worth
+    assert f"grows by {float(per_cycle):.1f} GB per 1,000 cycles" in said
+
+
+def test_the_packing_ratios_are_learner_packing_json():
+    r = json.loads((REPO / "bench/results/unstamped/learner_packing.json").read_text())
+    budget = r["packing_token_budget"]["ratio_packed_over_padded"]
+    rows = r["packing"]["ratio_packed_over_padded"]
+    said = " ".join(README.split())
+    assert f"packing trains **{budget:.2f}×** the tokens/s of padding with a token budget" in said
+    assert (
+        f"and **{rows:.2f}×** with micro-batches of {r['packing']['micro_batching']['micro_batch_size']} samples"
+        in said
+    )
+    assert "`bench/results/unstamped/learner_packing.json`" in said
+
+
+def test_the_lora_prose_figures_are_lora_json():
+    r = json.loads((REPO / "bench" / "results" / "lora.json").read_text())
+    said = " ".join(README.split())
+    ref = r["full"]["reference_bytes"] / 2**20
+    higher = (r["peak_rss_bytes_lora_over_full"] - 1) * 100
+    assert f"no reference copy ({ref:.0f} MiB)" in said
+    assert f"so the process peaked {higher:.0f} % higher" in said
+    assert f"instead of {r['full']['trainable_parameters'] / 1e6:.1f} M" in said
+
+
+def test_the_lora_memory_figures_are_memory_lora_json():
+    r = json.loads((REPO / "bench" / "results" / "memory_lora.json").read_text())
+
+    def peak(ranks: str, phase: str) -> float:  # the largest rank's peak RSS, GiB
+        return max(x["phases"][phase]["peak_rss"] for x in r["ranks"][ranks]) / 2**30
+
+    said = " ".join(README.split())
+    up, step, save = ((peak("1", p), peak("2", p)) for p in ("startup", "step", "save"))
+    assert (
+        f"start-up {up[0]:.2f} → {up[1]:.2f} GiB per rank ({up[1] / up[0]:.2f}×), "
+        f"save {save[1] / save[0]:.2f}×, the step's peak {step[0]:.2f} → {step[1]:.2f} GiB "
+        f"({step[1] / step[0]:.2f}×" in said
+    )
+    assert f"rank {r['lora_rank']}, 1 vs 2 gloo ranks" in said
