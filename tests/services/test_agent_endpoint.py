@@ -23,8 +23,8 @@ import pytest
 from common.config.load import load_config
 from common.engine import EngineSettings, GenerationEngine, SamplingSettings
 from common.protocol import wire
-from services.generator.agents import AgentRunner
-from services.generator.gym_agent import GymAgent
+from services.generator.agent.gym import GymAgent
+from services.generator.agent.runner import AgentRunner
 from tests import agents_for_tests as agents
 
 pytestmark = pytest.mark.slow
@@ -254,7 +254,7 @@ def test_each_bad_request_gets_its_4xx_and_touches_no_other_episode(engine, runn
 
 
 def _how():
-    from services.generator.openai_api import Sampling
+    from services.generator.agent.openai_api import Sampling
 
     return Sampling(temperature=1.0, top_p=1.0, top_k=0)
 

@@ -30,10 +30,10 @@ from common.engine import SamplingSettings
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
 from fixtures.published_templates import TEMPLATES, TOOL_TEMPLATES, end_ids, tokenizer
-from services.generator.agent_episodes import EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
-from services.generator.openai_api import ApiError, Sampling
+from services.generator.agent.episodes import EpisodeTable
+from services.generator.agent.openai_api import ApiError, Sampling
+from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
 SPECS = resolve_tools(["calculator"])
 TOOLS = [s.schema() for s in SPECS]

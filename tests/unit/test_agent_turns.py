@@ -1,4 +1,4 @@
-"""An agent's requests answered and recorded (``services.generator.agent_turns``), with a
+"""An agent's requests answered and recorded (``services.generator.agent.turns``), with a
 scripted engine: turn continuity (a conversation that extends its recorded ids, one that
 re-renders to an extension, one that breaks it and starts a new segment), the trajectories of
 the segments, tool calls in OpenAI's shape, the limits, and the request checks.
@@ -19,9 +19,9 @@ import pytest
 from common.chat.tool_calls import FORMATS
 from common.chat.turns import render_ids
 from common.protocol import wire
-from services.generator.agent_episodes import EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.openai_api import ApiError, Sampling
+from services.generator.agent.episodes import EpisodeTable
+from services.generator.agent.openai_api import ApiError, Sampling
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 from tests.fake_engine import InOrderEngine
 from tether.demo.tiny_model import build_tokenizer
 

@@ -1,5 +1,5 @@
 """One request of an agent's episode, answered: checked (``openai_api``), its prompt found
-(``agent_episodes.ContinuityRules``), sampled by the generator's vLLM engine, recorded, and
+(``episodes.ContinuityRules``), sampled by the generator's vLLM engine, recorded, and
 answered in OpenAI's shape with the model's tool calls parsed in its family's format
 (``common.chat.tool_calls``).
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.telemetry.metrics import metric
-from services.generator import openai_api as api
-from services.generator.agent_episodes import AgentEpisode, ContinuityRules, Prompt
-from services.generator.episodes import versions_of
+from services.generator.agent import openai_api as api
+from services.generator.agent.episodes import AgentEpisode, ContinuityRules, Prompt
+from services.generator.agent.tool_loop import versions_of
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,7 +54,7 @@ class AgentCodeError(ValueError):
 def load_agent(cfg: Any) -> AgentFn:
     """The coroutine function ``[agent]`` names (``cfg``: the ``AgentConfig``)."""
     if cfg.gym_env:
-        from services.generator.gym_agent import GymAgent
+        from services.generator.agent.gym import GymAgent
 
         factory = _imported(cfg.gym_env, "agent.gym_env")
         return GymAgent(factory, max_turns=cfg.max_turns).run

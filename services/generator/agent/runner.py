@@ -1,7 +1,7 @@
 """The generator's agent episodes (``[agent]``): for each prompt, ``responses_per_prompt``
-episodes of your agent code (``agent_code``), each talking to the generator's OpenAI-compatible
+episodes of your agent code (``code``), each talking to the generator's OpenAI-compatible
 endpoint (``endpoint``) through a client scoped to its episode, recorded token in, token out
-(``agent_episodes``), and published as the prompt's group.
+(``episodes``), and published as the prompt's group.
 
 Consumes a prompt (its ids, messages, ground truth); produces its trajectories (one per segment
 of each episode), each carrying the agent's reward, its answer for the scorer, or its error.
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from common.protocol import wire
-from services.generator.agent_code import AgentLoop, load_agent, reward_of
-from services.generator.agent_episodes import AgentEpisode, EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.endpoint import AgentEndpoint
-from services.generator.gym_agent import MaxTurnsReached
-from services.generator.openai_api import Sampling
+from services.generator.agent.code import AgentLoop, load_agent, reward_of
+from services.generator.agent.endpoint import AgentEndpoint
+from services.generator.agent.episodes import AgentEpisode, EpisodeTable
+from services.generator.agent.gym import MaxTurnsReached
+from services.generator.agent.openai_api import Sampling
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
 log = logging.getLogger(__name__)
 LOGGED_TRACEBACKS = 5  # agent errors logged with their traceback; later ones in one line
