@@ -260,11 +260,11 @@ def _how():
 
 
 def test_a_gym_environment_runs_through_the_endpoint(engine, runner):
-    ids, (t,) = _run(engine, runner, GymAgent(agents.CountingEnv, max_turns=4).run)
+    ids, (t,) = _run(engine, runner, GymAgent(agents.CountingEnv, max_requests=4).run)
     assert t.agent_reward == {"agent": 1.0} and t.finish_reason in ("stop", "length")
     assert [r for r, _, _ in t.turns] == ["assistant", "env", "assistant"]
     assert t.prompt_token_ids is not None  # reset() added a system turn to the group's prompt
-    ids, (cut,) = _run(engine, runner, GymAgent(agents.EndlessEnv, max_turns=2).run)
+    ids, (cut,) = _run(engine, runner, GymAgent(agents.EndlessEnv, max_requests=2).run)
     assert cut.finish_reason == "max_turns" and cut.agent_reward == {"agent": 0.5}
 
 

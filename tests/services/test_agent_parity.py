@@ -104,7 +104,7 @@ def _through_the_endpoint(tok, engine, max_response):
         flags={"run.prompts_per_cycle": 1, "run.responses_per_prompt": 2,
                "run.train_steps_per_cycle": 1},
         overrides=["run.max_prompt_tokens=400", f"run.max_response_tokens={max_response}",
-                   'agent.run="tether.demo.tool_agent:run"', "agent.max_turns=3"],
+                   'agent.run="tether.demo.tool_agent:run"', "agent.max_requests=3"],
         env={},
     ).config  # fmt: skip
 

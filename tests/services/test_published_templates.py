@@ -234,7 +234,7 @@ def test_strict_refuses_a_rerender_that_drops_what_the_model_wrote():
 
 def _turns(tok, end, fmt, script):
     engine = ScriptedEngine(tok, {"p": script}, tok.eos_token_id)  # end: set by the caller
-    lim = TurnLimits(max_turns=8, max_tokens_per_request=400, max_response_tokens=2000,
+    lim = TurnLimits(max_requests=8, max_tokens_per_request=400, max_response_tokens=2000,
                      max_model_len=4000, max_messages=16)  # fmt: skip
     return engine, AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS[fmt],
                               end_ids=end, limits=lim, version=lambda: 4, metrics=AgentMetrics())  # fmt: skip

@@ -39,7 +39,7 @@ def tok(tmp_path_factory):
 
 def _setup(tok, script, **limits):
     engine = InOrderEngine(tok, script)
-    lim = {"max_turns": 8, "max_tokens_per_request": 200, "max_response_tokens": 400,
+    lim = {"max_requests": 8, "max_tokens_per_request": 200, "max_response_tokens": 400,
            "max_model_len": 800, "max_messages": 16, **limits}  # fmt: skip
     turns = AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS["hermes"],
                        end_ids={engine.eos}, limits=TurnLimits(**lim), version=lambda: 3,
@@ -151,7 +151,9 @@ def test_completions_extend_the_ids_or_start_a_segment(tok):
 
 
 def test_limits_and_refusals_leave_the_episode_as_it_was(tok):
-    engine, turns, table, ep, _ = _setup(tok, ["a", "b", "c"], max_turns=2, max_response_tokens=60)
+    engine, turns, table, ep, _ = _setup(
+        tok, ["a", "b", "c"], max_requests=2, max_response_tokens=60
+    )
     cases = [
         ({"temperature": 0.5}, "sampling_mismatch"),
         ({"stream": True}, "unsupported_field"),
@@ -173,7 +175,7 @@ def test_limits_and_refusals_leave_the_episode_as_it_was(tok):
     r = _chat(turns, ep, [*QUESTION, {"role": "assistant", "content": "a"},
                           {"role": "user", "content": "go on"}])  # fmt: skip
     assert r["choices"][0]["finish_reason"] in ("stop", "length")
-    with pytest.raises(ApiError) as err:  # agent.max_turns = 2
+    with pytest.raises(ApiError) as err:  # agent.max_requests = 2
         _chat(turns, ep, QUESTION)
     assert err.value.code == "max_turns" and ep.cut == "max_turns"
     table.end(ep)

@@ -57,7 +57,7 @@ def load_agent(cfg: Any) -> AgentFn:
         from services.generator.agent.gym import GymAgent
 
         factory = _imported(cfg.gym_env, "agent.gym_env")
-        return GymAgent(factory, max_turns=cfg.max_turns).run
+        return GymAgent(factory, max_requests=cfg.max_requests).run
     obj = _imported(cfg.run, "agent.run")
     if inspect.isclass(obj):
         try:

@@ -21,7 +21,7 @@ from common.protocol import wire
 from services.generator.agent.code import AgentLoop, load_agent, reward_of
 from services.generator.agent.endpoint import AgentEndpoint
 from services.generator.agent.episodes import AgentEpisode, EpisodeTable
-from services.generator.agent.gym import MaxTurnsReached
+from services.generator.agent.gym import MaxRequestsReached
 from services.generator.agent.openai_api import Sampling
 from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
@@ -41,7 +41,7 @@ class AgentRunner:
         self.turns = AgentTurns(
             engine=engine, tokenizer=tokenizer, tool_format=tool_format, end_ids=end_ids,
             limits=TurnLimits(
-                max_turns=a.max_turns, max_tokens_per_request=a.max_tokens_per_request,
+                max_requests=a.max_requests, max_tokens_per_request=a.max_tokens_per_request,
                 max_response_tokens=run.max_response_tokens,
                 max_model_len=run.max_prompt_tokens + run.max_response_tokens,
                 max_messages=a.max_messages,
@@ -104,8 +104,8 @@ class AgentRunner:
             finish, error = "agent_error", "the agent made no request to the endpoint"
         if finish == "stop":
             last = ep.segments[-1].last_finish
-            if last == "tool_calls":  # its calls never answered: cut if out of turns
-                last = "max_turns" if ep.turns >= self.cfg.agent.max_turns else "stop"
+            if last == "tool_calls":  # its calls never answered: cut if out of requests
+                last = "max_turns" if ep.turns >= self.cfg.agent.max_requests else "stop"
             finish = ep.cut or last
         self.metrics.episodes.labels(finish).inc()
         text = answer if answer is not None else ep.last_text()
@@ -122,7 +122,7 @@ class AgentRunner:
             result = await asyncio.wait_for(asyncio.wrap_future(work), self.timeout_s)
             reward, answer = reward_of(result)
             return "stop", "", reward, answer
-        except MaxTurnsReached as cut:  # a gym environment not done in agent.max_turns
+        except MaxRequestsReached as cut:  # a gym environment not done in agent.max_requests
             return "max_turns", "", {"agent": cut.reward}, None
         except TimeoutError:
             work.cancel()
