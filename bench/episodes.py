@@ -91,7 +91,7 @@ async def _measure(assets: Any, *, prompts: int, n: int, rounds: int, workers: i
     from common.engine import EngineSettings, GenerationEngine, SamplingSettings
     from common.tools.registry import resolve_tools
     from common.tools.sandbox import ToolSandbox
-    from services.generator.episodes import EpisodeRunner, EpisodeSettings
+    from services.generator.agent.tool_loop import EpisodeRunner, EpisodeSettings
     from tether.demo.tasks import read_jsonl
 
     tok = AutoTokenizer.from_pretrained(str(assets.model_dir))

@@ -41,8 +41,12 @@ class AgentConfig(Section):
         description="seconds one episode's agent code may run (its requests included); past it "
         "the episode ends as agent_timeout: recorded, counted, not trained",
     )
-    max_turns: int = Field(
-        16, ge=1, description="assistant turns (requests) per episode; the next one gets a 400"
+    max_requests: int = Field(
+        16,
+        ge=1,
+        description="requests (assistant turns) one episode may send the endpoint; the next one "
+        "gets a 400 and the episode ends as max_turns. Not generator.max_turns, the built-in "
+        "tool loop's turns",
     )
     port: int = Field(
         0, ge=0, le=65535, description="the endpoint's port on 127.0.0.1; 0 = a free one"

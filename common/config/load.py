@@ -7,7 +7,8 @@
 
 The cycle knobs (``prompts_per_cycle`` … ``max_staleness``) may sit in any table of the file or
 at its top level: they are all moved to ``[run]``; two different values for one knob are refused.
-slime's old names are accepted with one deprecation warning each. Unknown keys are refused with a
+slime's old names are accepted with one deprecation warning each; a Tether setting that was
+renamed (``RENAMED_KEYS``) is refused with its new name. Unknown keys are refused with a
 "did you mean" suggestion. Every problem becomes one ``ConfigError`` paragraph.
 """
 
@@ -25,7 +26,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from common.config.errors import ConfigError
-from common.config.schema import CYCLE_KEYS, DEPRECATED_ALIASES, SECTIONS, TetherConfig
+from common.config.schema import (
+    CYCLE_KEYS,
+    DEPRECATED_ALIASES,
+    RENAMED_KEYS,
+    SECTIONS,
+    TetherConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,27 @@ class Loaded:
 def _suggest(word: str, candidates: Iterable[str]) -> str:
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _renamed(section: str, key: str, value: Any, source: str) -> str:
+    """One paragraph for a renamed setting: the new key, why, and how to write it."""
+    new, why = RENAMED_KEYS[f"{section}.{key}"]
+    new_section, _, new_key = new.partition(".")
+    shown = _toml_value(value)
+    return (
+        f"'{section}.{key}' ({source}) was renamed to '{new}': {why}. Fix: write "
+        f"{new_key} = {shown} under [{new_section}] (--set {new}={shown}, or "
+        f"TETHER_{new_section.upper()}__{new_key.upper()}={shown})."
+    )
+
+
+def _toml_value(value: Any) -> str:
+    """``value`` as it would be written in TOML (numbers, booleans, strings)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
 
 
 def _all_dotted_keys() -> list[str]:
@@ -88,6 +116,9 @@ class _Builder:
             self.errors.append(
                 f"unknown section [{section}] ({source}).{_suggest(section, SECTIONS)} Sections: {', '.join(SECTIONS)}."
             )
+            return
+        if f"{section}.{key}" in RENAMED_KEYS:
+            self.errors.append(_renamed(section, key, value, source))
             return
         fields = SECTIONS[section].model_fields
         if key not in fields:

@@ -27,7 +27,9 @@ from common.config.rules import apply_cycle_rules
 from common.config.scorer import ScorerConfig
 from common.config.shared import BusConfig, DataConfig, RunConfig, Section, WeightsConfig
 
-__all__ = ["CYCLE_KEYS", "DEPRECATED_ALIASES", "SECTIONS", "ConfigError", "TetherConfig"]
+__all__ = [
+    "CYCLE_KEYS", "DEPRECATED_ALIASES", "RENAMED_KEYS", "SECTIONS", "ConfigError", "TetherConfig",
+]  # fmt: skip
 
 CYCLE_KEYS = (
     "prompts_per_cycle",
@@ -46,6 +48,17 @@ DEPRECATED_ALIASES = {
     "global_batch_size": "train_batch_size",
     "num_steps_per_rollout": "train_steps_per_cycle",
     "num_rollout": "num_cycles",
+}
+
+# Tether's own settings that were renamed: "section.old" -> ("section.new", why). Unlike slime's
+# aliases, the old name is refused, not read: a file that still says it gets one paragraph naming
+# the new key, so nobody keeps a setting whose name says something else.
+RENAMED_KEYS = {
+    "agent.max_turns": (
+        "agent.max_requests",
+        "it counts the requests one agent's episode may send the endpoint, and shared its name "
+        "with generator.max_turns, the built-in tool loop's assistant turns per episode",
+    ),
 }
 
 SECTIONS: dict[str, type[Section]] = {

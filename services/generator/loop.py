@@ -1,10 +1,17 @@
-"""The generator service loop.
+"""The generator's sampling loop: prompts from the bus in, one trajectory group per prompt out.
+
+For each prompt it waits for fresh enough weights and for room downstream, has the prompt's
+responses sampled, and publishes them with the prompt's ack. How a response is sampled is the
+one thing that varies: one turn each, by the engine here (``single_turn_trajectories``); or an
+episode each, run by the ``agent`` package (``services/generator/agent/``): the built-in tool
+loop with ``generator.max_turns > 1`` (``agent.tool_loop.start_runner``), your agent code through
+the OpenAI-compatible endpoint with ``[agent]`` (``agent.runner.start_agents``). Either is an
+object with ``run_prompt`` and ``close`` that this loop calls per prompt and at the end.
 
 Consumes  ``<run>:prompts`` through the consumer group ``generators`` (the learner dispatches).
 Produces  ``<run>:groups``: one ``TrajectoryGroup`` per prompt (all its responses, each with
-          per-token behaviour log-probs and versions; with ``generator.max_turns > 1``, its
-          episodes: ``episodes.py``; with ``[agent]``, your agent's episodes through the
-          OpenAI-compatible endpoint: ``agents.py``), published together with the ack of the
+          per-token behaviour log-probs and versions; an episode's segments with
+          ``generator.max_turns > 1`` or ``[agent]``), published together with the ack of the
           prompt (exactly once per prompt id).
 Waits for a prompt; for weights at least ``prompt.min_policy_version`` (the staleness gate: it
           never samples a trajectory the learner would have to drop); for room in the scorers'
@@ -155,14 +162,14 @@ class GeneratorService:
 
         self.tokenizer = policy_tokenizer(self.cfg)
         if self.cfg.agent.enabled:  # your agent's code, through the OpenAI-compatible endpoint
-            from services.generator.agents import start_agents
+            from services.generator.agent.runner import start_agents
 
             self.episodes = await start_agents(
                 self.cfg, engine=self.engine, tokenizer=self.tokenizer,
                 version=lambda: int(self.version or 0),
             )  # fmt: skip
         elif self.cfg.generator.max_turns > 1:
-            from services.generator.episodes import start_runner
+            from services.generator.agent.tool_loop import start_runner
 
             self.episodes = await start_runner(
                 self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
@@ -239,8 +246,8 @@ class GeneratorService:
     async def _sample(
         self, msg: wire.PromptMsg, ids: list[int], *, request_id: str
     ) -> list[wire.Trajectory]:
-        """The prompt's responses: multi-turn episodes (``episodes.py``, with
-        ``generator.tools``) or one turn each. A response the engine reports no version spans
+        """The prompt's responses: episodes (``self.episodes``: the built-in tool loop or
+        your agent's, ``agent/``) or one turn each. A response the engine reports no version spans
         for is labelled with the version the engine ran when the request was submitted: the
         oldest that can have sampled any of its tokens (read after generation, an in-flight
         update would make it look newer than it is). Versions that go backwards inside a

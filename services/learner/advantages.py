@@ -18,7 +18,7 @@ keeps 0. A group whose rewards are all equal gets advantage exactly 0. Arithmeti
 float64 and the result is cast back to the rewards' dtype.
 
 **Episodes of several segments** (an agent whose conversation broke token continuity,
-``services/generator/agent_episodes.py``): `episode_of[i] = j` says sample i is a segment of the
+``services/generator/agent/episodes.py``): `episode_of[i] = j` says sample i is a segment of the
 episode whose statistics row is sample j (j = i for the row itself), so group means, stds, sizes
 and batch whitening count each episode once, and every segment gets its episode's advantage;
 `episode_of[i] = -1` leaves sample i out (advantage 0: an episode whose agent failed). Without

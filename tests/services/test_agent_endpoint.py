@@ -23,8 +23,8 @@ import pytest
 from common.config.load import load_config
 from common.engine import EngineSettings, GenerationEngine, SamplingSettings
 from common.protocol import wire
-from services.generator.agents import AgentRunner
-from services.generator.gym_agent import GymAgent
+from services.generator.agent.gym import GymAgent
+from services.generator.agent.runner import AgentRunner
 from tests import agents_for_tests as agents
 
 pytestmark = pytest.mark.slow
@@ -254,17 +254,17 @@ def test_each_bad_request_gets_its_4xx_and_touches_no_other_episode(engine, runn
 
 
 def _how():
-    from services.generator.openai_api import Sampling
+    from services.generator.agent.openai_api import Sampling
 
     return Sampling(temperature=1.0, top_p=1.0, top_k=0)
 
 
 def test_a_gym_environment_runs_through_the_endpoint(engine, runner):
-    ids, (t,) = _run(engine, runner, GymAgent(agents.CountingEnv, max_turns=4).run)
+    ids, (t,) = _run(engine, runner, GymAgent(agents.CountingEnv, max_requests=4).run)
     assert t.agent_reward == {"agent": 1.0} and t.finish_reason in ("stop", "length")
     assert [r for r, _, _ in t.turns] == ["assistant", "env", "assistant"]
     assert t.prompt_token_ids is not None  # reset() added a system turn to the group's prompt
-    ids, (cut,) = _run(engine, runner, GymAgent(agents.EndlessEnv, max_turns=2).run)
+    ids, (cut,) = _run(engine, runner, GymAgent(agents.EndlessEnv, max_requests=2).run)
     assert cut.finish_reason == "max_turns" and cut.agent_reward == {"agent": 0.5}
 
 

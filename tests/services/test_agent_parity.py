@@ -1,6 +1,6 @@
 """The tools demo's agent loop written as user code (``tether.demo.tool_agent``, an ordinary
 ``openai`` client over real HTTP to the generator's endpoint) records trajectories token-identical
-to the built-in loop's (``services.generator.episodes``, with the real tool sandbox) for the same
+to the built-in loop's (``services.generator.agent.tool_loop``, with the real tool sandbox) for the same
 sampled tokens.
 
 ``PolicyFake`` is a fake of vLLM's engine, named as one: its reply is a fixed function of the
@@ -27,8 +27,8 @@ from common.engine import SamplingSettings
 from common.protocol import wire
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import ToolSandbox
-from services.generator.agents import AgentRunner
-from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from services.generator.agent.runner import AgentRunner
+from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
 from tests.fake_engine import FakeEngine
 from tether.demo import tool_agent
 from tether.demo.tiny_model import build_tokenizer
@@ -104,7 +104,7 @@ def _through_the_endpoint(tok, engine, max_response):
         flags={"run.prompts_per_cycle": 1, "run.responses_per_prompt": 2,
                "run.train_steps_per_cycle": 1},
         overrides=["run.max_prompt_tokens=400", f"run.max_response_tokens={max_response}",
-                   'agent.run="tether.demo.tool_agent:run"', "agent.max_turns=3"],
+                   'agent.run="tether.demo.tool_agent:run"', "agent.max_requests=3"],
         env={},
     ).config  # fmt: skip
 

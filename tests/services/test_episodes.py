@@ -1,4 +1,4 @@
-"""The agent loop (``services.generator.episodes``) against the real tool sandbox, with a
+"""The agent loop (``services.generator.agent.tool_loop``) against the real tool sandbox, with a
 scripted engine.
 
 ``ScriptedEngine`` is a fake of vLLM's engine, named as one: it answers each turn with ids the
@@ -21,7 +21,7 @@ from common.engine import SamplingSettings
 from common.protocol import wire
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
-from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
 from tests.fake_engine import ScriptedEngine
 from tether.demo.tiny_model import build_tokenizer
 

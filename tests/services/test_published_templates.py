@@ -30,10 +30,10 @@ from common.engine import SamplingSettings
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
 from fixtures.published_templates import TEMPLATES, TOOL_TEMPLATES, end_ids, tokenizer
-from services.generator.agent_episodes import EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.episodes import EpisodeMetrics, EpisodeRunner, EpisodeSettings
-from services.generator.openai_api import ApiError, Sampling
+from services.generator.agent.episodes import EpisodeTable
+from services.generator.agent.openai_api import ApiError, Sampling
+from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
 SPECS = resolve_tools(["calculator"])
 TOOLS = [s.schema() for s in SPECS]
@@ -234,7 +234,7 @@ def test_strict_refuses_a_rerender_that_drops_what_the_model_wrote():
 
 def _turns(tok, end, fmt, script):
     engine = ScriptedEngine(tok, {"p": script}, tok.eos_token_id)  # end: set by the caller
-    lim = TurnLimits(max_turns=8, max_tokens_per_request=400, max_response_tokens=2000,
+    lim = TurnLimits(max_requests=8, max_tokens_per_request=400, max_response_tokens=2000,
                      max_model_len=4000, max_messages=16)  # fmt: skip
     return engine, AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS[fmt],
                               end_ids=end, limits=lim, version=lambda: 4, metrics=AgentMetrics())  # fmt: skip

@@ -1,4 +1,4 @@
-"""An agent's requests answered and recorded (``services.generator.agent_turns``), with a
+"""An agent's requests answered and recorded (``services.generator.agent.turns``), with a
 scripted engine: turn continuity (a conversation that extends its recorded ids, one that
 re-renders to an extension, one that breaks it and starts a new segment), the trajectories of
 the segments, tool calls in OpenAI's shape, the limits, and the request checks.
@@ -19,9 +19,9 @@ import pytest
 from common.chat.tool_calls import FORMATS
 from common.chat.turns import render_ids
 from common.protocol import wire
-from services.generator.agent_episodes import EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.openai_api import ApiError, Sampling
+from services.generator.agent.episodes import EpisodeTable
+from services.generator.agent.openai_api import ApiError, Sampling
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 from tests.fake_engine import InOrderEngine
 from tether.demo.tiny_model import build_tokenizer
 
@@ -39,7 +39,7 @@ def tok(tmp_path_factory):
 
 def _setup(tok, script, **limits):
     engine = InOrderEngine(tok, script)
-    lim = {"max_turns": 8, "max_tokens_per_request": 200, "max_response_tokens": 400,
+    lim = {"max_requests": 8, "max_tokens_per_request": 200, "max_response_tokens": 400,
            "max_model_len": 800, "max_messages": 16, **limits}  # fmt: skip
     turns = AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS["hermes"],
                        end_ids={engine.eos}, limits=TurnLimits(**lim), version=lambda: 3,
@@ -151,7 +151,9 @@ def test_completions_extend_the_ids_or_start_a_segment(tok):
 
 
 def test_limits_and_refusals_leave_the_episode_as_it_was(tok):
-    engine, turns, table, ep, _ = _setup(tok, ["a", "b", "c"], max_turns=2, max_response_tokens=60)
+    engine, turns, table, ep, _ = _setup(
+        tok, ["a", "b", "c"], max_requests=2, max_response_tokens=60
+    )
     cases = [
         ({"temperature": 0.5}, "sampling_mismatch"),
         ({"stream": True}, "unsupported_field"),
@@ -173,7 +175,7 @@ def test_limits_and_refusals_leave_the_episode_as_it_was(tok):
     r = _chat(turns, ep, [*QUESTION, {"role": "assistant", "content": "a"},
                           {"role": "user", "content": "go on"}])  # fmt: skip
     assert r["choices"][0]["finish_reason"] in ("stop", "length")
-    with pytest.raises(ApiError) as err:  # agent.max_turns = 2
+    with pytest.raises(ApiError) as err:  # agent.max_requests = 2
         _chat(turns, ep, QUESTION)
     assert err.value.code == "max_turns" and ep.cut == "max_turns"
     table.end(ep)

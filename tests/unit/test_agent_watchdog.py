@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 
-from services.generator.agent_code import AgentLoop
+from services.generator.agent.code import AgentLoop
 
 
 def _run(agent, caplog):
@@ -22,7 +22,7 @@ def _run(agent, caplog):
         await agent()
 
     try:
-        with caplog.at_level(logging.WARNING, logger="services.generator.agent_code"):
+        with caplog.at_level(logging.WARNING, logger="services.generator.agent.code"):
             loop.submit(episode()).result(timeout=10)
             done.wait(timeout=0.5)  # a report in flight lands
     finally:

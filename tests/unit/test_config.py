@@ -219,6 +219,24 @@ def test_slime_aliases_warn_once_and_map(tmp_path):
     assert any("'rollout_batch_size'" in w and "prompts_per_cycle" in w for w in lo.warnings)
 
 
+def test_renamed_agent_max_turns_is_refused_naming_agent_max_requests(tmp_path):
+    """`[agent] max_turns` was renamed `max_requests` (generator.max_turns kept its name and its
+    meaning): a file, a --set or an environment variable that still says it is refused with one
+    paragraph naming the new key and the value to write there, never read as the new key."""
+    f = tmp_path / "c.toml"
+    f.write_text("[agent]\nmax_turns = 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(config_file=f, env={})
+    msg = str(e.value)
+    assert f"'agent.max_turns' ({f} [agent]) was renamed to 'agent.max_requests'" in msg
+    assert "write max_requests = 8 under [agent]" in msg and "\n" not in msg
+    for source in ({"overrides": ["agent.max_turns=4"]}, {"env": {"TETHER_AGENT__MAX_TURNS": "4"}}):
+        with pytest.raises(ConfigError, match="renamed to 'agent.max_requests'"):
+            load_config(**{"env": {}, **source})
+    assert load_config(overrides=["agent.max_requests=4"], env={}).config.agent.max_requests == 4
+    assert load_config(overrides=["generator.max_turns=1"], env={}).config.generator.max_turns == 1
+
+
 def test_invalid_toml_names_file(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[run\n")

@@ -34,7 +34,7 @@ TASKS = {
 # `tether demo --task tools --agent`: the same episodes run by user code through the generator's
 # OpenAI-compatible endpoint (tether/demo/tool_agent.py) instead of the built-in loop
 AGENT_SETTINGS = [
-    'agent.run="tether.demo.tool_agent:run"', "agent.max_turns=3", "generator.max_turns=1",
+    'agent.run="tether.demo.tool_agent:run"', "agent.max_requests=3", "generator.max_turns=1",
     "generator.tools=[]", 'run.name="demo-tools-agent"',
 ]  # fmt: skip
 

@@ -2,10 +2,10 @@
 talking to the generator's endpoint (``tether demo --task tools --agent``, or
 ``agent.run = "tether.demo.tool_agent:run"``).
 
-It does what the built-in loop (``services/generator/episodes.py``) does with
+It does what the built-in loop (``services/generator/agent/tool_loop.py``) does with
 ``generator.max_turns = 3`` and ``generator.tools = ["calculator"]``: ask, run each calculator call
 the model makes, send back the answers, until the model answers without a call, runs out of its
-token budget or of turns (``agent.max_turns = 3``); then return ``None``, so the scorer grades its last reply against the
+token budget or of turns (``agent.max_requests = 3``); then return ``None``, so the scorer grades its last reply against the
 product, as it grades the built-in loop's episodes. For the same sampled tokens its trajectories
 are the built-in loop's, id for id (``tests/services/test_agent_parity.py``).
 

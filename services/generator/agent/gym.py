@@ -17,7 +17,7 @@ episode; the object has
 
 Each method may be plain or ``async``; plain ones run in a worker thread, so a slow environment
 holds only its own episode. The episode's reward is the sum of its steps' rewards. An episode
-not done after ``agent.max_turns`` replies ends as ``max_turns`` with the rewards so far (cut
+not done after ``agent.max_requests`` replies ends as ``max_turns`` with the rewards so far (cut
 short: ``learner.overlong_filter`` masks it).
 """
 
@@ -28,8 +28,8 @@ import inspect
 from typing import Any
 
 
-class MaxTurnsReached(Exception):
-    """The environment was not done after ``agent.max_turns`` replies."""
+class MaxRequestsReached(Exception):
+    """The environment was not done after ``agent.max_requests`` replies."""
 
     def __init__(self, reward: float) -> None:
         super().__init__(f"not done after the episode's turns (reward so far {reward})")
@@ -62,10 +62,10 @@ def reply_message(message: Any) -> dict[str, Any]:
 
 
 class GymAgent:
-    def __init__(self, factory: Any, *, max_turns: int = 16) -> None:
+    def __init__(self, factory: Any, *, max_requests: int = 16) -> None:
         if not callable(factory):
             raise TypeError("agent.gym_env must name a class or a factory function")
-        self.factory, self.max_turns = factory, max_turns
+        self.factory, self.max_requests = factory, max_requests
 
     async def run(self, client: Any, task: dict[str, Any]) -> float:
         env = await _call(self.factory)
@@ -80,7 +80,7 @@ class GymAgent:
             if max_tokens := getattr(env, "max_tokens", None):  # per reply (else: what is left)
                 extra["max_tokens"] = int(max_tokens)
             total = 0.0
-            for _ in range(self.max_turns):
+            for _ in range(self.max_requests):
                 resp = await client.chat.completions.create(
                     model="tether", messages=messages, **extra
                 )
@@ -94,7 +94,7 @@ class GymAgent:
                 if done:
                     return total
                 messages.extend(_messages(new, "step(message)"))
-            raise MaxTurnsReached(total)
+            raise MaxRequestsReached(total)
         finally:
             close = getattr(env, "close", None)
             if callable(close):

@@ -27,9 +27,9 @@ import logging
 import secrets
 from typing import Any
 
-from services.generator.agent_episodes import EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, answered
-from services.generator.openai_api import ApiError
+from services.generator.agent.episodes import EpisodeTable
+from services.generator.agent.openai_api import ApiError
+from services.generator.agent.turns import AgentMetrics, AgentTurns, answered
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"

@@ -4,9 +4,9 @@
 Whoever runs the episode feeds it in order: ``add_sampled`` for every assistant turn (the ids
 exactly as the engine sampled them, their log-probs and versions), ``add_context`` for every
 id the environment appends (tool results and the template's markup around them), and
-``add_tool_call`` for each call. The built-in agent loop (``services.generator.episodes``) does;
-so can anything else that sees the engine's outputs, such as an OpenAI-compatible endpoint that
-records every reply of an agent's conversation: ``context`` is the ids the next request must
+``add_tool_call`` for each call. The built-in tool loop (``tool_loop``) does; so can anything
+else that sees the engine's outputs, such as the OpenAI-compatible endpoint that records every
+reply of an agent's conversation (``turns``): ``context`` is the ids the next request must
 extend, and ``messages`` the conversation as such a client holds it.
 """
 

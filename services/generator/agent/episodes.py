@@ -5,7 +5,7 @@ in, token out into the episode's ``EpisodeRecorder``, and turn continuity checke
 the turn from exactly those ids, and the recorder gets the ids between the previous turn and
 this prompt (``add_context``: loss mask 0, version -1) and the sampled ids with their
 behaviour log-probs and per-token versions (``add_sampled``): the same recorder, trajectory,
-masks and versions as the built-in loop (``episodes.py``). Nothing is recorded for a request that
+masks and versions as the built-in tool loop (``tool_loop``). Nothing is recorded for a request that
 fails, is cancelled (its client went away) or arrives after its episode ended.
 
 The tool calls a reply made are recorded (name and arguments) when a later request answers
@@ -45,8 +45,8 @@ import numpy as np
 
 from common.chat.turns import TemplateDeltaError, TurnEncoder, render_ids
 from common.protocol import wire
-from services.generator.openai_api import ApiError, Sampling
-from services.generator.recorder import EpisodeRecorder
+from services.generator.agent.openai_api import ApiError, Sampling
+from services.generator.agent.recorder import EpisodeRecorder
 
 FINISHED_REMEMBERED = 10_000  # ids of ended episodes that answer 409 rather than 404
 

@@ -54,10 +54,10 @@ class AgentCodeError(ValueError):
 def load_agent(cfg: Any) -> AgentFn:
     """The coroutine function ``[agent]`` names (``cfg``: the ``AgentConfig``)."""
     if cfg.gym_env:
-        from services.generator.gym_agent import GymAgent
+        from services.generator.agent.gym import GymAgent
 
         factory = _imported(cfg.gym_env, "agent.gym_env")
-        return GymAgent(factory, max_turns=cfg.max_turns).run
+        return GymAgent(factory, max_requests=cfg.max_requests).run
     obj = _imported(cfg.run, "agent.run")
     if inspect.isclass(obj):
         try:

@@ -1,12 +1,12 @@
 """One request of an agent's episode, answered: checked (``openai_api``), its prompt found
-(``agent_episodes.ContinuityRules``), sampled by the generator's vLLM engine, recorded, and
+(``episodes.ContinuityRules``), sampled by the generator's vLLM engine, recorded, and
 answered in OpenAI's shape with the model's tool calls parsed in its family's format
 (``common.chat.tool_calls``).
 
 Requests of one episode are answered one at a time (a per-episode lock): a second request sent
 before the first was answered is sampled after it, from its own messages, so one that does not
 extend the first's reply starts a new segment. Limits, each a 400 naming the setting:
-``agent.max_turns`` requests per episode, ``agent.max_tokens_per_request``, and the episode's
+``agent.max_requests`` requests per episode, ``agent.max_tokens_per_request``, and the episode's
 ``run.max_response_tokens`` (a segment's ids after its prompt) within the engine's context
 (``run.max_prompt_tokens + run.max_response_tokens``). A reply cut at its token budget says
 ``finish_reason: "length"``; a request with no budget left gets ``context_length_exceeded``.
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.telemetry.metrics import metric
-from services.generator import openai_api as api
-from services.generator.agent_episodes import AgentEpisode, ContinuityRules, Prompt
-from services.generator.episodes import versions_of
+from services.generator.agent import openai_api as api
+from services.generator.agent.episodes import AgentEpisode, ContinuityRules, Prompt
+from services.generator.agent.tool_loop import versions_of
 
 
 @dataclass(frozen=True, kw_only=True)
 class TurnLimits:
-    max_turns: int  # requests per episode (agent.max_turns)
+    max_requests: int  # requests per episode (agent.max_requests)
     max_tokens_per_request: int  # agent.max_tokens_per_request
     max_response_tokens: int  # run.max_response_tokens: ids after a segment's prompt
     max_model_len: int  # the engine's context: prompt + response ids
@@ -152,10 +152,10 @@ class AgentTurns:
     def _check_open(self, ep: AgentEpisode) -> None:
         if ep.finished:
             raise api.ApiError(409, f"episode {ep.episode_id} has ended", code="episode_finished")
-        if ep.turns >= self.limits.max_turns:
+        if ep.turns >= self.limits.max_requests:
             ep.cut = ep.cut or "max_turns"
-            raise api.bad(f"the episode has had its {self.limits.max_turns} turns "
-                          "(agent.max_turns)", code="max_turns")  # fmt: skip
+            raise api.bad(f"the episode has had its {self.limits.max_requests} requests "
+                          "(agent.max_requests)", code="max_turns")  # fmt: skip
 
     async def _sample(self, ep: AgentEpisode, prompt: Prompt, req: api.TurnRequest):
         lim = self.limits

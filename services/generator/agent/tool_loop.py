@@ -1,4 +1,5 @@
-"""The generator's agent loop: one multi-turn, tool-using episode per sample.
+"""Tether's built-in tool loop (``generator.max_turns > 1``): one multi-turn, tool-using episode
+per sample.
 
 An episode alternates assistant turns (sampled by vLLM) and tool turns (the sandbox's answers,
 appended as ids by template difference, ``common.chat.turns``). It ends when the model answers
@@ -33,7 +34,7 @@ from typing import Any
 from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
 from common.chat.turns import TemplateDeltaError, TurnEncoder, first_mismatch, mismatch_kind
 from common.telemetry.metrics import metric
-from services.generator.recorder import EpisodeRecorder
+from services.generator.agent.recorder import EpisodeRecorder
 from services.generator.seeds import episode_seed
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The generator's agent episodes (``[agent]``): for each prompt, ``responses_per_prompt``
-episodes of your agent code (``agent_code``), each talking to the generator's OpenAI-compatible
+episodes of your agent code (``code``), each talking to the generator's OpenAI-compatible
 endpoint (``endpoint``) through a client scoped to its episode, recorded token in, token out
-(``agent_episodes``), and published as the prompt's group.
+(``episodes``), and published as the prompt's group.
 
 Consumes a prompt (its ids, messages, ground truth); produces its trajectories (one per segment
 of each episode), each carrying the agent's reward, its answer for the scorer, or its error.
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from common.protocol import wire
-from services.generator.agent_code import AgentLoop, load_agent, reward_of
-from services.generator.agent_episodes import AgentEpisode, EpisodeTable
-from services.generator.agent_turns import AgentMetrics, AgentTurns, TurnLimits
-from services.generator.endpoint import AgentEndpoint
-from services.generator.gym_agent import MaxTurnsReached
-from services.generator.openai_api import Sampling
+from services.generator.agent.code import AgentLoop, load_agent, reward_of
+from services.generator.agent.endpoint import AgentEndpoint
+from services.generator.agent.episodes import AgentEpisode, EpisodeTable
+from services.generator.agent.gym import MaxRequestsReached
+from services.generator.agent.openai_api import Sampling
+from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
 log = logging.getLogger(__name__)
 LOGGED_TRACEBACKS = 5  # agent errors logged with their traceback; later ones in one line
@@ -41,7 +41,7 @@ class AgentRunner:
         self.turns = AgentTurns(
             engine=engine, tokenizer=tokenizer, tool_format=tool_format, end_ids=end_ids,
             limits=TurnLimits(
-                max_turns=a.max_turns, max_tokens_per_request=a.max_tokens_per_request,
+                max_requests=a.max_requests, max_tokens_per_request=a.max_tokens_per_request,
                 max_response_tokens=run.max_response_tokens,
                 max_model_len=run.max_prompt_tokens + run.max_response_tokens,
                 max_messages=a.max_messages,
@@ -104,8 +104,8 @@ class AgentRunner:
             finish, error = "agent_error", "the agent made no request to the endpoint"
         if finish == "stop":
             last = ep.segments[-1].last_finish
-            if last == "tool_calls":  # its calls never answered: cut if out of turns
-                last = "max_turns" if ep.turns >= self.cfg.agent.max_turns else "stop"
+            if last == "tool_calls":  # its calls never answered: cut if out of requests
+                last = "max_turns" if ep.turns >= self.cfg.agent.max_requests else "stop"
             finish = ep.cut or last
         self.metrics.episodes.labels(finish).inc()
         text = answer if answer is not None else ep.last_text()
@@ -122,7 +122,7 @@ class AgentRunner:
             result = await asyncio.wait_for(asyncio.wrap_future(work), self.timeout_s)
             reward, answer = reward_of(result)
             return "stop", "", reward, answer
-        except MaxTurnsReached as cut:  # a gym environment not done in agent.max_turns
+        except MaxRequestsReached as cut:  # a gym environment not done in agent.max_requests
             return "max_turns", "", {"agent": cut.reward}, None
         except TimeoutError:
             work.cancel()
