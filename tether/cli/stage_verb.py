@@ -17,6 +17,7 @@ def _default_out(source: str) -> Path:
 
 
 def _stage_model(args: argparse.Namespace) -> int:
+    from common.data.gguf_models import FetchFailed
     from common.data.staging import StagingRefused, stage_model
 
     out = Path(args.out) if args.out else _default_out(args.source)
@@ -35,6 +36,9 @@ def _stage_model(args: argparse.Namespace) -> int:
     except StagingRefused as exc:
         print(f"tether stage: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except FetchFailed as exc:  # the network or the registry: trying again may work
+        print(f"tether stage: {exc}; nothing was staged, try again", file=sys.stderr)
+        return 1
     took = f"staged in {time.monotonic() - started:.0f} s" if staged else "already staged"
     print(f"{args.source}: {took} at {out} (set run.model = {str(out)!r})")
     return 0
