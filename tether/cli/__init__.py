@@ -4,6 +4,6 @@
 inside the verb that needs them, so ``tether --help`` and config errors are instant: ``args``
 (the configuration flags every verb shares), ``config_verbs`` (config check, explain, show,
 import), ``run_verbs`` (train and the three services), ``observe_verbs`` (status, report, bus
-inspect), ``tool_verbs`` (demo, export, bench) and ``plan_verb``. No verb module imports
-another, and nothing outside this package imports it.
+inspect), ``tool_verbs`` (demo, export, bench), ``plan_verb`` and ``stage_verb`` (stage model).
+No verb module imports another, and nothing outside this package imports it.
 """

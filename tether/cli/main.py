@@ -16,6 +16,7 @@ from tether.cli.config_verbs import add_config_verbs
 from tether.cli.observe_verbs import add_observe_verbs
 from tether.cli.plan_verb import add_plan_verb
 from tether.cli.run_verbs import add_run_verbs
+from tether.cli.stage_verb import add_stage_verb
 from tether.cli.tool_verbs import add_tool_verbs
 
 EXIT_USAGE = exit_codes.EXIT_REFUSED
@@ -26,7 +27,8 @@ verbs by what they do:
   run         train (everything on this machine), learner, generator, scorer
   observe     status, report, bus inspect
   tools       demo (the embedded default), export (a Hugging Face model directory),
-              plan (cycle time of a cluster shape), bench (from a clone of the repository)
+              plan (cycle time of a cluster shape), bench (from a clone of the repository),
+              stage model (a packaged GGUF model, a .gguf file or a Hub id into a directory)
 
 `tether VERB --help` lists a verb's options; every verb that reads a config takes --config,
 TETHER_<SECTION>__<KEY> variables, flags and --set (see the README's config reference)."""
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_observe_verbs(sub)
     add_tool_verbs(sub)
     add_plan_verb(sub)
+    add_stage_verb(sub)
     return parser
 
 
