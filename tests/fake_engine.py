@@ -1,8 +1,8 @@
 """Fakes of vLLM's engine for the agent and episode tests, named as fakes: each answers
 ``generate_group`` as the engine wrapper (``common.engine``) does, with one real ``Sample`` whose
 ids are a text the test chose, encoded and closed by the end-of-turn id, so the ids a loop records
-can be checked exactly. The real engine runs the same loops in ``test_generator_episodes.py`` and
-``test_agent_endpoint.py``.
+can be checked exactly. The real engine runs the same loops in ``tests/e2e/test_e2e_episodes.py`` and
+``tests/services/test_agent_endpoint.py``.
 
 ``FakeEngine`` turns a reply into that sample; a subclass says what each request answers:
 ``ScriptedEngine`` by episode and turn, ``InOrderEngine`` request after request, and

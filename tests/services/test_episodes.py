@@ -4,7 +4,7 @@ scripted engine.
 ``ScriptedEngine`` is a fake of vLLM's engine, named as one: it answers each turn with ids the
 test wrote, so the loop's bookkeeping (masks, versions, turns, tool calls, finish reasons, the
 re-render check) can be checked exactly. The same loop runs on the real engine in
-``tests/services/test_generator_episodes.py``.
+``tests/e2e/test_e2e_episodes.py`` (whole runs) and ``tests/e2e/test_demo_tools.py``.
 """
 
 from __future__ import annotations
