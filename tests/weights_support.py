@@ -45,6 +45,11 @@ def events(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+# How long a receiver process may take to start and join: it imports torch first, which took
+# over 30 s on a 2-core CI machine running another suite (a join wait timed out there).
+JOIN_S = 120.0
+
+
 def wait_for(pred, timeout_s: float = 30.0, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

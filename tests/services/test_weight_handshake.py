@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from common.weights import handshake  # noqa: E402
 from common.weights.checksum import tensors_checksum  # noqa: E402
 from common.weights.publisher import WeightPublisher  # noqa: E402
-from tests.weights_support import events, start_receiver, stop_all, wait_for, weights  # noqa: E402
+from tests.weights_support import JOIN_S, events, start_receiver, stop_all, wait_for, weights  # noqa: E402
 
 SECRET = "s3cret-of-this-run"
 
@@ -46,7 +46,7 @@ def test_only_holders_of_the_secret_join_and_receive(tmp_path):
         bare, log_bare = start_receiver(tmp_path, pub.port, "bare")
         wrong, log_wrong = start_receiver(tmp_path, pub.port, "wrong", secret="guess")
         procs += [ok, bare, wrong]
-        wait_for(lambda: set(pub.members()) == {"ours"}, what="the holder of the secret")
+        wait_for(lambda: set(pub.members()) == {"ours"}, JOIN_S, "the holder of the secret")
         # the others are told at once (not after the 20 s join timeout) and exit with the reason
         why_bare = wait_for(lambda: bare.poll() is not None and _refused(log_bare), 15, "bare")
         assert "without the weights secret" in why_bare and handshake.SECRET_ENV in why_bare

@@ -20,6 +20,7 @@ from common.weights.publisher import WeightPublisher  # noqa: E402
 from common.weights.receiver import WeightReceiver  # noqa: E402
 from common.weights.transfer import send_update  # noqa: E402
 from tests.weights_support import (  # noqa: E402
+    JOIN_S,
     events,
     publish_in_thread,
     start_receiver,
@@ -41,7 +42,7 @@ def test_two_receivers_exact_then_sigkill_mid_broadcast_then_rejoin(tmp_path):
             "--stall-on-update", "2",
         )  # fmt: skip
         procs += [a, b]
-        wait_for(lambda: set(pub.members()) == {"a", "b"}, what="both members")
+        wait_for(lambda: set(pub.members()) == {"a", "b"}, JOIN_S, "both members")
 
         w1 = weights(1)
         r1 = pub.publish(w1, 1)
@@ -114,7 +115,7 @@ def test_hung_member_times_out_without_blocking_the_others(
         a, log_a = start_receiver(tmp_path, pub.port, "a")
         h, _ = start_receiver(tmp_path, pub.port, "hung", "--stall-after-unit", "0")
         procs += [a, h]
-        wait_for(lambda: set(pub.members()) == {"a", "hung"}, what="both members")
+        wait_for(lambda: set(pub.members()) == {"a", "hung"}, JOIN_S, "both members")
         t0 = time.monotonic()
         report = pub.publish(weights(5, n=16), 7)  # 64 MB: more than the socket buffers
         assert time.monotonic() - t0 < timeout_s + 1.5
