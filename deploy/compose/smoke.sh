@@ -84,6 +84,9 @@ stage_build_inputs() {
   if [ -z "$wheels" ]; then
     wheels="$("$PY" -m pip config get global.find-links 2>/dev/null || true)"
   fi
+  if [ -z "$wheels" ] && [ -n "${PIP_FIND_LINKS:-}" ]; then
+    wheels="${PIP_FIND_LINKS%% *}" # pip's environment setting (a list: its first entry)
+  fi
   find "$ROOT/deploy/docker/wheels" "$ROOT/deploy/docker/ca-certificates" -type f \
     \( -name '*.whl' -o -name '*.crt' \) -delete
   if [ -n "$wheels" ] && [ -d "$wheels" ]; then
