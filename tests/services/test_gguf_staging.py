@@ -123,9 +123,10 @@ def engine(staged):
     eng.run = loop.run_until_complete  # the tests drive the engine's own loop
     yield eng
     eng.shutdown()
-    for task in asyncio.all_tasks(loop):  # vLLM's output-handler tasks
+    tasks = asyncio.all_tasks(loop)  # vLLM's output-handler tasks: cancelled, then awaited
+    for task in tasks:
         task.cancel()
-    loop.run_until_complete(asyncio.sleep(0.1))
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     loop.close()
 
 
