@@ -104,7 +104,21 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
     its completion is polled. Past the deadline an NCCL communicator is aborted (only this group is
     lost) instead of leaving NCCL's watchdog to kill the process later; a gloo op left behind
     fails by itself at the group's timeout, and its buffer is not reused (see the receiver).
+    An op that made no progress for the group's own timeout raises ``Stalled``.
+
+    NCCL's completion is polled without a sleep (``sleep(0)`` only lets other threads run):
+    with several ops in flight on the link (``transfer.WINDOW_OPS``) the poll decides when the
+    next op is posted, never whether the link is busy.
     """
+    try:
+        _finish(pg, work, deadline, cancelled)
+    except RuntimeError as e:
+        if "Timed out" in str(e):  # gloo's own per-op timeout (timeout_s): the peer is stuck
+            raise Stalled(f"weight transfer stalled: {str(e).splitlines()[0][:200]}") from e
+        raise
+
+
+def _finish(pg, work, deadline: float | None, cancelled) -> None:
     nccl = type(pg).__name__ == "ProcessGroupNCCL"
     next_check = time.monotonic() + CANCEL_CHECK_S
     while True:
@@ -112,7 +126,7 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
         if nccl:
             if work.is_completed():
                 break
-            time.sleep(0.0005)
+            time.sleep(0)
         else:
             limit = min(next_check, deadline) if deadline is not None else next_check
             try:
@@ -130,6 +144,11 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
             if cancelled is not None and cancelled():
                 _give_up(pg, nccl, "weight transfer called off by the learner (new round)")
     work.wait()  # raises the collective's error, if any
+
+
+class Stalled(WeightSyncError):
+    """One collective made no progress for the group's timeout (``timeout_s``): the peer is
+    stuck. A deadline that grows with an update's bytes can be later than that."""
 
 
 def _give_up(pg, nccl: bool, why: str):

@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from common.config.shared import BUCKET_MB, CHUNK_MB
+from common.config.shared import BUCKET_MB, CHUNK_MB, MIN_GB_PER_S
 from common.telemetry.metrics import metric
 from common.weights import handshake
 from common.weights.buckets import pack_unit, unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
-from common.weights.checksum import UnitHasher
+from common.weights.checksum import UpdateHasher, checksum_for
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
     INSTANCE_KEY,
+    Stalled,
     default_device,
     gpu_uuid,
     make_pair_group,
@@ -62,6 +63,15 @@ class _Member:
     store: Any
     version_sent: int = -1
     lock: threading.Lock = field(default_factory=threading.Lock)
+    announced: int = 0  # announcements made in its prefix (the receiver blocks on the next)
+
+    def announce(self, version: int, route: Route) -> None:
+        """Tell the member where to listen for ``version`` and wake it: ``route``, ``pending``,
+        then ``announce/<n>``, on which its receiver blocks (no poll interval to wait out)."""
+        self.store.multi_set(["result", "progress", "below", "route"], ["", "", "", str(route)])
+        self.store.set("pending", str(version))
+        self.announced += 1
+        self.store.set(f"announce/{self.announced}", str(version))
 
 
 @dataclass(eq=False)
@@ -70,19 +80,45 @@ class _Update:
     header: bytes
     layout: dict
     nbytes: int
+    allowance_s: float  # its deadline, from the start of a round: grows with its bytes
     units: list | None = None  # the unit buffers when held in memory; None when streamed
-    digest: bytes = b""
-    hashed: threading.Event = field(default_factory=threading.Event)
+    digests: list[bytes] = field(default_factory=list)  # running checksum through unit k
+    cond: threading.Condition = field(default_factory=threading.Condition)
     hashing: bool = False  # a hasher reads the current pass
 
     @property
     def n_units(self) -> int:
         return len(self.layout["units"])
 
-    def wait_digest(self, deadline: float) -> bytes:
-        if not self.hashed.wait(max(0.0, deadline - time.monotonic())):
-            raise WeightSyncError("checksum not ready before the deadline")
-        return self.digest
+    @property
+    def digest(self) -> bytes:
+        return self.digests[-1] if len(self.digests) == self.n_units else b""
+
+    @property
+    def hashed(self) -> bool:
+        return len(self.digests) == self.n_units
+
+    def wait_digest(self, k: int, deadline: float) -> bytes:
+        """The running checksum through unit ``k`` once the hasher has it (it reads each unit
+        as the senders do, so this waits for at most the unit being sent)."""
+        with self.cond:
+            while len(self.digests) <= k:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError("checksum not ready before the deadline")
+                self.cond.wait(min(left, 0.1))
+            return self.digests[k]
+
+    def hash_units(self, units) -> None:
+        """Hash ``units`` (the buffers in order), publishing each running digest."""
+        hasher = UpdateHasher(self.layout)
+        for k, buf in enumerate(units):
+            start, end = self.layout["units"][k][:2]
+            hasher.upto(buf, start, end)
+            with self.cond:
+                if k == len(self.digests):  # a pass hashed again after one broke off
+                    self.digests.append(hasher.digest())
+                self.cond.notify_all()
 
 
 class StreamedPublish:
@@ -100,7 +136,7 @@ class StreamedPublish:
     def __init__(self, pub: WeightPublisher, update: _Update, *, members: list, t0: float,
                  pairwise: bool) -> None:  # fmt: skip
         self.pub, self.update, self.t0 = pub, update, t0
-        self.deadline = t0 + pub.timeout_s
+        self.deadline = t0 + update.allowance_s
         self.passes, self._thread, self._box = pub._start_round(
             update, members, self.deadline, pairwise=pairwise
         )
@@ -132,12 +168,15 @@ class WeightPublisher:
     def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
                  bucket_bytes: int = int(BUCKET_MB * 2**20), accept_interval_s: float = 0.2,
                  device: str | None = None, auto_accept: bool = True, fanout: str = "chain",
-                 chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None) -> None:  # fmt: skip
-        if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0:
+                 chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None,
+                 min_gb_per_s: float = MIN_GB_PER_S) -> None:  # fmt: skip
+        if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0 or min_gb_per_s <= 0:
             raise ValueError(
-                f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN} and chunk_bytes >= 0; "
-                f"got timeout_s={timeout_s}, bucket_bytes={bucket_bytes}, chunk_bytes={chunk_bytes}"
+                f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN}, chunk_bytes >= 0 "
+                f"and min_gb_per_s > 0; got timeout_s={timeout_s}, bucket_bytes={bucket_bytes}, "
+                f"chunk_bytes={chunk_bytes}, min_gb_per_s={min_gb_per_s}"
             )
+        self.min_gb_per_s = min_gb_per_s
         if fanout not in ("chain", "pairwise"):
             raise ValueError(f"weights.fanout must be 'chain' or 'pairwise', got {fanout!r}")
         import torch.distributed as dist
@@ -194,8 +233,9 @@ class WeightPublisher:
             self._members.clear()
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> PublishReport:
-        """Send ``version`` to every member concurrently; returns within ``timeout_s``. The
-        update is held in memory, and kept to serve members that join later."""
+        """Send ``version`` to every member concurrently; returns within its deadline
+        (``allowance_s``). The update is held in memory, and kept to serve members that join
+        later."""
         t0 = time.monotonic()
         named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
         update = self._new_update(named, version)
@@ -203,9 +243,9 @@ class WeightPublisher:
         members = self._open(update)
         try:
             _, thread, box = self._start_round(
-                update, members, t0 + self.timeout_s, pairwise=self.fanout == "pairwise"
+                update, members, t0 + update.allowance_s, pairwise=self.fanout == "pairwise"
             )
-            thread.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
+            thread.join(max(0.0, t0 + update.allowance_s - time.monotonic()))
         finally:
             with self._lock:
                 self._publishing = False
@@ -263,7 +303,7 @@ class WeightPublisher:
             ]
         if not behind or update is None or update.units is None:
             return {}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + update.allowance_s
         _, thread, box = self._start_round(update, behind, deadline, pairwise=True)
         thread.join(max(0.0, deadline - time.monotonic()))
         return {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
@@ -280,8 +320,17 @@ class WeightPublisher:
                     f"weight versions must increase: got {version} after {self._latest.version}"
                 )
         layout = build_layout(named, version, self.bucket_bytes, self.chunk_bytes)
-        return _Update(version, json.dumps(layout).encode(), layout,
-                       sum(t[4] for t in layout["tensors"]))  # fmt: skip
+        nbytes = sum(t[4] for t in layout["tensors"])
+        allowance = self.allowance_s(nbytes)
+        # the receiver hashes as the header says, and holds itself to the same allowance
+        layout.update(checksum=checksum_for(self.device), deadline_s=allowance)
+        return _Update(version, json.dumps(layout).encode(), layout, nbytes, allowance)
+
+    def allowance_s(self, nbytes: int) -> float:
+        """The deadline of one round of an update of ``nbytes``: ``timeout_s`` plus the bytes at
+        ``min_gb_per_s``, so that a large model is not dropped for being large. A member that
+        makes no progress is still dropped after a quarter of ``timeout_s`` (in a chain)."""
+        return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
 
     def _open(self, update: _Update) -> list[_Member]:
         """Make ``update`` the latest, take in pending joins; the members to send it to."""
@@ -331,7 +380,7 @@ class WeightPublisher:
         else:
             feed = UnitFeed(update.n_units, stall_s=self.timeout_s / 4)
             passes.ask(feed)
-        if not update.hashed.is_set() and not update.hashing:
+        if not update.hashed and not update.hashing:
             update.hashing = True
             reader = feed.reader()
             threading.Thread(target=self._hash, args=(update, reader), name="wsync-hash",
@@ -339,13 +388,9 @@ class WeightPublisher:
         return feed
 
     def _hash(self, update: _Update, reader: FeedReader | HeldFeed) -> None:
-        hasher = UnitHasher(update.layout)
         try:
             with reader:
-                for k, buf in enumerate(reader.units(time.monotonic() + self.timeout_s)):
-                    hasher.unit(k, buf)
-            update.digest = hasher.digest()
-            update.hashed.set()
+                update.hash_units(reader.units(time.monotonic() + update.allowance_s))
         except WeightSyncError:  # the pass was given up: the next pass hashes
             update.hashing = False
 
@@ -354,14 +399,13 @@ class WeightPublisher:
         # drops it as such right after)
         per_member = {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
         root_bytes = box["root_bytes"]
-        if update.hashing:
-            update.hashed.wait(max(0.0, t0 + self.timeout_s - time.monotonic()))
-        elif update.units is not None and not update.hashed.is_set():  # no pass was made
-            hasher = UnitHasher(update.layout)
-            for k, buf in enumerate(update.units):
-                hasher.unit(k, buf)
-            update.digest = hasher.digest()
-            update.hashed.set()
+        if update.hashing and update.n_units:
+            try:
+                update.wait_digest(update.n_units - 1, t0 + update.allowance_s)
+            except WeightSyncError:
+                pass  # reported without a checksum: no member got the version
+        elif update.units is not None and not update.hashed:  # no pass was made
+            update.hash_units(update.units)
         seconds = time.monotonic() - t0
         metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
         metric("Counter", "tether_weights_publish_bytes_total",
@@ -456,17 +500,16 @@ class WeightPublisher:
             try:
                 if m.version_sent >= update.version:
                     return "ok"
-                m.store.set("route", str(Route(update.version)))
-                m.store.set("pending", str(update.version))
+                m.announce(update.version, Route(update.version))
                 use_device(self.device)  # this sender thread's GPU
                 send_update(m.pg, update.header, update.version, reader.units(deadline),
-                            lambda: update.wait_digest(deadline), deadline,
+                            lambda k: update.wait_digest(k, deadline), deadline,
                             device=self.device)  # fmt: skip
                 m.version_sent = update.version
                 return "ok"
             except Exception as e:
-                if time.monotonic() >= deadline:
-                    return "timeout"
+                if time.monotonic() >= deadline or isinstance(e, Stalled):
+                    return "timeout"  # (dropped as such by _send_all)
                 self._drop(m, "error")
                 return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
             finally:
@@ -529,8 +572,7 @@ class WeightPublisher:
             str(Route(version, self._chain_epoch, p, len(rest))) for p in range(1, len(rest) + 1)
         ]
         for m, r in zip(rest, routes, strict=True):
-            m.store.multi_set(["result", "progress", "below", "route"], ["", "", "", r])
-            m.store.set("pending", str(version))
+            m.announce(version, Route.parse(r))
         return self._chain_epoch, routes
 
     def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float,
@@ -545,7 +587,7 @@ class WeightPublisher:
                 if epoch == self._chain_epoch:
                     self._links1[epoch] = pg
             send_update(pg, update.header, update.version, reader.units(deadline),
-                        lambda: update.wait_digest(deadline), deadline,
+                        lambda k: update.wait_digest(k, deadline), deadline,
                         lambda: self._chain_epoch != epoch, device=self.device)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - ChainRound blames the first member
             box["error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
