@@ -17,7 +17,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +25,7 @@ from common.telemetry.metrics import metric
 from common.weights import handshake
 from common.weights.buckets import pack_unit, unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
-from common.weights.checksum import UpdateHasher, checksum_for
+from common.weights.checksum import checksum_for
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
@@ -38,87 +37,11 @@ from common.weights.group import (
     use_device,
 )
 from common.weights.layout import ALIGN, WeightSyncError, build_layout
+from common.weights.rounds import Member, PublishReport, Update
 from common.weights.stream import FeedReader, HeldFeed, Passes, UnitFeed
 from common.weights.transfer import send_update
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PublishReport:
-    version: int
-    bytes: int
-    seconds: float
-    checksum: str
-    per_member: dict[str, str] = field(default_factory=dict)
-    root_bytes: int = 0  # what the learner itself sent: once per chain round, once per pairwise
-    epoch: int = 0  # the chain epoch of the last round (0: nothing went down a chain)
-
-
-@dataclass(eq=False)
-class _Member:
-    member_id: str
-    epoch: int
-    pg: Any
-    store: Any
-    version_sent: int = -1
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    announced: int = 0  # announcements made in its prefix (the receiver blocks on the next)
-
-    def announce(self, version: int, route: Route) -> None:
-        """Tell the member where to listen for ``version`` and wake it: ``route``, ``pending``,
-        then ``announce/<n>``, on which its receiver blocks (no poll interval to wait out)."""
-        self.store.multi_set(["result", "progress", "below", "route"], ["", "", "", str(route)])
-        self.store.set("pending", str(version))
-        self.announced += 1
-        self.store.set(f"announce/{self.announced}", str(version))
-
-
-@dataclass(eq=False)
-class _Update:
-    version: int
-    header: bytes
-    layout: dict
-    nbytes: int
-    allowance_s: float  # its deadline, from the start of a round: grows with its bytes
-    units: list | None = None  # the unit buffers when held in memory; None when streamed
-    digests: list[bytes] = field(default_factory=list)  # running checksum through unit k
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    hashing: bool = False  # a hasher reads the current pass
-
-    @property
-    def n_units(self) -> int:
-        return len(self.layout["units"])
-
-    @property
-    def digest(self) -> bytes:
-        return self.digests[-1] if len(self.digests) == self.n_units else b""
-
-    @property
-    def hashed(self) -> bool:
-        return len(self.digests) == self.n_units
-
-    def wait_digest(self, k: int, deadline: float) -> bytes:
-        """The running checksum through unit ``k`` once the hasher has it (it reads each unit
-        as the senders do, so this waits for at most the unit being sent)."""
-        with self.cond:
-            while len(self.digests) <= k:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WeightSyncError("checksum not ready before the deadline")
-                self.cond.wait(min(left, 0.1))
-            return self.digests[k]
-
-    def hash_units(self, units) -> None:
-        """Hash ``units`` (the buffers in order), publishing each running digest."""
-        hasher = UpdateHasher(self.layout)
-        for k, buf in enumerate(units):
-            start, end = self.layout["units"][k][:2]
-            hasher.upto(buf, start, end)
-            with self.cond:
-                if k == len(self.digests):  # a pass hashed again after one broke off
-                    self.digests.append(hasher.digest())
-                self.cond.notify_all()
 
 
 class StreamedPublish:
@@ -133,7 +56,7 @@ class StreamedPublish:
     The round (its own thread) sends each unit as it comes; ``put`` waits while the window of
     units is full, and drops the units of a pass no member reads any more."""
 
-    def __init__(self, pub: WeightPublisher, update: _Update, *, members: list, t0: float,
+    def __init__(self, pub: WeightPublisher, update: Update, *, members: list, t0: float,
                  pairwise: bool) -> None:  # fmt: skip
         self.pub, self.update, self.t0 = pub, update, t0
         self.deadline = t0 + update.allowance_s
@@ -203,8 +126,8 @@ class WeightPublisher:
         self._joins_taken: set[tuple[str, int]] = set()
         if backend == "nccl":
             self._store.set(GPU_KEY, gpu_uuid(self.device))
-        self._members: dict[str, _Member] = {}
-        self._latest: _Update | None = None
+        self._members: dict[str, Member] = {}
+        self._latest: Update | None = None
         self._publishing = False  # while true the acceptor leaves the members to publish()
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
@@ -310,7 +233,7 @@ class WeightPublisher:
 
     # -- internals
 
-    def _new_update(self, named: list, version: int) -> _Update:
+    def _new_update(self, named: list, version: int) -> Update:
         names = [n for n, _ in named]
         if len(set(names)) != len(names) or not named:
             raise ValueError("publish needs a non-empty set of tensors with unique names")
@@ -324,7 +247,7 @@ class WeightPublisher:
         allowance = self.allowance_s(nbytes)
         # the receiver hashes as the header says, and holds itself to the same allowance
         layout.update(checksum=checksum_for(self.device), deadline_s=allowance)
-        return _Update(version, json.dumps(layout).encode(), layout, nbytes, allowance)
+        return Update(version, json.dumps(layout).encode(), layout, nbytes, allowance)
 
     def allowance_s(self, nbytes: int) -> float:
         """The deadline of one round of an update of ``nbytes``: ``timeout_s`` plus the bytes at
@@ -332,7 +255,7 @@ class WeightPublisher:
         makes no progress is still dropped after a quarter of ``timeout_s`` (in a chain)."""
         return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
 
-    def _open(self, update: _Update) -> list[_Member]:
+    def _open(self, update: Update) -> list[Member]:
         """Make ``update`` the latest, take in pending joins; the members to send it to."""
         with self._lock:
             self._latest, self._publishing = update, True
@@ -344,7 +267,7 @@ class WeightPublisher:
         with self._lock:
             return list(self._members.values())
 
-    def _start_round(self, update: _Update, members: list[_Member], deadline: float, *,
+    def _start_round(self, update: Update, members: list[Member], deadline: float, *,
                      pairwise: bool) -> tuple[Passes, threading.Thread, dict]:  # fmt: skip
         """The round (chain or pairwise) on a thread of its own; it asks for passes through the
         returned ``Passes`` and writes ``per_member`` (outcomes as they are known), ``members``
@@ -369,7 +292,7 @@ class WeightPublisher:
         thread.start()
         return passes, thread, box
 
-    def _feed(self, update: _Update, passes: Passes) -> UnitFeed | HeldFeed:
+    def _feed(self, update: Update, passes: Passes) -> UnitFeed | HeldFeed:
         """A new pass's feed (asked of the producer when streamed); the first (or, if it broke
         off, the next) is hashed too: the checksum goes out after the units, so hashing
         overlaps sending. A member that takes nothing for a quarter of the deadline is left
@@ -387,14 +310,14 @@ class WeightPublisher:
                              daemon=True).start()  # fmt: skip
         return feed
 
-    def _hash(self, update: _Update, reader: FeedReader | HeldFeed) -> None:
+    def _hash(self, update: Update, reader: FeedReader | HeldFeed) -> None:
         try:
             with reader:
                 update.hash_units(reader.units(time.monotonic() + update.allowance_s))
         except WeightSyncError:  # the pass was given up: the next pass hashes
             update.hashing = False
 
-    def _report(self, update: _Update, t0: float, box: dict) -> PublishReport:
+    def _report(self, update: Update, t0: float, box: dict) -> PublishReport:
         # a member the round has not finished with at the deadline is a timeout (the round
         # drops it as such right after)
         per_member = {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
@@ -462,12 +385,12 @@ class WeightPublisher:
                         ("reason",)).labels("join").inc()  # fmt: skip
                 continue
             with self._lock:
-                self._members[member_id] = _Member(member_id, epoch, pg, pstore, has)
+                self._members[member_id] = Member(member_id, epoch, pg, pstore, has)
                 n = len(self._members)
             metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
 
-    def _send_all(self, update: _Update, members: list[_Member], deadline: float,
+    def _send_all(self, update: Update, members: list[Member], deadline: float,
                   passes: Passes, results: dict[str, str]) -> None:  # fmt: skip
         """One pass, read by every member's sender thread; each outcome goes into ``results``
         as it is known."""
@@ -475,7 +398,7 @@ class WeightPublisher:
         feed = self._feed(update, passes)
         readers = {m.member_id: feed.reader() for m in members}
 
-        def one(m: _Member) -> None:
+        def one(m: Member) -> None:
             outcome = self._send_one(m, update, deadline, readers[m.member_id])
             with done:
                 results.setdefault(m.member_id, outcome)
@@ -491,7 +414,7 @@ class WeightPublisher:
                     readers[m.member_id].leave()
                     self._drop(m, "timeout")
 
-    def _send_one(self, m: _Member, update: _Update, deadline: float,
+    def _send_one(self, m: Member, update: Update, deadline: float,
                   reader: FeedReader | HeldFeed) -> str:  # fmt: skip
         with reader:
             if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -515,7 +438,7 @@ class WeightPublisher:
             finally:
                 m.lock.release()
 
-    def _send_chain(self, update: _Update, members: list[_Member], deadline: float,
+    def _send_chain(self, update: Update, members: list[Member], deadline: float,
                     passes: Passes, box: dict) -> None:  # fmt: skip
         """Send ``update`` down a chain of the members this thread can lock now (the others are
         being caught up pairwise and get it from the acceptor); on a failure blame one member
@@ -552,7 +475,7 @@ class WeightPublisher:
             for m in chain:
                 m.lock.release()
 
-    def _route(self, version: int, rest: list[_Member]) -> tuple[int, list[str]]:
+    def _route(self, version: int, rest: list[Member]) -> tuple[int, list[str]]:
         """A new chain epoch when the members changed or the last round failed; every member is
         told its place (``route``) before ``pending`` tells it to look."""
         key = [(m.member_id, m.epoch) for m in rest]
@@ -575,7 +498,7 @@ class WeightPublisher:
             m.announce(version, Route.parse(r))
         return self._chain_epoch, routes
 
-    def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float,
+    def _send_first(self, update: Update, epoch: int, box: dict, deadline: float,
                     reader: FeedReader | HeldFeed) -> None:  # fmt: skip
         """The learner's only send of a chain round: to the first member, over link 1."""
         try:
@@ -594,7 +517,7 @@ class WeightPublisher:
         finally:
             reader.leave()
 
-    def _drop(self, m: _Member, reason: str) -> None:
+    def _drop(self, m: Member, reason: str) -> None:
         with self._lock:
             if self._members.get(m.member_id) is not m:
                 return
