@@ -292,23 +292,27 @@ class WeightPublisher:
         thread.start()
         return passes, thread, box
 
-    def _feed(self, update: Update, passes: Passes) -> UnitFeed | HeldFeed:
-        """A new pass's feed (asked of the producer when streamed); the first (or, if it broke
-        off, the next) is hashed too: the checksum goes out after the units, so hashing
-        overlaps sending. A member that takes nothing for a quarter of the deadline is left
-        behind, so that it does not hold back the others."""
+    def _readers(self, update: Update, passes: Passes, n: int) -> list[FeedReader | HeldFeed]:
+        """A new pass for ``n`` senders: their readers. When streamed, the pass is asked of the
+        producer only once every reader is registered: a reader registered after the producer
+        started would find the units the others had sent let go already (a chain's first
+        sender, registered after the hasher had read unit 0, failed on it at once). The first
+        pass (or, if it broke off, the next) is hashed too: the checksum goes out after the
+        units, so hashing overlaps sending. A member that takes nothing for a quarter of the
+        deadline is left behind, so that it does not hold back the others."""
         feed: UnitFeed | HeldFeed
         if update.units is not None:
             feed = HeldFeed(update.units)
         else:
             feed = UnitFeed(update.n_units, stall_s=self.timeout_s / 4)
-            passes.ask(feed)
+        readers = [feed.reader() for _ in range(n)]
         if not update.hashed and not update.hashing:
             update.hashing = True
-            reader = feed.reader()
-            threading.Thread(target=self._hash, args=(update, reader), name="wsync-hash",
+            threading.Thread(target=self._hash, args=(update, feed.reader()), name="wsync-hash",
                              daemon=True).start()  # fmt: skip
-        return feed
+        if isinstance(feed, UnitFeed):
+            passes.ask(feed)
+        return readers
 
     def _hash(self, update: Update, reader: FeedReader | HeldFeed) -> None:
         try:
@@ -395,8 +399,8 @@ class WeightPublisher:
         """One pass, read by every member's sender thread; each outcome goes into ``results``
         as it is known."""
         done = threading.Lock()
-        feed = self._feed(update, passes)
-        readers = {m.member_id: feed.reader() for m in members}
+        readers = dict(zip([m.member_id for m in members],
+                           self._readers(update, passes, len(members)), strict=True))  # fmt: skip
 
         def one(m: Member) -> None:
             outcome = self._send_one(m, update, deadline, readers[m.member_id])
@@ -453,7 +457,7 @@ class WeightPublisher:
             while rest and time.monotonic() < deadline:
                 epoch, routes = self._route(update.version, rest)
                 sender: dict[str, str] = {}
-                reader = self._feed(update, passes).reader()
+                (reader,) = self._readers(update, passes, 1)
                 threading.Thread(target=self._send_first,
                                  args=(update, epoch, sender, deadline, reader),
                                  name="wsync-chain", daemon=True).start()  # fmt: skip
@@ -467,7 +471,7 @@ class WeightPublisher:
                     break
                 results[blamed.member_id] = why
                 self._chain_dirty = True
-                self._drop(blamed, why.split(":")[0].split(" ")[0])
+                self._drop(blamed, why.split(":")[0].split(" ")[0], why)
             for m in rest:
                 results[m.member_id], self._chain_dirty = "timeout", True
                 self._drop(m, "timeout")
@@ -517,7 +521,8 @@ class WeightPublisher:
         finally:
             reader.leave()
 
-    def _drop(self, m: Member, reason: str) -> None:
+    def _drop(self, m: Member, reason: str, detail: str = "") -> None:
+        """``reason``: a metric label (one word); ``detail``: what the log says, if more."""
         with self._lock:
             if self._members.get(m.member_id) is not m:
                 return
@@ -526,7 +531,8 @@ class WeightPublisher:
         metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
         metric("Counter", "tether_weights_member_failures_total", "Member failures",
                 ("reason",)).labels(reason).inc()  # fmt: skip
-        logger.warning("weight sync: dropped %s (epoch %d): %s", m.member_id, m.epoch, reason)
+        logger.warning("weight sync: dropped %s (epoch %d): %s", m.member_id, m.epoch,
+                       detail or reason)  # fmt: skip
         try:
             m.store.set("dropped", reason)
         except Exception:  # the store is ours; a failure here only delays the rejoin

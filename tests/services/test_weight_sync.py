@@ -101,9 +101,9 @@ def test_hung_member_times_out_without_blocking_the_others(
     if slow_drop:
         drop = WeightPublisher._drop
 
-        def slow(self, m, reason):
+        def slow(self, m, reason, *detail):
             time.sleep(2.0)
-            drop(self, m, reason)
+            drop(self, m, reason, *detail)
 
         monkeypatch.setattr(WeightPublisher, "_drop", slow)
     timeout_s = 8.0
@@ -122,6 +122,50 @@ def test_hung_member_times_out_without_blocking_the_others(
         assert report.per_member["hung"].split(":")[0] == outcome, report.per_member
         assert wait_for(lambda: set(pub.members()) == {"a"}, what="hung dropped")
         assert wait_for(lambda: any(e.get("version") == 7 for e in events(log_a)))
+    finally:
+        stop_all(procs, pub)
+
+
+def _stream(pub: WeightPublisher, named, version: int):
+    """A streamed publish of ``named`` as the learner's rank 0 makes one
+    (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
+    session = pub.begin(named, version)
+    named = sorted(named)
+    while (feed := session.next_pass()) is not None:
+        for k, (_, _, first, last) in enumerate(session.layout["units"]):
+            session.put(feed, k, [t for _, t in named[first:last]])
+    return session.close()
+
+
+@pytest.mark.parametrize("fanout", ["chain", "pairwise"])
+def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
+    tmp_path, monkeypatch, fanout
+):
+    """The producer of a streamed publish starts on the first unit as soon as the round asks
+    for a pass; a sender that registered its reader after that found unit 0 let go (the hasher
+    had read it) and the member was dropped ("broke the chain (0)"): a loaded machine made that
+    gap. Here every reader takes 0.2 s to register."""
+    from common.weights.stream import UnitFeed
+
+    reader = UnitFeed.reader
+
+    def slow_reader(self):
+        time.sleep(0.2)
+        return reader(self)
+
+    monkeypatch.setattr(UnitFeed, "reader", slow_reader)
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=10.0, bucket_bytes=1 << 20, fanout=fanout)
+    procs = []
+    try:
+        a, log_a = start_receiver(tmp_path, pub.port, "a")
+        procs.append(a)
+        wait_for(lambda: "a" in pub.members(), 120, "a")
+        w = weights(4, n=4)
+        report = _stream(pub, w, 1)
+        assert report.per_member == {"a": "ok"}, report.per_member
+        assert report.checksum == tensors_checksum(w)
+        got = wait_for(lambda: [e for e in events(log_a) if e["event"] == "update"])
+        assert got[0]["version"] == 1 and got[0]["checksum"] == report.checksum
     finally:
         stop_all(procs, pub)
 
