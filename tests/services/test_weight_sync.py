@@ -170,6 +170,31 @@ def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
         stop_all(procs, pub)
 
 
+def test_every_op_in_flight_to_a_stuck_peer_stalls():
+    """gloo's per-op timeout fails one op ("Timed out waiting ...") and closes the pair, and
+    the others in flight fail with "Application timeout caused pair closure": each of them is
+    the peer missing its time (``Stalled``, a member reported as a timeout), never an error."""
+    from common.weights.group import Stalled, broadcast, finish
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups: dict = {}
+
+    def member(rank: int) -> None:
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = make_pair_group(torch.distributed.PrefixStore("t/", client), rank,
+                                       backend="gloo", timeout_s=0.5)  # fmt: skip
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    ops = [broadcast(groups[0], torch.ones(4 << 20, dtype=torch.uint8)) for _ in range(4)]
+    for op in ops:  # rank 1 never receives
+        with pytest.raises(Stalled):
+            finish(groups[0], op, time.monotonic() + 30)
+
+
 def _hand_rolled_learner(store, member: str, epoch: int):
     """A learner made of the module's wire functions, so a test can send bad updates."""
     store.wait(["wsync/joins"])
