@@ -4,8 +4,10 @@ generators in ``generators``, the bytes the learner sends and the seconds a publ
 chain against pairwise, and what gloo's own broadcast sends from its root.
 
 The publish includes what the bare broadcast does not: the header, bucketing, the xxh3
-checksum on both sides (the receiver verifies before returning) and the thread hand-off.
-Timed on the learner side; each figure is the best of ``repeats`` after one warm-up.
+checksum on both sides (the receiver verifies every unit before it takes the next, as a
+generator does before loading it), the announcement through the store and the thread hand-off.
+Timed on the learner side, a publish and a bare broadcast in turn (both see the same machine);
+each figure is the best of ``repeats`` after one warm-up.
 
 Bytes sent by the learner: the growth of ``wchar`` in ``/proc/self/io`` of this process (the
 learner) over a publish: every byte handed to a write-type system call, sockets included (the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
@@ -30,12 +33,12 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 
     rx = WeightReceiver("127.0.0.1", port, "bench", timeout_s=120.0)
     rx.join()
-    for _ in range(repeats + 1):
-        rx.receive(wait_s=120.0)
     store = torch.distributed.TCPStore("127.0.0.1", bare_port, is_master=False)
     pg = make_pair_group(store, 1, backend="gloo", timeout_s=120.0)
     buf = torch.empty(total_bytes, dtype=torch.uint8)
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 1):  # alternating, as the learner side does
+        for _ in rx.begin(wait_s=120.0).units():  # as a generator takes it: a unit at a time
+            pass
         broadcast(pg, buf).wait()
 
 
@@ -67,16 +70,15 @@ def run_weights_bench(
             if time.monotonic() > deadline or not proc.is_alive():
                 raise RuntimeError("the benchmark's receiver process did not join")
             time.sleep(0.05)
-        publish_s = []
-        for v in range(repeats + 1):
+        pg = make_pair_group(bare_store, 0, backend="gloo", timeout_s=120.0)
+        flat = torch.cat([t for _, t in named]).view(torch.uint8)
+        publish_s, bare_s = [], []
+        load_before = os.getloadavg()
+        for v in range(repeats + 1):  # alternating, so that both see the same machine
             report = pub.publish(named, v)
             if report.per_member != {"bench": "ok"}:
                 raise RuntimeError(f"publish failed: {report.per_member}")
             publish_s.append(report.seconds)
-        pg = make_pair_group(bare_store, 0, backend="gloo", timeout_s=120.0)
-        flat = torch.cat([t for _, t in named]).view(torch.uint8)
-        bare_s = []
-        for _ in range(repeats + 1):
             t0 = time.perf_counter()
             broadcast(pg, flat).wait()
             bare_s.append(time.perf_counter() - t0)
@@ -96,6 +98,7 @@ def run_weights_bench(
         "publish_vs_bare_ratio": best_bare / best_pub,
         "all_publish_seconds": publish_s,
         "all_bare_seconds": bare_s,
+        "publish_load_average": [load_before[0], os.getloadavg()[0]],
     }
     if generators:
         result.update(_scaling(named, generators, repeats))
@@ -169,8 +172,6 @@ def _gloo_root_bytes(n: int, nbytes: int) -> float:
 
 def _scaling(named: list, generators: tuple[int, ...], repeats: int) -> dict:
     """Per N: pairwise and chain publishes to the same N receiver processes, alternating."""
-    import os
-
     from common.weights.publisher import WeightPublisher
 
     load_before = os.getloadavg()

@@ -14,7 +14,16 @@ from common.config.errors import ConfigError
 from common.config.generator import GeneratorConfig
 from common.config.learner import LearnerConfig
 from common.config.scorer import ScorerConfig
-from common.config.shared import BusConfig, DataConfig, RunConfig, WeightsConfig
+from common.config.shared import (
+    BUCKET_MB,
+    BUCKET_MB_NCCL,
+    CHUNK_MB,
+    CHUNK_MB_NCCL,
+    BusConfig,
+    DataConfig,
+    RunConfig,
+    WeightsConfig,
+)
 
 
 class TetherConfig(Protocol):
@@ -213,9 +222,17 @@ def _resolve_auto(cfg: TetherConfig, derived: set[str]) -> None:
     if g.dtype == "auto":
         g.dtype = "float32" if g.gpus_per_replica == 0 else "bfloat16"
         derived.add("generator.dtype")
-    if cfg.weights.backend == "auto":
-        cfg.weights.backend = "gloo"
+    w = cfg.weights
+    if w.backend == "auto":
+        w.backend = "gloo"
         derived.add("weights.backend")
+    nccl = w.backend == "nccl"
+    if w.chunk_mb is None:
+        w.chunk_mb = CHUNK_MB_NCCL if nccl else CHUNK_MB
+        derived.add("weights.chunk_mb")
+    if w.bucket_mb is None:
+        w.bucket_mb = BUCKET_MB_NCCL if nccl else BUCKET_MB
+        derived.add("weights.bucket_mb")
 
 
 def _check_names_and_timeouts(cfg: TetherConfig) -> None:

@@ -143,8 +143,11 @@ class BusConfig(Section):
 
 # The weight broadcast's sizes, defined once: the config's defaults, and those of
 # ``common.weights.publisher.WeightPublisher`` and ``tether plan``'s model.
-CHUNK_MB = 4.0
+CHUNK_MB = 16.0  # gloo: host memory over TCP (4 MB pieces cost more per op than they send)
 BUCKET_MB = 64.0
+CHUNK_MB_NCCL = 64.0  # GPU to GPU: 1.3 ms at 50 GB/s, so the per-op cost stays small
+BUCKET_MB_NCCL = 256.0
+MIN_GB_PER_S = 0.25  # the slowest rate a publish is allowed: its deadline grows with its bytes
 
 
 class WeightsConfig(Section):
@@ -160,9 +163,15 @@ class WeightsConfig(Section):
     timeout_s: float = Field(
         120.0,
         gt=0.0,
-        description="deadline of one publish to every generator; in a chain, a generator that "
-        "makes no progress for a quarter of it is dropped (it rejoins) and the rest get the "
-        "version at once",
+        description="deadline of one publish to every generator, plus the update's bytes at "
+        "min_gb_per_s; in a chain, a generator that makes no progress for a quarter of "
+        "timeout_s is dropped (it rejoins) and the rest get the version at once",
+    )
+    min_gb_per_s: float = Field(
+        MIN_GB_PER_S,
+        gt=0.0,
+        description="GB/s: the slowest a publish may go; its deadline is timeout_s + bytes / "
+        "this (32B in bf16, 65.5 GB: 120 s + 262 s), so a large model is not dropped for its size",
     )
     fanout: Literal["chain", "pairwise"] = Field(
         "chain",
@@ -171,13 +180,17 @@ class WeightsConfig(Section):
         "pairwise = the learner sends the whole model to every generator (N × its bytes)",
     )
     chunk_mb: float = Field(
-        CHUNK_MB,
+        DERIVED,
         gt=0.0,
         description="piece a chain passes on at a time: smaller = less delay per extra "
-        "generator (one piece each), larger = fewer operations",
+        "generator (one piece each), larger = fewer operations; default 16 on gloo, 64 on nccl",
     )
     bucket_mb: float = Field(
-        BUCKET_MB, gt=0.0, description="tensors are flattened into buckets of this size"
+        DERIVED,
+        gt=0.0,
+        description="tensors under 1 MiB are packed into buckets of this size (a larger tensor "
+        "goes alone, from its own memory); a generator stages max(bucket, largest tensor) at "
+        "a time; default 64 on gloo, 256 on nccl",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",

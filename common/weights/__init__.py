@@ -53,32 +53,37 @@ One update on the wire (per link; every step is a broadcast from rank 0 = the se
     1. ``int64[3]`` = (magic, version, header length)
     2. ``uint8[header length]`` = JSON header: version, tensor names (sorted), dtypes, shapes,
        byte offsets in a flat staging buffer (64-byte aligned), the units and the total bytes.
-    3. the units: runs of consecutive tensors of at most ``bucket_bytes``; a tensor at least as big
-       as a bucket goes alone and is sent from its own memory (no copy); small tensors are packed
-       once per publish into shared buffers. Each unit goes in pieces of at most the header's
-       ``chunk`` bytes, which a relay passes on as they come.
-    4. ``uint8[16]`` = checksum (sent last so sending overlaps the sender's hashing).
+    3. the units: a tensor of at least 1 MiB alone, sent from its own memory (no copy), or a run
+       of consecutive smaller ones of at most ``bucket_bytes``, packed once per publish. Each
+       unit goes in pieces of at most the header's ``chunk`` bytes, which a relay passes on as
+       they come, followed by ``uint8[16]`` = the running checksum through that unit.
+    Both sides keep ``transfer.WINDOW_OPS`` collectives in flight. The header also names the
+    checksum (``checksum.py``) and the update's deadline (``deadline_s`` = ``timeout_s`` + its
+    bytes at ``min_gb_per_s``), which the receiver holds itself to as well.
     Before step 1 the learner sets ``route`` (which link to listen on: pairwise or a place in a
-    chain) and ``pending`` = version in the member's store prefix, so a generator can poll
-    cheaply (``WeightReceiver.poll()``) and only enter the collective when an update is really
-    on its way.
+    chain), ``pending`` = version and ``announce/<n>`` in the member's store prefix, so a
+    generator can poll cheaply (``WeightReceiver.poll()``), or block on the next announcement,
+    and only enter the collective when an update is really on its way.
 
 Checksum
-    xxh3-128 over, for every tensor in name order, ``"<name>|<dtype>|<shape>\\n"`` followed by its
-    raw bytes (``tensors_checksum``). Exact (any flipped byte, missing tensor or reordering
-    changes it) and fast (~5 GB/s), but not a defence against a malicious sender.
+    ``checksum.py``: xxh3-128 over every tensor's name, dtype, shape and bytes on the host; on a
+    GPU a weighted sum of the bytes computed on the device. A running checksum: the receiver
+    verifies each unit before it hands the unit out.
 
 Guarantees
-    * ``publish`` returns within ``timeout_s`` (+ thread hand-off slack) whatever the members do;
+    * ``publish`` returns within its deadline (``timeout_s`` + bytes / ``min_gb_per_s``, + thread
+      hand-off slack) whatever the members do;
       each member gets "ok", "timeout", "stalled: ...", "broke the chain (...)" or "error: ...";
       failed members are dropped and may rejoin (new join epoch). A member that (re)joins is sent
       the latest version promptly by the acceptor unless it holds it.
     * Versions are strictly increasing ints (learner optimizer steps); each member receives them in
       order.
-    * The receiver gets everything into a staging buffer and verifies the checksum before handing
-      tensors out: a failed, partial or corrupted update raises ``WeightSyncError`` and leaves
-      the caller on its previous complete version. After a failure the receiver must ``join()``
-      again (its group is in an unknown state).
+    * The receiver stages one unit at a time and verifies it before handing it out: a failed,
+      partial or corrupted update raises ``WeightSyncError`` and the receiver's ``version`` stays
+      the previous complete one; a caller that loaded units before the failure knows its copy
+      mixes versions (the generator then stays paused until a whole version loads,
+      ``services.generator.update_stream``). After a failure the receiver must ``join()`` again
+      (its group is in an unknown state).
     * ``publish(named, version)`` keeps references to the tensors of the latest publish to serve
       late joiners: do not modify them in place afterwards (a mismatch would be caught by the
       checksum). A streamed publish (``begin``, the learner's: ``stream.py``) keeps nothing:

@@ -5,7 +5,8 @@ member's ``Forwarder`` and the learner's ``ChainRound`` (who got the version, wh
 
 Keys, in each member's own store prefix (``wsync/<member>/<join epoch>/``):
 ``route`` = ``<version>:<chain epoch>:<position>:<chain length>`` (or ``<version>:pair``),
-``result`` = ``<route>|ok`` or ``<route>|err|<reason>``, ``progress`` = ``<route>|<pieces>``,
+``result`` = ``<route>|ok`` or ``<route>|err|<reason>`` (then ``end/<route>``, which the learner
+checks often), ``progress`` = ``<route>|<pieces>``,
 ``below`` = ``<route>|<reason>`` when passing the update on to the next member failed.
 Link p (p = 1..n) is a pairwise group over ``wsync/chain/<epoch>/link/<p>/``: rank 0 = position
 p - 1 (0 = the learner), rank 1 = position p.
@@ -17,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,10 @@ from common.weights.layout import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 0.05  # a member reports progress at most this often (a store round trip)
+RELAY_WINDOW_OPS = 4  # collectives a relay keeps in flight to the member below
+PROGRESS_EVERY_S = 0.05
+WATCH_SLICE_S = 0.02  # the learner reads the members' states at least this often in a round
+END_CHECK_S = 0.002  # and checks this often whether the last member has ended  # a member reports progress at most this often (a store round trip)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,18 @@ class Forwarder:
     def put(self, t) -> None:
         self._q.put(t)
 
+    def drain(self, deadline: float) -> None:
+        """Wait until everything put in has been passed on (or the relay failed, or
+        ``deadline``): the receiver then reuses the buffer those tensors are views into (if the
+        relay still holds one, the receiver takes a new buffer instead: ``StagingBuffer``)."""
+        done = self._q.all_tasks_done
+        with done:
+            while self._q.unfinished_tasks and self.error is None and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                done.wait(min(left, 0.1))
+
     def close(self) -> None:
         self._q.put(None)
 
@@ -132,14 +149,39 @@ class Forwarder:
     def _run(self) -> None:
         try:
             self.pg = self._make_link()
+            ops: deque = deque()  # a few in flight, as the learner sends them (transfer.py)
             while (t := self._q.get()) is not None:
-                finish(self.pg, broadcast(self.pg, t), self.deadline, self.cancelled)
+                ops.append(broadcast(self.pg, t))
+                while len(ops) > RELAY_WINDOW_OPS or (ops and self._q.empty()):
+                    finish(self.pg, ops.popleft(), self.deadline, self.cancelled)
+                    self._q.task_done()
+            while ops:
+                finish(self.pg, ops.popleft(), self.deadline, self.cancelled)
+                self._q.task_done()
         except Exception as e:  # noqa: BLE001 - recorded; the learner sees the next member fail
             self.error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             logger.warning("weight sync: passing the update on failed: %s", self.error)
             self._on_error(self.error)
         finally:
             self.pg = None  # any wait in its destructor is this thread's
+            with self._q.mutex:  # let go of the views still queued: their buffer may be freed
+                self._q.queue.clear()
+                self._q.unfinished_tasks = 0
+                self._q.all_tasks_done.notify_all()
+
+
+def _wait_end(x: _Watch, timeout_s: float) -> None:
+    """Until ``x``'s member reports its end of the round (``end/<route>``, set with its
+    ``result``; the last member of a chain ends last) or ``timeout_s``: one key checked every
+    ``END_CHECK_S``, so the round learns of the end at once, while every member's state is read
+    once per slice (reading them all every 2 ms took a CPU core's worth of time from the send it
+    watched, measured with py-spy; the store's own blocking ``wait`` ignored its timeout)."""
+    until = time.monotonic() + timeout_s
+    key = f"end/{x.route}"
+    while time.monotonic() < until:
+        if x.member.store.check([key]):
+            return
+        time.sleep(END_CHECK_S)
 
 
 @dataclass(eq=False)
@@ -198,4 +240,4 @@ class ChainRound:
                 return acked, first.member, f"broke the chain ({signals[0]})"
             if now >= deadline:
                 return acked, None, ""
-            time.sleep(0.002)
+            _wait_end(pending[-1], min(WATCH_SLICE_S, deadline - now))

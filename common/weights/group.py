@@ -104,7 +104,29 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
     its completion is polled. Past the deadline an NCCL communicator is aborted (only this group is
     lost) instead of leaving NCCL's watchdog to kill the process later; a gloo op left behind
     fails by itself at the group's timeout, and its buffer is not reused (see the receiver).
+    An op that made no progress for the group's own timeout raises ``Stalled``.
+
+    NCCL's completion is polled without a sleep (``sleep(0)`` only lets other threads run):
+    with several ops in flight on the link (``transfer.WINDOW_OPS``) the poll decides when the
+    next op is posted, never whether the link is busy.
     """
+    try:
+        _finish(pg, work, deadline, cancelled)
+    except RuntimeError as e:
+        if any(m in str(e) for m in GLOO_TIMEOUTS):  # gloo's per-op timeout: the peer is stuck
+            raise Stalled(f"weight transfer stalled: {str(e).splitlines()[0][:200]}") from e
+        raise
+
+
+# gloo's own per-op timeout (the group's ``timeout_s``) fails that op with "Timed out waiting
+# ..." and closes the pair, so the other ops in flight on it fail with the second message; with
+# several in flight (``transfer.WINDOW_OPS``) the one waited on can be either, whichever op's
+# timer fired first (measured: 1 in 12 with 4 in flight, a member that misses the deadline
+# was reported as an error instead of a timeout).
+GLOO_TIMEOUTS = ("Timed out", "Application timeout caused pair closure")
+
+
+def _finish(pg, work, deadline: float | None, cancelled) -> None:
     nccl = type(pg).__name__ == "ProcessGroupNCCL"
     next_check = time.monotonic() + CANCEL_CHECK_S
     while True:
@@ -112,7 +134,7 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
         if nccl:
             if work.is_completed():
                 break
-            time.sleep(0.0005)
+            time.sleep(0)
         else:
             limit = min(next_check, deadline) if deadline is not None else next_check
             try:
@@ -130,6 +152,11 @@ def finish(pg, work, deadline: float | None, cancelled=None) -> None:
             if cancelled is not None and cancelled():
                 _give_up(pg, nccl, "weight transfer called off by the learner (new round)")
     work.wait()  # raises the collective's error, if any
+
+
+class Stalled(WeightSyncError):
+    """One collective made no progress for the group's timeout (``timeout_s``): the peer is
+    stuck. A deadline that grows with an update's bytes can be later than that."""
 
 
 def _give_up(pg, nccl: bool, why: str):

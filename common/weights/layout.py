@@ -1,12 +1,19 @@
 """The layout of one update: the JSON header naming every tensor (sorted), its dtype, shape and
-byte offset in a flat staging buffer (64-byte aligned), and the units it is sent in."""
+byte offset in the update's byte range (64-byte aligned), and the units it is sent in.
+
+A unit is either one tensor of at least ``ALONE_BYTES`` (sent from its own memory, never copied)
+or a run of consecutive smaller tensors of at most a bucket (packed once into one buffer). A
+receiver stages one unit at a time, so the largest unit bounds what it holds besides the model:
+``max(bucket, largest tensor)``. The rule depends on the bucket and the tensors only, so every
+learner rank derives the same units from the same specs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-MAGIC = 0x7E7E_0001
+MAGIC = 0x7E7E_0002  # 2: a running checksum after every unit (1: one checksum at the end)
 ALIGN = 64
+ALONE_BYTES = 1 << 20  # a tensor at least this big is a unit of its own: sent without a copy
 
 
 class WeightSyncError(RuntimeError):
@@ -33,10 +40,14 @@ def build_layout(
     for i, (name, t) in enumerate(named):
         nbytes = t.numel() * t.element_size()
         tensors.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), off, nbytes])
-        if cur and (off + nbytes - tensors[cur[0]][3] > bucket_bytes):
+        alone = nbytes >= min(ALONE_BYTES, bucket_bytes)
+        if cur and (alone or off + nbytes - tensors[cur[0]][3] > bucket_bytes):
             units.append(cur)
             cur = []
         cur.append(i)
+        if alone:
+            units.append(cur)
+            cur = []
         off += -(-nbytes // ALIGN) * ALIGN
     if cur:
         units.append(cur)
@@ -45,6 +56,11 @@ def build_layout(
     ]
     return {"version": version, "tensors": tensors, "units": unit_ranges, "total": off,
             "chunk": chunk_bytes}  # fmt: skip
+
+
+def largest_unit(layout: dict) -> int:
+    """The bytes of the largest unit: what a receiver stages at a time."""
+    return max((end - start for start, end, _, _ in layout["units"]), default=0)
 
 
 def pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:

@@ -17,72 +17,31 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from common.config.shared import BUCKET_MB, CHUNK_MB
+from common.config.shared import BUCKET_MB, CHUNK_MB, MIN_GB_PER_S
 from common.telemetry.metrics import metric
 from common.weights import handshake
 from common.weights.buckets import pack_unit, unit_buffers
 from common.weights.chain import ChainRound, Route, link, release_later
-from common.weights.checksum import UnitHasher
+from common.weights.checksum import checksum_for
 from common.weights.group import (
     BACKEND_KEY,
     GPU_KEY,
     INSTANCE_KEY,
+    Stalled,
     default_device,
     gpu_uuid,
     make_pair_group,
     use_device,
 )
 from common.weights.layout import ALIGN, WeightSyncError, build_layout
+from common.weights.rounds import Member, PublishReport, Update
 from common.weights.stream import FeedReader, HeldFeed, Passes, UnitFeed
 from common.weights.transfer import send_update
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PublishReport:
-    version: int
-    bytes: int
-    seconds: float
-    checksum: str
-    per_member: dict[str, str] = field(default_factory=dict)
-    root_bytes: int = 0  # what the learner itself sent: once per chain round, once per pairwise
-    epoch: int = 0  # the chain epoch of the last round (0: nothing went down a chain)
-
-
-@dataclass(eq=False)
-class _Member:
-    member_id: str
-    epoch: int
-    pg: Any
-    store: Any
-    version_sent: int = -1
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(eq=False)
-class _Update:
-    version: int
-    header: bytes
-    layout: dict
-    nbytes: int
-    units: list | None = None  # the unit buffers when held in memory; None when streamed
-    digest: bytes = b""
-    hashed: threading.Event = field(default_factory=threading.Event)
-    hashing: bool = False  # a hasher reads the current pass
-
-    @property
-    def n_units(self) -> int:
-        return len(self.layout["units"])
-
-    def wait_digest(self, deadline: float) -> bytes:
-        if not self.hashed.wait(max(0.0, deadline - time.monotonic())):
-            raise WeightSyncError("checksum not ready before the deadline")
-        return self.digest
 
 
 class StreamedPublish:
@@ -97,10 +56,10 @@ class StreamedPublish:
     The round (its own thread) sends each unit as it comes; ``put`` waits while the window of
     units is full, and drops the units of a pass no member reads any more."""
 
-    def __init__(self, pub: WeightPublisher, update: _Update, *, members: list, t0: float,
+    def __init__(self, pub: WeightPublisher, update: Update, *, members: list, t0: float,
                  pairwise: bool) -> None:  # fmt: skip
         self.pub, self.update, self.t0 = pub, update, t0
-        self.deadline = t0 + pub.timeout_s
+        self.deadline = t0 + update.allowance_s
         self.passes, self._thread, self._box = pub._start_round(
             update, members, self.deadline, pairwise=pairwise
         )
@@ -132,12 +91,15 @@ class WeightPublisher:
     def __init__(self, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0,
                  bucket_bytes: int = int(BUCKET_MB * 2**20), accept_interval_s: float = 0.2,
                  device: str | None = None, auto_accept: bool = True, fanout: str = "chain",
-                 chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None) -> None:  # fmt: skip
-        if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0:
+                 chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None,
+                 min_gb_per_s: float = MIN_GB_PER_S) -> None:  # fmt: skip
+        if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0 or min_gb_per_s <= 0:
             raise ValueError(
-                f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN} and chunk_bytes >= 0; "
-                f"got timeout_s={timeout_s}, bucket_bytes={bucket_bytes}, chunk_bytes={chunk_bytes}"
+                f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN}, chunk_bytes >= 0 "
+                f"and min_gb_per_s > 0; got timeout_s={timeout_s}, bucket_bytes={bucket_bytes}, "
+                f"chunk_bytes={chunk_bytes}, min_gb_per_s={min_gb_per_s}"
             )
+        self.min_gb_per_s = min_gb_per_s
         if fanout not in ("chain", "pairwise"):
             raise ValueError(f"weights.fanout must be 'chain' or 'pairwise', got {fanout!r}")
         import torch.distributed as dist
@@ -164,8 +126,8 @@ class WeightPublisher:
         self._joins_taken: set[tuple[str, int]] = set()
         if backend == "nccl":
             self._store.set(GPU_KEY, gpu_uuid(self.device))
-        self._members: dict[str, _Member] = {}
-        self._latest: _Update | None = None
+        self._members: dict[str, Member] = {}
+        self._latest: Update | None = None
         self._publishing = False  # while true the acceptor leaves the members to publish()
         self._lock = threading.Lock()
         self._accept_lock = threading.Lock()
@@ -194,8 +156,9 @@ class WeightPublisher:
             self._members.clear()
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> PublishReport:
-        """Send ``version`` to every member concurrently; returns within ``timeout_s``. The
-        update is held in memory, and kept to serve members that join later."""
+        """Send ``version`` to every member concurrently; returns within its deadline
+        (``allowance_s``). The update is held in memory, and kept to serve members that join
+        later."""
         t0 = time.monotonic()
         named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
         update = self._new_update(named, version)
@@ -203,9 +166,9 @@ class WeightPublisher:
         members = self._open(update)
         try:
             _, thread, box = self._start_round(
-                update, members, t0 + self.timeout_s, pairwise=self.fanout == "pairwise"
+                update, members, t0 + update.allowance_s, pairwise=self.fanout == "pairwise"
             )
-            thread.join(max(0.0, t0 + self.timeout_s - time.monotonic()))
+            thread.join(max(0.0, t0 + update.allowance_s - time.monotonic()))
         finally:
             with self._lock:
                 self._publishing = False
@@ -263,14 +226,14 @@ class WeightPublisher:
             ]
         if not behind or update is None or update.units is None:
             return {}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + update.allowance_s
         _, thread, box = self._start_round(update, behind, deadline, pairwise=True)
         thread.join(max(0.0, deadline - time.monotonic()))
         return {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
 
     # -- internals
 
-    def _new_update(self, named: list, version: int) -> _Update:
+    def _new_update(self, named: list, version: int) -> Update:
         names = [n for n, _ in named]
         if len(set(names)) != len(names) or not named:
             raise ValueError("publish needs a non-empty set of tensors with unique names")
@@ -280,10 +243,19 @@ class WeightPublisher:
                     f"weight versions must increase: got {version} after {self._latest.version}"
                 )
         layout = build_layout(named, version, self.bucket_bytes, self.chunk_bytes)
-        return _Update(version, json.dumps(layout).encode(), layout,
-                       sum(t[4] for t in layout["tensors"]))  # fmt: skip
+        nbytes = sum(t[4] for t in layout["tensors"])
+        allowance = self.allowance_s(nbytes)
+        # the receiver hashes as the header says, and holds itself to the same allowance
+        layout.update(checksum=checksum_for(self.device), deadline_s=allowance)
+        return Update(version, json.dumps(layout).encode(), layout, nbytes, allowance)
 
-    def _open(self, update: _Update) -> list[_Member]:
+    def allowance_s(self, nbytes: int) -> float:
+        """The deadline of one round of an update of ``nbytes``: ``timeout_s`` plus the bytes at
+        ``min_gb_per_s``, so that a large model is not dropped for being large. A member that
+        makes no progress is still dropped after a quarter of ``timeout_s`` (in a chain)."""
+        return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
+
+    def _open(self, update: Update) -> list[Member]:
         """Make ``update`` the latest, take in pending joins; the members to send it to."""
         with self._lock:
             self._latest, self._publishing = update, True
@@ -295,7 +267,7 @@ class WeightPublisher:
         with self._lock:
             return list(self._members.values())
 
-    def _start_round(self, update: _Update, members: list[_Member], deadline: float, *,
+    def _start_round(self, update: Update, members: list[Member], deadline: float, *,
                      pairwise: bool) -> tuple[Passes, threading.Thread, dict]:  # fmt: skip
         """The round (chain or pairwise) on a thread of its own; it asks for passes through the
         returned ``Passes`` and writes ``per_member`` (outcomes as they are known), ``members``
@@ -320,48 +292,47 @@ class WeightPublisher:
         thread.start()
         return passes, thread, box
 
-    def _feed(self, update: _Update, passes: Passes) -> UnitFeed | HeldFeed:
-        """A new pass's feed (asked of the producer when streamed); the first (or, if it broke
-        off, the next) is hashed too: the checksum goes out after the units, so hashing
-        overlaps sending. A member that takes nothing for a quarter of the deadline is left
-        behind, so that it does not hold back the others."""
+    def _readers(self, update: Update, passes: Passes, n: int) -> list[FeedReader | HeldFeed]:
+        """A new pass for ``n`` senders: their readers. When streamed, the pass is asked of the
+        producer only once every reader is registered: a reader registered after the producer
+        started would find the units the others had sent let go already (a chain's first
+        sender, registered after the hasher had read unit 0, failed on it at once). The first
+        pass (or, if it broke off, the next) is hashed too: the checksum goes out after the
+        units, so hashing overlaps sending. A member that takes nothing for a quarter of the
+        deadline is left behind, so that it does not hold back the others."""
         feed: UnitFeed | HeldFeed
         if update.units is not None:
             feed = HeldFeed(update.units)
         else:
             feed = UnitFeed(update.n_units, stall_s=self.timeout_s / 4)
-            passes.ask(feed)
-        if not update.hashed.is_set() and not update.hashing:
+        readers = [feed.reader() for _ in range(n)]
+        if not update.hashed and not update.hashing:
             update.hashing = True
-            reader = feed.reader()
-            threading.Thread(target=self._hash, args=(update, reader), name="wsync-hash",
+            threading.Thread(target=self._hash, args=(update, feed.reader()), name="wsync-hash",
                              daemon=True).start()  # fmt: skip
-        return feed
+        if isinstance(feed, UnitFeed):
+            passes.ask(feed)
+        return readers
 
-    def _hash(self, update: _Update, reader: FeedReader | HeldFeed) -> None:
-        hasher = UnitHasher(update.layout)
+    def _hash(self, update: Update, reader: FeedReader | HeldFeed) -> None:
         try:
             with reader:
-                for k, buf in enumerate(reader.units(time.monotonic() + self.timeout_s)):
-                    hasher.unit(k, buf)
-            update.digest = hasher.digest()
-            update.hashed.set()
+                update.hash_units(reader.units(time.monotonic() + update.allowance_s))
         except WeightSyncError:  # the pass was given up: the next pass hashes
             update.hashing = False
 
-    def _report(self, update: _Update, t0: float, box: dict) -> PublishReport:
+    def _report(self, update: Update, t0: float, box: dict) -> PublishReport:
         # a member the round has not finished with at the deadline is a timeout (the round
         # drops it as such right after)
         per_member = {m: box["per_member"].get(m, "timeout") for m in list(box["members"])}
         root_bytes = box["root_bytes"]
-        if update.hashing:
-            update.hashed.wait(max(0.0, t0 + self.timeout_s - time.monotonic()))
-        elif update.units is not None and not update.hashed.is_set():  # no pass was made
-            hasher = UnitHasher(update.layout)
-            for k, buf in enumerate(update.units):
-                hasher.unit(k, buf)
-            update.digest = hasher.digest()
-            update.hashed.set()
+        if update.hashing and update.n_units:
+            try:
+                update.wait_digest(update.n_units - 1, t0 + update.allowance_s)
+            except WeightSyncError:
+                pass  # reported without a checksum: no member got the version
+        elif update.units is not None and not update.hashed:  # no pass was made
+            update.hash_units(update.units)
         seconds = time.monotonic() - t0
         metric("Histogram", "tether_weights_publish_seconds", "Publish time").observe(seconds)
         metric("Counter", "tether_weights_publish_bytes_total",
@@ -418,20 +389,20 @@ class WeightPublisher:
                         ("reason",)).labels("join").inc()  # fmt: skip
                 continue
             with self._lock:
-                self._members[member_id] = _Member(member_id, epoch, pg, pstore, has)
+                self._members[member_id] = Member(member_id, epoch, pg, pstore, has)
                 n = len(self._members)
             metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
             logger.info("weight sync: %s joined (epoch %s)", member_id, epoch)
 
-    def _send_all(self, update: _Update, members: list[_Member], deadline: float,
+    def _send_all(self, update: Update, members: list[Member], deadline: float,
                   passes: Passes, results: dict[str, str]) -> None:  # fmt: skip
         """One pass, read by every member's sender thread; each outcome goes into ``results``
         as it is known."""
         done = threading.Lock()
-        feed = self._feed(update, passes)
-        readers = {m.member_id: feed.reader() for m in members}
+        readers = dict(zip([m.member_id for m in members],
+                           self._readers(update, passes, len(members)), strict=True))  # fmt: skip
 
-        def one(m: _Member) -> None:
+        def one(m: Member) -> None:
             outcome = self._send_one(m, update, deadline, readers[m.member_id])
             with done:
                 results.setdefault(m.member_id, outcome)
@@ -447,7 +418,7 @@ class WeightPublisher:
                     readers[m.member_id].leave()
                     self._drop(m, "timeout")
 
-    def _send_one(self, m: _Member, update: _Update, deadline: float,
+    def _send_one(self, m: Member, update: Update, deadline: float,
                   reader: FeedReader | HeldFeed) -> str:  # fmt: skip
         with reader:
             if not m.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -456,23 +427,22 @@ class WeightPublisher:
             try:
                 if m.version_sent >= update.version:
                     return "ok"
-                m.store.set("route", str(Route(update.version)))
-                m.store.set("pending", str(update.version))
+                m.announce(update.version, Route(update.version))
                 use_device(self.device)  # this sender thread's GPU
                 send_update(m.pg, update.header, update.version, reader.units(deadline),
-                            lambda: update.wait_digest(deadline), deadline,
+                            lambda k: update.wait_digest(k, deadline), deadline,
                             device=self.device)  # fmt: skip
                 m.version_sent = update.version
                 return "ok"
             except Exception as e:
-                if time.monotonic() >= deadline:
-                    return "timeout"
+                if time.monotonic() >= deadline or isinstance(e, Stalled):
+                    return "timeout"  # (dropped as such by _send_all)
                 self._drop(m, "error")
                 return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
             finally:
                 m.lock.release()
 
-    def _send_chain(self, update: _Update, members: list[_Member], deadline: float,
+    def _send_chain(self, update: Update, members: list[Member], deadline: float,
                     passes: Passes, box: dict) -> None:  # fmt: skip
         """Send ``update`` down a chain of the members this thread can lock now (the others are
         being caught up pairwise and get it from the acceptor); on a failure blame one member
@@ -487,7 +457,7 @@ class WeightPublisher:
             while rest and time.monotonic() < deadline:
                 epoch, routes = self._route(update.version, rest)
                 sender: dict[str, str] = {}
-                reader = self._feed(update, passes).reader()
+                (reader,) = self._readers(update, passes, 1)
                 threading.Thread(target=self._send_first,
                                  args=(update, epoch, sender, deadline, reader),
                                  name="wsync-chain", daemon=True).start()  # fmt: skip
@@ -501,7 +471,7 @@ class WeightPublisher:
                     break
                 results[blamed.member_id] = why
                 self._chain_dirty = True
-                self._drop(blamed, why.split(":")[0].split(" ")[0])
+                self._drop(blamed, why.split(":")[0].split(" ")[0], why)
             for m in rest:
                 results[m.member_id], self._chain_dirty = "timeout", True
                 self._drop(m, "timeout")
@@ -509,7 +479,7 @@ class WeightPublisher:
             for m in chain:
                 m.lock.release()
 
-    def _route(self, version: int, rest: list[_Member]) -> tuple[int, list[str]]:
+    def _route(self, version: int, rest: list[Member]) -> tuple[int, list[str]]:
         """A new chain epoch when the members changed or the last round failed; every member is
         told its place (``route``) before ``pending`` tells it to look."""
         key = [(m.member_id, m.epoch) for m in rest]
@@ -529,11 +499,10 @@ class WeightPublisher:
             str(Route(version, self._chain_epoch, p, len(rest))) for p in range(1, len(rest) + 1)
         ]
         for m, r in zip(rest, routes, strict=True):
-            m.store.multi_set(["result", "progress", "below", "route"], ["", "", "", r])
-            m.store.set("pending", str(version))
+            m.announce(version, Route.parse(r))
         return self._chain_epoch, routes
 
-    def _send_first(self, update: _Update, epoch: int, box: dict, deadline: float,
+    def _send_first(self, update: Update, epoch: int, box: dict, deadline: float,
                     reader: FeedReader | HeldFeed) -> None:  # fmt: skip
         """The learner's only send of a chain round: to the first member, over link 1."""
         try:
@@ -545,14 +514,15 @@ class WeightPublisher:
                 if epoch == self._chain_epoch:
                     self._links1[epoch] = pg
             send_update(pg, update.header, update.version, reader.units(deadline),
-                        lambda: update.wait_digest(deadline), deadline,
+                        lambda k: update.wait_digest(k, deadline), deadline,
                         lambda: self._chain_epoch != epoch, device=self.device)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - ChainRound blames the first member
             box["error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         finally:
             reader.leave()
 
-    def _drop(self, m: _Member, reason: str) -> None:
+    def _drop(self, m: Member, reason: str, detail: str = "") -> None:
+        """``reason``: a metric label (one word); ``detail``: what the log says, if more."""
         with self._lock:
             if self._members.get(m.member_id) is not m:
                 return
@@ -561,7 +531,8 @@ class WeightPublisher:
         metric("Gauge", "tether_weights_members", "Live weight-sync members").set(n)
         metric("Counter", "tether_weights_member_failures_total", "Member failures",
                 ("reason",)).labels(reason).inc()  # fmt: skip
-        logger.warning("weight sync: dropped %s (epoch %d): %s", m.member_id, m.epoch, reason)
+        logger.warning("weight sync: dropped %s (epoch %d): %s", m.member_id, m.epoch,
+                       detail or reason)  # fmt: skip
         try:
             m.store.set("dropped", reason)
         except Exception:  # the store is ours; a failure here only delays the rejoin

@@ -1,11 +1,14 @@
-"""Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``receive()`` when an
+"""Generator side: ``join()`` the learner's store, then ``poll()`` cheaply and ``begin()`` when an
 update is pending, from the learner (pairwise) or from the member above in the chain, passing it
-on to the member below; a failed update leaves the previous complete version in place."""
+on to the member below; ``Receipt.units()`` hands it out a verified unit at a time from one
+staging buffer (``receive()`` collects it whole). ``version`` moves only when every unit
+arrived and matched."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,9 +33,17 @@ from common.weights.group import (
     use_device,
 )
 from common.weights.layout import WeightSyncError
-from common.weights.transfer import receive_update
+from common.weights.transfer import IncomingUpdate, StagingBuffer
 
 logger = logging.getLogger(__name__)
+
+ANNOUNCE_CHECK_S = 0.002  # a receiver waiting in begin() looks for the learner's next announcement
+POLL_S = 0.25  # and reads ``pending`` and ``dropped`` this often
+# Before a unit reuses the staging buffer, how long to wait for the relay to pass the last one
+# on; past that the unit goes to a buffer of its own, so a member below that falls behind never
+# holds this member back (the learner blames it after a quarter of its deadline without
+# progress, and the relay's views go with its called-off round).
+RELAY_WAIT_S = 0.05
 
 
 class WeightReceiver:
@@ -53,19 +64,14 @@ class WeightReceiver:
         self._store: Any = None
         self._pstore: Any = None
         self._pg: Any = None
-        self._spare = self._latest_buf = None
+        self._staging = StagingBuffer(device or "cpu")  # one unit at a time (transfer.py)
+        self._announced = 0  # announcements seen in this join epoch's prefix
         self._links: dict[tuple[int, int], Any] = {}  # (chain epoch, link) -> its pairwise group
-        self._forwarding: list[tuple[Any, Forwarder]] = []  # buffers still being passed on
+        self._forwarding: list[Forwarder] = []  # relays still passing the last update on
 
     @property
     def joined(self) -> bool:
         return self._pg is not None
-
-    @property
-    def last_buffer(self) -> Any:
-        """The staging buffer the last ``receive()``'s tensors are views into (a uint8 tensor):
-        a tensor-parallel engine passes it on whole to its other workers."""
-        return self._latest_buf
 
     def join(self) -> int:
         """Register with the learner (new epoch) and build the pairwise group; returns the epoch."""
@@ -87,6 +93,8 @@ class WeightReceiver:
                 )
             self.backend = announced
             self.device = self.device or default_device(announced)
+            if str(self._staging.device) != str(self.device):
+                self._staging = StagingBuffer(self.device)
             if announced == "nccl" and self._store.get(GPU_KEY).decode() == gpu_uuid(self.device):
                 raise WeightSyncError(
                     f"the learner and generator {self.member_id!r} share GPU {self.device}: NCCL "
@@ -98,6 +106,7 @@ class WeightReceiver:
                 self.version, self._instance = None, instance
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
             self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
+            self._announced = 0  # the learner counts its announcements per join epoch
             has = -1 if self.version is None else self.version  # not sent again on the catch-up
             join = handshake.signed(self._secret, instance=instance, member=self.member_id,
                                     epoch=epoch, has=has)  # fmt: skip
@@ -150,24 +159,28 @@ class WeightReceiver:
         return pending if self.version is None or pending > self.version else None
 
     def receive(self, *, wait_s: float | None = None, on_unit=None) -> tuple[int, list]:
-        """Wait up to ``wait_s`` (default ``timeout_s``) for an update, receive and verify it.
+        """The whole update at once (tests, tools): ``(version, [(name, tensor), ...])``, every
+        tensor its own until the caller drops it (the units are kept, so this holds the model;
+        a generator loads unit by unit instead: ``begin`` and ``Receipt.units``)."""
+        receipt = self.begin(wait_s=wait_s)
+        named = [nt for _, unit in receipt.units(on_unit=on_unit) for nt in unit]
+        return receipt.version, named
 
-        Returns ``(version, [(name, tensor), ...])``: views into a staging buffer that stays
-        valid until the next-but-one ``receive()`` (two buffers alternate). Raises
-        ``WeightSyncError`` on timeout, failure or checksum mismatch; ``self.version`` is then
-        unchanged and the receiver must ``join()`` again unless nothing had arrived yet.
-        """
+    def begin(self, *, wait_s: float | None = None) -> Receipt:
+        """Wait up to ``wait_s`` (default ``timeout_s``) for an update, connect to whoever sends
+        it (the learner, or the member above in a chain) and receive its preamble and header;
+        then ``Receipt.units()`` receives it a unit at a time into one staging buffer.
+
+        Raises ``WeightSyncError`` on timeout, failure, checksum mismatch or a version that is
+        not newer (nothing of the update has been handed out then); ``self.version`` changes
+        only once every unit arrived and matched. After a failure the receiver must ``join()``
+        again unless nothing had arrived yet."""
         deadline = time.monotonic() + (self.timeout_s if wait_s is None else wait_s)
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise WeightSyncError(f"no weight update arrived within {wait_s} s")
-            time.sleep(0.02)
+        self._wait_pending(deadline, wait_s)
         text = self._pstore.get("route").decode() if self._pstore.check(["route"]) else "0:pair"
         route, pstore = Route.parse(text), self._pstore
         t_end = time.monotonic() + self.timeout_s
-        self._forwarding = [(b, f) for b, f in self._forwarding if f.alive()]
-        if any(b is self._spare for b, _ in self._forwarding):
-            self._spare = None  # still being read by a relay to a slow member: take a fresh one
+        self._forwarding = [f for f in self._forwarding if f.alive()]
         fwd = pg = None
         try:
             if route.epoch:
@@ -179,43 +192,57 @@ class WeightReceiver:
                                     lambda why: _report(pstore, f"{text}|{why}", "below"))  # fmt: skip
             else:
                 pg = self._pg
-            version, named, _, buf = receive_update(
-                pg,
-                device=self.device or "cpu",
-                on_unit=on_unit,
-                staging=self._spare,
-                deadline=t_end,
+            incoming = IncomingUpdate(
+                pg, staging=self._staging, deadline=t_end,
                 relay=fwd.put if fwd else None,
+                wait_relayed=(lambda: fwd.drain(time.monotonic() + RELAY_WAIT_S)) if fwd else None,
                 progress=_reporter(pstore, text),
                 cancelled=lambda: _called_off(pstore, text),
-            )
+            )  # fmt: skip
+            if self.version is not None and incoming.version <= self.version:
+                raise WeightSyncError(
+                    f"got version {incoming.version} after {self.version}: not newer"
+                )
         except Exception as e:
-            # an op left behind may still write into the staging buffer: never reuse it
-            self._spare = None
-            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            if route.epoch:  # the pairwise group is intact: the learner retries or drops us
-                release_later((self._links, pg), after_s=self.timeout_s + 1)
-                self._links = {}
-                _report(pstore, f"{text}|err|{reason}")
+            self._failed(e, route, text, pg, fwd)
+            raise AssertionError("unreachable") from None
+        return Receipt(self, incoming, route, text, pg, fwd)
+
+    def _wait_pending(self, deadline: float, wait_s: float | None) -> None:
+        """Until ``pending`` names a newer version: checks the store's ``announce/<n>`` key (the
+        learner sets it after ``route`` and ``pending``) every ``ANNOUNCE_CHECK_S``, and
+        ``pending`` itself (and ``dropped``) every ``POLL_S``. A generator calls ``begin`` once
+        ``poll()`` found an update pending, so it does not wait here at all."""
+        last_poll = time.monotonic()
+        while self.poll() is None:
+            while not self._pstore.check([f"announce/{self._announced + 1}"]):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise WeightSyncError(f"no weight update arrived within {wait_s} s")
+                if now - last_poll >= POLL_S:
+                    break
+                time.sleep(ANNOUNCE_CHECK_S)
             else:
-                release_later((pg,), after_s=self.timeout_s + 1)
-                self._pg = None  # the group is in an unknown state: rejoin
-            if isinstance(e, WeightSyncError):
-                raise
-            raise WeightSyncError(f"weight update failed mid-transfer: {e}") from e
-        finally:
-            if fwd is not None:
-                fwd.close()
-        _report(pstore, f"{text}|ok")
+                self._announced += 1
+            last_poll = time.monotonic()
+
+    def _failed(self, e: Exception, route: Route, text: str, pg, fwd) -> None:
+        """After a failed update: never reuse its staging buffer (an op left behind may still
+        write to it), release the links, tell the learner; raises ``WeightSyncError``."""
+        self._staging.drop()
         if fwd is not None:
-            self._forwarding.append((buf, fwd))
-        if self.version is not None and version <= self.version:
-            raise WeightSyncError(f"got version {version} after {self.version}: not newer")
-        self.version = version
-        # double buffering: the next update lands in the buffer returned the time before
-        # (page-faulting a fresh buffer costs more than the transfer on small machines)
-        self._spare, self._latest_buf = self._latest_buf, buf
-        return version, named
+            fwd.close()
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        if route.epoch:  # the pairwise group is intact: the learner retries or drops us
+            release_later((self._links, pg), after_s=self.timeout_s + 1)
+            self._links = {}
+            _ended(self._pstore, text, f"{text}|err|{reason}")
+        else:
+            release_later((pg,), after_s=self.timeout_s + 1)
+            self._pg = None  # the group is in an unknown state: rejoin
+        if isinstance(e, WeightSyncError):
+            raise e
+        raise WeightSyncError(f"weight update failed mid-transfer: {e}") from e
 
     def _chain_link(self, route: Route, rank: int):
         """The group of the link above (rank 1) or below (rank 0) this member in the chain of
@@ -238,12 +265,56 @@ class WeightReceiver:
         """Leave; first let the relays to the members below finish (up to ``flush_s``, default
         ``timeout_s``): a member that exits mid-relay breaks the chain below it."""
         end = time.monotonic() + (self.timeout_s if flush_s is None else flush_s)
-        for _, fwd in self._forwarding:
+        for fwd in self._forwarding:
             fwd.join(max(0.0, end - time.monotonic()))
         self._forwarding = []
-        self._pg = self._pstore = self._store = self._spare = self._latest_buf = None
+        self._pg = self._pstore = self._store = None
+        self._staging.drop()
         release_later(self._links, after_s=self.timeout_s + 1)
         self._links = {}
+
+
+class Receipt:
+    """One update being received (``WeightReceiver.begin``): ``version``, ``layout`` and
+    ``nbytes`` are known; ``units()`` yields ``(k, [(name, tensor), ...])`` for each unit in turn,
+    verified, as views into the one staging buffer (valid until the next unit is asked for).
+    When the last unit matched, the receiver's ``version`` moves and ``checksum`` is set. A
+    failure raises ``WeightSyncError`` from ``units()``; a caller that stops reading before the
+    end (its load failed) calls ``abandon(reason)``, which counts as a failure."""
+
+    def __init__(self, rx: WeightReceiver, incoming: IncomingUpdate, route: Route, text: str,
+                 pg, fwd) -> None:  # fmt: skip
+        self.rx, self.incoming, self.route, self.text = rx, incoming, route, text
+        self.pg, self.fwd = pg, fwd
+        self.version, self.layout, self.nbytes = incoming.version, incoming.layout, incoming.nbytes
+        self.checksum: str | None = None
+        self.done = False
+
+    def units(self, on_unit=None) -> Iterator[tuple[int, list]]:
+        rx = self.rx
+        try:
+            yield from self.incoming.units(on_unit=on_unit)
+        except GeneratorExit:
+            self.abandon("the generator stopped reading the update (its load failed)")
+            raise
+        except Exception as e:
+            self.done = True
+            rx._failed(e, self.route, self.text, self.pg, self.fwd)
+        self.done = True
+        if self.fwd is not None:
+            self.fwd.close()
+            rx._forwarding.append(self.fwd)  # let it finish passing the last pieces on
+        _ended(rx._pstore, self.text, f"{self.text}|ok")
+        rx.version, self.checksum = self.version, self.incoming.checksum
+
+    def abandon(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.rx._failed(WeightSyncError(reason), self.route, self.text, self.pg, self.fwd)
+        except WeightSyncError:
+            pass
 
 
 def _called_off(pstore, route: str) -> bool:
@@ -260,8 +331,15 @@ def _report(pstore, value: str, key: str = "result") -> None:
         logger.warning("weight sync: could not report %r to the learner", value, exc_info=True)
 
 
+def _ended(pstore, route: str, result: str) -> None:
+    """The member's outcome of a round: ``result``, then ``end/<route>`` (the learner blocks on
+    it, ``chain._wait_end``)."""
+    _report(pstore, result)
+    _report(pstore, result, f"end/{route}")
+
+
 def _reporter(pstore, route: str):
-    """``progress(n)`` for ``receive_update``: pieces received, at most every PROGRESS_EVERY_S."""
+    """``progress(n)`` for ``IncomingUpdate``: pieces received, at most every PROGRESS_EVERY_S."""
     last = [0.0]
 
     def progress(n: int) -> None:

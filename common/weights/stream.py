@@ -39,6 +39,8 @@ class UnitFeed:
 
     def reader(self) -> FeedReader:
         with self._cond:
+            # a reader that came later would find units let go: register all, then produce
+            assert not self._produced, "a feed's readers register before its first unit"
             rid = len(self._positions) + len(self._left_behind)
             self._positions[rid], self._moved[rid] = 0, time.monotonic()
         return FeedReader(self, rid)

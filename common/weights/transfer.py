@@ -1,29 +1,61 @@
 """One update on the wire, over one link (every step a broadcast from rank 0 = the sending side):
-the preamble ``int64[3]`` = (magic, version, header length), the JSON header, the units in pieces
-of at most the header's ``chunk`` bytes, and the 16-byte checksum last (so sending overlaps the
-sender's hashing). A receiver can relay every tensor it gets to the next member of a chain as it
-arrives (``relay``); the next member sees exactly what the learner sent."""
+the preamble ``int64[3]`` = (magic, version, header length), the JSON header, then every unit in
+pieces of at most the header's ``chunk`` bytes followed by the 16-byte running checksum through
+that unit (``common.weights.checksum``), so that the receiver verifies each unit before it hands
+it out and the sender's hashing of a unit overlaps the sending of it.
+
+Both sides keep ``WINDOW_OPS`` collectives in flight, so the link never idles while one side
+waits for an op to finish (the gap between ops, not the bytes, cost most of the time with one
+op in flight). A receiver stages one unit at a time in one reused buffer (``StagingBuffer``)
+and can relay every tensor it gets to the next member of a chain as it arrives (``relay``);
+the next member sees exactly what the learner sent."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from common.weights.checksum import StreamHasher
+from common.weights.checksum import UpdateHasher
 from common.weights.group import broadcast, finish
-from common.weights.layout import MAGIC, WeightSyncError, dtype_of, pieces
+from common.weights.layout import MAGIC, WeightSyncError, dtype_of, largest_unit, pieces
+
+WINDOW_OPS = 4  # collectives in flight per link and side
+RELEASE_WAIT_S = 0.002  # see StagingBuffer.take
+
+
+class _InFlight:
+    """Collectives posted on one link, finished oldest first once ``window`` are in flight."""
+
+    def __init__(self, pg, deadline: float | None, cancelled, window: int) -> None:
+        self.pg, self.deadline, self.cancelled, self.window = pg, deadline, cancelled, window
+        self.ops: deque = deque()
+
+    def post(self, t) -> None:
+        self.ops.append(broadcast(self.pg, t))
+        while len(self.ops) > self.window:
+            self.oldest()
+
+    def oldest(self) -> None:
+        finish(self.pg, self.ops.popleft(), self.deadline, self.cancelled)
+
+    def drain(self) -> None:
+        while self.ops:
+            self.oldest()
 
 
 def send_update(
-    pg, header: bytes, version: int, units: Iterable, digest, deadline: float | None = None,
-    cancelled=None, *, device: Any = None,
+    pg, header: bytes, version: int, units: Iterable, digest: Callable[[int], bytes],
+    deadline: float | None = None, cancelled=None, *, device: Any = None,
+    window: int = WINDOW_OPS,
 ) -> None:  # fmt: skip
-    """Learner side of one update (steps 1-4 of the package docstring). ``units``: the unit
+    """Learner side of one update (steps 1-3 of the package docstring). ``units``: the unit
     buffers in order, a list or an iterator that produces each when it is needed (a streamed
-    publish, ``common.weights.stream``). ``digest`` is a zero-argument callable returning the
-    16-byte checksum; it is called after the units went out. ``device``: where the preamble
-    goes (the units' device; default: the first unit's, else host memory)."""
+    publish, ``common.weights.stream``). ``digest(k)`` returns the 16-byte running checksum
+    through unit k; it is called once unit k's pieces are posted. ``device``: where the
+    preamble goes (the units' device; default: the first unit's, else host memory)."""
     import torch
 
     if device is None:
@@ -31,71 +63,177 @@ def send_update(
     meta = torch.tensor([MAGIC, version, len(header)], dtype=torch.int64, device=device)
     hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
     chunk = int(json.loads(header).get("chunk", 0))
-    for t in (meta, hdr):  # one op in flight: gloo runs queued ops on parallel threads
-        finish(pg, broadcast(pg, t), deadline, cancelled)
-    for u in units:
+    ops = _InFlight(pg, deadline, cancelled, window)
+    ops.post(meta)
+    ops.post(hdr)
+    for k, u in enumerate(units):
         for a, b in pieces(0, u.numel(), chunk):
-            finish(pg, broadcast(pg, u[a:b]), deadline, cancelled)
-    tail = torch.frombuffer(bytearray(digest()), dtype=torch.uint8).to(device)
-    finish(pg, broadcast(pg, tail), deadline, cancelled)
+            ops.post(u[a:b])
+        ops.post(torch.frombuffer(bytearray(digest(k)), dtype=torch.uint8).to(device))
+    ops.drain()
 
 
-def receive_update(
-    pg, *, device: str = "cpu", on_unit=None, staging=None, deadline: float | None = None,
-    relay=None, progress=None, cancelled=None,
-) -> tuple:  # fmt: skip
-    """Generator side of one update: staging buffer (``staging`` is reused if big enough),
-    incremental hash, verify, then hand out. Returns (version, named, checksum, staging).
-    ``relay(t)`` gets every tensor received, in order, to pass on; ``progress(n)`` is told how
-    many pieces have arrived; ``on_unit(k)`` runs after unit k is complete."""
+def tensor_at(buf, offset: int, dtype, shape) -> Any:
+    """A tensor of ``dtype`` and ``shape`` over the bytes of ``buf`` from ``offset`` (aligned):
+    it shares ``buf``'s memory directly, not through a chain of views, so emptying it
+    (``set_()``) lets go of that memory at once (a ``view(dtype).reshape`` keeps its
+    intermediate view, and so the memory, alive)."""
     import torch
 
-    def recv(t):
-        finish(pg, broadcast(pg, t), deadline, cancelled)
-        if relay is not None:
-            relay(t)
+    t = torch.empty(0, dtype=dtype, device=buf.device)
+    elem = t.element_size()
+    stride: list[int] = []
+    size = 1
+    for n in reversed(list(shape)):
+        stride.insert(0, size)
+        size *= int(n)
+    return t.set_(buf.untyped_storage(), (buf.storage_offset() + offset) // elem, list(shape),
+                  stride)  # fmt: skip
 
-    meta = torch.zeros(3, dtype=torch.int64, device=device)
-    recv(meta)
-    magic, version, hlen = (int(x) for x in meta.cpu())
-    if magic != MAGIC or not 0 < hlen < (1 << 30):
-        raise WeightSyncError(f"bad update preamble (magic {magic:#x}, header {hlen} bytes)")
-    hdr = torch.zeros(hlen, dtype=torch.uint8, device=device)
-    recv(hdr)
-    layout = json.loads(bytes(hdr.cpu().numpy()))
-    if layout.get("version") != version:
-        raise WeightSyncError("header version does not match the preamble")
-    total = int(layout["total"])
-    if staging is None or staging.numel() < total:
-        staging = torch.empty(total, dtype=torch.uint8, device=device)
-    named = []
-    for name, dt, shape, off, nbytes in layout["tensors"]:
-        view = staging[off : off + nbytes].view(dtype_of(dt)).reshape(shape)
-        named.append((name, view))
-    chunk = int(layout.get("chunk", 0))
-    plan = [
-        (k, a, b) for k, (s, e, _, _) in enumerate(layout["units"]) for a, b in pieces(s, e, chunk)
-    ]
-    hasher = StreamHasher(layout, staging)
-    work: Any = broadcast(pg, staging[plan[0][1] : plan[0][2]]) if plan else None
-    for j, (k, a, b) in enumerate(plan):
-        finish(pg, work, deadline, cancelled)
-        if j + 1 < len(plan):  # hash piece j while piece j+1 arrives
-            work = broadcast(pg, staging[plan[j + 1][1] : plan[j + 1][2]])
-        if relay is not None:
-            relay(staging[a:b])
-        hasher.upto(b)
-        if progress is not None:
-            progress(j + 1)
-        if on_unit is not None and (j + 1 == len(plan) or plan[j + 1][0] != k):
-            on_unit(k)
-    tail = torch.zeros(16, dtype=torch.uint8, device=device)
-    recv(tail)
-    sent = bytes(tail.cpu().numpy()).hex()
-    hasher.upto(total)
-    if sent != hasher.hexdigest():
-        raise WeightSyncError(
-            f"checksum mismatch for version {version}: sent {sent}, received "
-            f"{hasher.hexdigest()}; the update was discarded"
-        )
-    return version, named, sent, staging
+
+def _holders(t) -> int:
+    """How many tensors share ``t``'s memory (``t`` included); a large number when torch does
+    not say (then the buffer is never reused)."""
+    import torch
+
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
+    except (AttributeError, RuntimeError):  # a private call: absent in another torch
+        return 1 << 30
+
+
+class StagingBuffer:
+    """The one buffer a receiver stages a unit in, reused from unit to unit and update to update
+    while nothing else holds a view of it. Sized at its first use to the update's largest unit,
+    so a receiver holds one largest unit, not the model. A view kept elsewhere (an update
+    collected whole, a relay still sending, vLLM's layerwise reload holding a fused layer's
+    first parts until its last arrives) keeps that buffer alive: the unit then goes to a
+    temporary buffer of its own size, and the kept one is reused once let go."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self._buf: Any = None
+        self.allocations = 0  # buffers made (tests, metrics)
+
+    def take(self, nbytes: int, *, reserve: int = 0) -> Any:
+        import torch
+
+        buf = self._buf
+        if buf is not None and _holders(buf) > 1:
+            # gloo's worker thread lets go of a finished op's tensors a moment after its wait
+            # returns: give it that moment before taking a temporary buffer
+            until = time.monotonic() + RELEASE_WAIT_S
+            while _holders(buf) > 1 and time.monotonic() < until:
+                time.sleep(0.0001)
+        if buf is not None and _holders(buf) > 1:  # still read elsewhere: a temporary one
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if buf is None or buf.numel() < nbytes:
+            self._buf = buf = None  # let go first: the old one is freed before the new one
+            buf = torch.empty(max(nbytes, reserve), dtype=torch.uint8, device=self.device)
+            self.allocations += 1
+            self._buf = buf
+        return buf[:nbytes]
+
+    def drop(self) -> None:
+        """Never reuse the buffer (an op left behind after a failure may still write to it)."""
+        self._buf = None
+
+
+class IncomingUpdate:
+    """One update arriving over one link: the preamble and the header are received on creation
+    (``version``, ``layout``), then ``units()`` receives the units one at a time into
+    ``staging``, each verified against the running checksum before it is handed out.
+
+    ``relay(t)`` gets every tensor received, in order, to pass on; ``wait_relayed()`` is called
+    before a unit reuses the staging buffer (the relay has passed the last one on);
+    ``progress(n)`` is told how many pieces have arrived. The header's ``deadline_s`` (the
+    learner's allowance for this update, which grows with its bytes) extends ``deadline``."""
+
+    def __init__(
+        self, pg, *, staging: StagingBuffer, deadline: float | None = None, relay=None,
+        progress=None, cancelled=None, wait_relayed=None, window: int = WINDOW_OPS,
+    ) -> None:  # fmt: skip
+        import torch
+
+        self.pg, self.staging, self.deadline = pg, staging, deadline
+        self.relay, self.progress, self.cancelled = relay, progress, cancelled
+        self.wait_relayed, self.window = wait_relayed, window
+        started = time.monotonic()
+        device = staging.device
+        meta = torch.zeros(3, dtype=torch.int64, device=device)
+        self._recv(meta)
+        magic, version, hlen = (int(x) for x in meta.cpu())
+        if magic != MAGIC or not 0 < hlen < (1 << 30):
+            raise WeightSyncError(f"bad update preamble (magic {magic:#x}, header {hlen} bytes)")
+        hdr = torch.zeros(hlen, dtype=torch.uint8, device=device)
+        self._recv(hdr)
+        self.layout: dict = json.loads(bytes(hdr.cpu().numpy()))
+        if self.layout.get("version") != version:
+            raise WeightSyncError("header version does not match the preamble")
+        self.version = version
+        self.nbytes = sum(int(t[4]) for t in self.layout["tensors"])
+        allowance = float(self.layout.get("deadline_s", 0.0))
+        if self.deadline is not None and allowance:
+            self.deadline = max(self.deadline, started + allowance)
+        self.checksum: str | None = None  # hex, once every unit arrived and matched
+        self.current: Any = None  # the bytes of the unit last handed out (TP rank 0 passes them on)
+        self._hasher = UpdateHasher(self.layout)
+
+    def _recv(self, t) -> None:
+        finish(self.pg, broadcast(self.pg, t), self.deadline, self.cancelled)
+        if self.relay is not None:
+            self.relay(t)
+
+    def units(self, on_unit=None) -> Iterator[tuple[int, list]]:
+        """``(k, [(name, tensor), ...])`` for every unit in order: views into the staging
+        buffer, valid until the next unit is asked for (keep a view, and the next unit goes
+        to a new buffer). ``on_unit(k)`` runs once unit k is verified, before it is handed out."""
+        import torch
+
+        chunk = int(self.layout.get("chunk", 0))
+        reserve = largest_unit(self.layout)
+        n = 0
+        for k, (start, end, first, last) in enumerate(self.layout["units"]):
+            self.current = None
+            if self.wait_relayed is not None:
+                self.wait_relayed()
+            buf = self.staging.take(end - start, reserve=reserve)
+            plan = pieces(0, end - start, chunk)
+            tail = torch.zeros(16, dtype=torch.uint8, device=self.staging.device)
+            targets = [buf[a:b] for a, b in plan] + [tail]  # the checksum comes in the window too
+            ops = _InFlight(self.pg, self.deadline, self.cancelled, len(targets))
+            posted = 0
+            for j, t in enumerate(targets):
+                while posted < len(targets) and len(ops.ops) < self.window:
+                    ops.post(targets[posted])
+                    posted += 1
+                ops.oldest()  # target j: the next ones are on their way meanwhile
+                if self.relay is not None:
+                    self.relay(t)
+                if t is tail:
+                    break
+                self._hasher.upto(buf, start, start + plan[j][1])
+                n += 1
+                if self.progress is not None:
+                    self.progress(n)
+            del targets, t
+            sent, got = bytes(tail.cpu().numpy()).hex(), self._hasher.digest().hex()
+            if sent != got:
+                raise WeightSyncError(
+                    f"checksum mismatch for version {self.version} in unit {k}: sent {sent}, "
+                    f"received {got}; the update was discarded from there on"
+                )
+            named = [
+                (name, tensor_at(buf, off - start, dtype_of(dt), shape))
+                for name, dt, shape, off, _ in self.layout["tensors"][first:last]
+            ]
+            self.current = buf
+            del buf, ops
+            if k + 1 == len(self.layout["units"]):
+                self.checksum = sent
+            if on_unit is not None:
+                on_unit(k)
+            yield k, named
+            del named
+        self.current = None

@@ -73,9 +73,13 @@ class WeightFollower:
             await self.apply_update(wait_s=timeout)
 
     async def apply_update(self, *, wait_s: float | None = None) -> bool:
-        """Pause, receive + verify + load, relabel, resume. Returns True when a new version loaded."""
+        """Pause, receive + verify + load a unit at a time, relabel, resume. Returns True when a
+        new version loaded. An update that failed after part of it loaded (``mixed``) leaves
+        the engine paused: it rejoins and takes the whole current version before it generates
+        again (no token is sampled from two versions' weights)."""
         self.updating = True
         t0 = self.updating_since = time.monotonic()
+        res: dict = {"ok": False, "error": "no answer", "mixed": False}
         try:
             with self.timer.phase("syncing_weights"):
                 await self.engine.pause(mode="keep", clear_cache=True)
@@ -88,11 +92,18 @@ class WeightFollower:
                     if res["ok"]:
                         await self.engine.set_weight_version(res["version"])
                 finally:
-                    await self.engine.resume()
+                    if not res.get("mixed"):
+                        await self.engine.resume()
         finally:
             self.updating, self.updating_since = False, None
         if not res["ok"]:
             self.metrics.update_failures.inc()
+            if res.get("mixed"):
+                log.error("weight update failed part-way (%s): engine paused until the whole "
+                          "current version loads", res["error"])  # fmt: skip
+                self.version = None
+                await self.join_until_done()  # its update resumes the engine once it loads
+                return self.version is not None
             log.warning("weight update failed, still on version %s: %s", self.version, res["error"])
             return False
         self.version = int(res["version"])

@@ -9,11 +9,14 @@ the methods below run inside the worker process through ``collective_rpc``:
 - ``tether_poll()`` -> ``{"pending": version | None, "error": str | None}`` (cheap: two store
   lookups; ``error`` set means the learner dropped us or we are not joined: call ``tether_join``)
 - ``tether_receive_update(wait_s=None)`` -> ``{"ok", "version", "bytes", "seconds", "checksum",
-  "adapter", "error"}``: receives into a staging buffer, verifies the checksum, and only then
-  loads with ``model_runner.reload_weights`` (``model.load_weights`` breaks on a second load on
-  CPU), or, for a LoRA learner's adapter-only update (``adapter`` true), swaps the engine's
-  adapter (``services.generator.adapter``). A failed or corrupted update returns ``ok=False``
-  and leaves the previous version loaded.
+  "adapter", "error", "mixed"}``: receives the update a unit at a time into one staging buffer,
+  verifies each unit's checksum, and loads it with ``model_runner.reload_weights`` before the
+  next arrives (``model.load_weights`` breaks on a second load on CPU;
+  ``services.generator.update_stream``), or, for a LoRA learner's adapter-only update
+  (``adapter`` true), takes it whole and swaps the engine's adapter
+  (``services.generator.adapter``). A failed or corrupted update returns ``ok=False``; it leaves
+  the previous version loaded when it failed before its first unit, else ``mixed`` is true and
+  the engine's version label is dropped until a complete version loads.
 - ``tether_check_lora()`` -> None or the reason this engine cannot take adapter updates.
 - ``tether_weights_checksum(layout=None)`` -> the checksum of the engine's weights in the
   learner's (Hugging Face) naming, computed like ``common.weights.checksum.tensors_checksum``.
@@ -23,10 +26,10 @@ the methods below run inside the worker process through ``collective_rpc``:
 
 Tensor parallelism (``tensor_parallel_size`` > 1): only the engine's TP rank 0 joins the
 learner's weight sync, so the engine is one member of the chain and receives each update once.
-It then passes the update to the other TP workers over the engine's own TP group (a JSON header
-over its CPU group, then the staging buffer's bytes in one broadcast over its device group),
-and every worker loads it with ``reload_weights``, whose weight loaders keep the worker's own
-slice of each tensor. The other workers answer ``tether_join``/``tether_poll`` with nothing
+It passes each unit on to the other TP workers over the engine's own TP group as it arrives (a
+JSON table over its CPU group, then the unit's bytes over its device group), and every worker
+loads it with ``reload_weights``, whose weight loaders keep the worker's own slice of each
+tensor: a worker holds one unit at a time, never the model. The other workers answer ``tether_join``/``tether_poll`` with nothing
 (the generator reads TP rank 0's answer, the first).
 
 The worker blocks while it receives and loads (the engine pauses between steps); the generator
@@ -85,57 +88,81 @@ class TetherWorkerExtension:
             return {"pending": None, "error": f"{kind}{e}"}
 
     def tether_receive_update(self, wait_s: float | None = None) -> dict:
-        from common.weights.adapter import split_adapter
-        from common.weights.checksum import tensors_checksum
-        from common.weights.layout import WeightSyncError
+        """Receive the pending update and load it a unit at a time as it arrives (see the module
+        docstring); every TP worker takes part."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from common.weights.adapter import ADAPTER_CONFIG, split_adapter
+        from services.generator.update_stream import LoadStream, tp_units, vllm_held
 
         t0 = time.monotonic()
-        error = ""
-        version: int = -1
-        named: list = []
-        try:
-            if _tp_rank() == 0:
+        receipt, error = None, ""
+        if _tp_rank() == 0:
+            try:
                 if self._tether_rx is None:
-                    raise WeightSyncError("not joined: call tether_join first")
-                version, named = self._tether_rx.receive(wait_s=wait_s)
-        except Exception as e:  # noqa: BLE001 - errors are returned so the engine core survives
-            error = str(e) or type(e).__name__
-        try:
-            version, named, error = _share_across_tp(version, named, error, self._tether_rx)
-        except Exception as e:  # noqa: BLE001 - the TP group itself failed
-            error = f"passing the update to the engine's TP workers failed: {e}"
-        if error:
+                    raise RuntimeError("not joined: call tether_join first")
+                receipt = self._tether_rx.begin(wait_s=wait_s)
+            except Exception as e:  # noqa: BLE001 - errors are returned so the engine core survives
+                error = str(e) or type(e).__name__
+        group = get_tp_group()
+        names = [t[0] for t in receipt.layout["tensors"]] if receipt is not None else []
+        adapter_update = ADAPTER_CONFIG in names  # rank 0 knows; the others learn it below
+        if group.world_size > 1:
+            adapter_update = bool(_tp_int(group, int(adapter_update)))
+        units = tp_units(receipt, error, group)
+        if adapter_update:  # a LoRA learner's adapter (megabytes): taken whole, then swapped
+            try:
+                named = [(n, t.clone()) for _, unit in units for n, t in unit]
+            except Exception as e:  # noqa: BLE001
+                return self._tether_failed(str(e) or type(e).__name__)
+            version = receipt.version if receipt is not None else -1
+            adapter, rest = split_adapter(named)
+            adapter_error = self._tether_load_adapter(adapter or {}, rest, version)
+            if adapter_error:
+                return self._tether_failed(adapter_error)
+            return self._tether_loaded(version, named, _checksum(receipt), t0, adapter=True)
+        skip = frozenset({"lm_head.weight"}) if self._tether_tied() else frozenset()
+        stream = LoadStream(units, skip=skip, held=vllm_held)
+        missing = self._tether_load(stream)
+        version = receipt.version if receipt is not None else -1
+        if group.world_size > 1:  # every worker reaches this point (tp_units ends on all alike)
+            version = _tp_int(group, version)
+        if stream.error:
+            return self._tether_failed(stream.error, mixed=stream.mixed)
+        if missing:
+            # Loaded in part: vLLM only logs this and keeps the old values of the rest.
+            return self._tether_failed(
+                f"the update left {len(missing)} engine parameter(s) unchanged: "
+                f"{', '.join(missing[:8])}; the learner's tensor names do not map onto this "
+                "vLLM model (the engine now mixes versions: restart the generator)", mixed=True,
+            )  # fmt: skip
+        layout = receipt.layout["tensors"] if receipt is not None else []
+        named_meta = [(n, dt, shape) for n, dt, shape, _, _ in layout]
+        return self._tether_loaded(version, named_meta, _checksum(receipt), t0, adapter=False,
+                                   nbytes=receipt.nbytes if receipt is not None else 0)  # fmt: skip
+
+    def _tether_failed(self, error: str, *, mixed: bool = False) -> dict:
+        """An update that did not load. ``mixed``: some of it did (the engine now mixes two
+        versions): its version label is dropped, and the receiver asks the learner for the
+        whole current version at its next join."""
+        if mixed:
+            self._tether_version = None
+            if self._tether_rx is not None:
+                self._tether_rx.version = None
+            logger.error("weight update failed after part of it loaded: %s", error)
+        else:
             logger.warning(
                 "weight update failed, keeping version %s: %s", self._tether_version, error
             )
-            return {"ok": False, "version": self._tether_version, "error": error}
-        checksum = tensors_checksum(named)  # verified on receipt; also the report's checksum
-        adapter, rest = split_adapter(named)
-        if adapter is not None:  # a LoRA learner's adapter-only update
-            adapter_error = self._tether_load_adapter(adapter, rest, version)
-            if adapter_error:
-                return {"ok": False, "version": self._tether_version, "error": adapter_error}
-            return self._tether_loaded(version, named, checksum, t0, adapter=True)
-        tied = self._tether_tied()
-        missing = self._tether_load(
-            [(n, t) for n, t in named if not (tied and n == "lm_head.weight")]
-        )
-        if missing:
-            # Loaded in part: vLLM only logs this and keeps the old values of the rest.
-            error = (
-                f"the update of version {version} left {len(missing)} engine parameter(s) "
-                f"unchanged: {', '.join(missing[:8])}; the learner's tensor names do not map "
-                "onto this vLLM model (the engine now mixes versions: restart the generator)"
-            )
-            logger.error("%s", error)
-            return {"ok": False, "version": self._tether_version, "error": error}
-        return self._tether_loaded(version, named, checksum, t0, adapter=False)
+        return {"ok": False, "version": self._tether_version, "error": error, "mixed": mixed}
 
     def _tether_loaded(self, version: int, named: list, checksum: str, t0: float, *,
-                       adapter: bool) -> dict:  # fmt: skip
+                       adapter: bool, nbytes: int = 0) -> dict:  # fmt: skip
+        """``named``: the adapter's tensors, or the full update's ``(name, dtype, shape)``."""
         self._tether_version = version
-        self._tether_layout = None if adapter else [(n, t.dtype, tuple(t.shape)) for n, t in named]
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        self._tether_layout = None if adapter else [(n, dt, tuple(s)) for n, dt, s in named]
+        if adapter:
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
         seconds = time.monotonic() - t0
         kind = "adapter" if adapter else "weights"
         logger.info("loaded %s version %d (%d bytes, %.3f s)", kind, version, nbytes, seconds)
@@ -193,10 +220,10 @@ class TetherWorkerExtension:
 
     # -- helpers
 
-    def _tether_load(self, named: list) -> list[str]:
-        """Load ``named`` in place with ``reload_weights``; return the engine parameters that
-        it did not load (vLLM's own check only logs a warning). A model whose
-        ``load_weights`` reports nothing is not checked."""
+    def _tether_load(self, named) -> list[str]:
+        """Load ``named`` (an iterable of ``(name, tensor)``, read once) in place with
+        ``reload_weights``; return the engine parameters that it did not load (vLLM's own check
+        only logs a warning). A model whose ``load_weights`` reports nothing is not checked."""
         model = self.model_runner.get_model()
         expected = {n for n, _ in model.named_parameters()}
         loaded: list[set[str]] = []
@@ -211,7 +238,7 @@ class TetherWorkerExtension:
         model.load_weights = recording  # an instance attribute shadows the method, for this call
         _reset_cpu_moe_kernels(model)
         try:
-            self.model_runner.reload_weights(weights_iterator=iter(named))
+            self.model_runner.reload_weights(weights_iterator=iter(named))  # a unit at a time
         finally:
             del model.load_weights
         if self._tether_tied():
@@ -286,57 +313,19 @@ def _tp_size() -> int:
     return get_tp_group().world_size
 
 
-def _share_across_tp(version: int, named: list, error: str, rx: Any) -> tuple[int, list, str]:
-    """TP rank 0's outcome to every TP worker: ``(version, named, error)`` everywhere. The
-    header (JSON: version, error, each tensor's dtype, shape and offset in rank 0's staging
-    buffer) goes over the TP group's CPU group, then the buffer in one broadcast over its device
-    group; the other workers' tensors are views into their copy of it."""
-    import json
+def _checksum(receipt: Any) -> str:
+    """The update's checksum as verified on receipt (TP rank 0; "" on the other workers)."""
+    return (receipt.checksum or "") if receipt is not None else ""
 
+
+def _tp_int(group: Any, value: int) -> int:
+    """TP rank 0's ``value`` on every TP worker (over the group's CPU group)."""
     import torch
     import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_tp_group
 
-    from common.weights.layout import dtype_of
-
-    group = get_tp_group()
-    if group.world_size == 1:
-        return version, named, error
-    src = group.ranks[0]
-    header = b""
-    if group.rank_in_group == 0:
-        base = rx.last_buffer if rx is not None and not error else None
-        tensors = [
-            [n, str(t.dtype).removeprefix("torch."), list(t.shape),
-             t.data_ptr() - base.data_ptr(), t.numel() * t.element_size()]
-            for n, t in named
-        ] if base is not None else []  # fmt: skip
-        total = base.numel() if base is not None else 0
-        header = json.dumps(
-            {"version": version, "error": error, "tensors": tensors, "total": total}
-        ).encode()
-    size = torch.tensor([len(header)], dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group.cpu_group)
-    data = torch.zeros(int(size.item()), dtype=torch.uint8)
-    if group.rank_in_group == 0:
-        data.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    dist.broadcast(data, src=src, group=group.cpu_group)
-    head = json.loads(bytes(data.numpy()))
-    if head["error"]:
-        return head["version"], [], head["error"]
-    device = group.device
-    if group.rank_in_group == 0:
-        buf = rx.last_buffer[: head["total"]].to(device)
-    else:
-        buf = torch.empty(head["total"], dtype=torch.uint8, device=device)
-    group.broadcast(buf, src=0)
-    if group.rank_in_group == 0:
-        return version, named, ""
-    views = [
-        (n, buf[off : off + nb].view(dtype_of(dt)).reshape(shape))
-        for n, dt, shape, off, nb in head["tensors"]
-    ]
-    return head["version"], views, ""
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    dist.broadcast(t, src=group.ranks[0], group=group.cpu_group)
+    return int(t.item())
 
 
 def _reset_cpu_moe_kernels(model) -> None:

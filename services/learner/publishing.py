@@ -36,6 +36,7 @@ class WeightPublishing:
             w.port or free_port(),
             backend=w.backend,  # "auto" is settled at load (gloo)
             timeout_s=w.timeout_s,
+            min_gb_per_s=w.min_gb_per_s,
             bucket_bytes=int(w.bucket_mb * 2**20),
             fanout=w.fanout,
             chunk_bytes=int(w.chunk_mb * 2**20),

@@ -102,9 +102,9 @@ def test_hung_member_times_out_without_blocking_the_others(
     if slow_drop:
         drop = WeightPublisher._drop
 
-        def slow(self, m, reason):
+        def slow(self, m, reason, *detail):
             time.sleep(2.0)
-            drop(self, m, reason)
+            drop(self, m, reason, *detail)
 
         monkeypatch.setattr(WeightPublisher, "_drop", slow)
     timeout_s = 8.0
@@ -120,11 +120,80 @@ def test_hung_member_times_out_without_blocking_the_others(
         report = pub.publish(weights(5, n=16), 7)  # 64 MB: more than the socket buffers
         assert time.monotonic() - t0 < timeout_s + 1.5
         assert report.per_member.get("a") == "ok", report.per_member
-        assert report.per_member["hung"].split(":")[0] == outcome
+        assert report.per_member["hung"].split(":")[0] == outcome, report.per_member
         assert wait_for(lambda: set(pub.members()) == {"a"}, what="hung dropped")
         assert wait_for(lambda: any(e.get("version") == 7 for e in events(log_a)))
     finally:
         stop_all(procs, pub)
+
+
+def _stream(pub: WeightPublisher, named, version: int):
+    """A streamed publish of ``named`` as the learner's rank 0 makes one
+    (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
+    session = pub.begin(named, version)
+    named = sorted(named)
+    while (feed := session.next_pass()) is not None:
+        for k, (_, _, first, last) in enumerate(session.layout["units"]):
+            session.put(feed, k, [t for _, t in named[first:last]])
+    return session.close()
+
+
+@pytest.mark.parametrize("fanout", ["chain", "pairwise"])
+def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
+    tmp_path, monkeypatch, fanout
+):
+    """The producer of a streamed publish starts on the first unit as soon as the round asks
+    for a pass; a sender that registered its reader after that found unit 0 let go (the hasher
+    had read it) and the member was dropped ("broke the chain (0)"): a loaded machine made that
+    gap. Here every reader takes 0.2 s to register."""
+    from common.weights.stream import UnitFeed
+
+    reader = UnitFeed.reader
+
+    def slow_reader(self):
+        time.sleep(0.2)
+        return reader(self)
+
+    monkeypatch.setattr(UnitFeed, "reader", slow_reader)
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=10.0, bucket_bytes=1 << 20, fanout=fanout)
+    procs = []
+    try:
+        a, log_a = start_receiver(tmp_path, pub.port, "a")
+        procs.append(a)
+        wait_for(lambda: "a" in pub.members(), 120, "a")
+        w = weights(4, n=4)
+        report = _stream(pub, w, 1)
+        assert report.per_member == {"a": "ok"}, report.per_member
+        assert report.checksum == tensors_checksum(w)
+        got = wait_for(lambda: [e for e in events(log_a) if e["event"] == "update"])
+        assert got[0]["version"] == 1 and got[0]["checksum"] == report.checksum
+    finally:
+        stop_all(procs, pub)
+
+
+def test_every_op_in_flight_to_a_stuck_peer_stalls():
+    """gloo's per-op timeout fails one op ("Timed out waiting ...") and closes the pair, and
+    the others in flight fail with "Application timeout caused pair closure": each of them is
+    the peer missing its time (``Stalled``, a member reported as a timeout), never an error."""
+    from common.weights.group import Stalled, broadcast, finish
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups: dict = {}
+
+    def member(rank: int) -> None:
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+        groups[rank] = make_pair_group(torch.distributed.PrefixStore("t/", client), rank,
+                                       backend="gloo", timeout_s=0.5)  # fmt: skip
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    ops = [broadcast(groups[0], torch.ones(4 << 20, dtype=torch.uint8)) for _ in range(4)]
+    for op in ops:  # rank 1 never receives
+        with pytest.raises(Stalled):
+            finish(groups[0], op, time.monotonic() + 30)
 
 
 def _hand_rolled_learner(store, member: str, epoch: int):
@@ -135,27 +204,31 @@ def _hand_rolled_learner(store, member: str, epoch: int):
     return pstore, make_pair_group(pstore, 0, backend="gloo", timeout_s=5.0)
 
 
-def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False) -> None:
+def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool = False,
+          corrupt_unit: int = -1) -> None:  # fmt: skip
     named = sorted(named)
     layout = build_layout(named, version, 1 << 20)
     from common.weights.buckets import unit_buffers
+    from common.weights.checksum import UpdateHasher
 
     units = unit_buffers(named, layout, "cpu")
-    digest = bytes.fromhex(tensors_checksum(named))
+    hasher, digests = UpdateHasher(layout), []
+    for (start, end, _, _), unit in zip(layout["units"], units, strict=True):
+        hasher.upto(unit, start, end)
+        digests.append(hasher.digest())
     if corrupt:
-        units[-1] = units[-1].clone()
-        units[-1][5] ^= 0xFF  # one flipped byte in the data, checksum of the original
+        units[corrupt_unit] = units[corrupt_unit].clone()
+        units[corrupt_unit][5] ^= 0xFF  # one flipped byte in the data, checksum of the original
     pstore.set("pending", str(version))
     if cut:  # header and the first unit, then the learner goes away
-        units = units[:1]
 
-        def digest_fn() -> bytes:
+        def digest_fn(k: int) -> bytes:
             raise RuntimeError("learner gone")
 
     else:
 
-        def digest_fn() -> bytes:
-            return digest
+        def digest_fn(k: int) -> bytes:
+            return digests[k]
 
     try:
         send_update(pg, json.dumps(layout).encode(), version, units, digest_fn)
@@ -282,24 +355,44 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
     finally:
         pub.close()
 
-    # A learner that sends a corrupted update: nothing is applied, version 1 stays.
+    # A learner that sends a corrupted update. Each unit is verified before it loads: a bad
+    # first unit leaves version 1 whole; a bad later one leaves the units before it loaded, so
+    # the engine drops its version label ("mixed": the generator keeps it paused) until a
+    # whole version loads.
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    doubled = [(n, t * 2) for n, t in new]
+    for epoch, (unit, version) in enumerate([(0, 2), (-1, 2)], start=1):
+        join = threading.Thread(
+            target=lambda: _rpc(llm, "tether_join", "127.0.0.1", store.port, "gen0", 10.0)
+        )
+        join.start()
+        pstore, pg = _hand_rolled_learner(store, "gen0", epoch)
+        join.join(30)
+        sender = threading.Thread(target=_send, args=(pstore, pg, doubled, version),
+                                  kwargs={"corrupt": True, "corrupt_unit": unit})  # fmt: skip
+        sender.start()
+        res = _rpc(llm, "tether_receive_update", 30.0)
+        sender.join(30)
+        assert not res["ok"] and "checksum mismatch" in res["error"]
+        if unit == 0:
+            assert not res["mixed"] and _rpc(llm, "tether_version") == 1
+            assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+            assert _greedy(llm) == after
+        else:
+            assert res["mixed"] and _rpc(llm, "tether_version") is None
+    # the whole current version then loads (the generator's rejoin asks for it: has = -1)
     join = threading.Thread(
         target=lambda: _rpc(llm, "tether_join", "127.0.0.1", store.port, "gen0", 10.0)
     )
     join.start()
-    pstore, pg = _hand_rolled_learner(store, "gen0", 1)
+    pstore, pg = _hand_rolled_learner(store, "gen0", 3)
     join.join(30)
-    sender = threading.Thread(
-        target=_send, args=(pstore, pg, [(n, t * 2) for n, t in new], 2), kwargs={"corrupt": True}
-    )
+    sender = threading.Thread(target=_send, args=(pstore, pg, doubled, 3))
     sender.start()
     res = _rpc(llm, "tether_receive_update", 30.0)
     sender.join(30)
-    assert not res["ok"] and "checksum mismatch" in res["error"]
-    assert _rpc(llm, "tether_version") == 1
-    assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
-    assert _greedy(llm) == after
+    assert res["ok"] and _rpc(llm, "tether_version") == 3
+    assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(doubled)
 
 
 def test_receiver_takes_the_learners_backend_and_refuses_a_conflicting_one():

@@ -80,3 +80,13 @@ def test_passes_hand_each_feed_over_then_say_none() -> None:
     threading.Timer(0.05, passes.done).start()
     assert passes.next(deadline=time.monotonic() + 5) is None
     assert Passes().next(deadline=time.monotonic() + 0.05) is None  # nobody asked in time
+
+
+def test_a_reader_registers_before_the_first_unit() -> None:
+    """A reader registered later would find the units the others had sent let go."""
+    feed = UnitFeed(3, window=2)
+    early = feed.reader()
+    assert feed.put(0, deadline=time.monotonic() + 1)
+    with pytest.raises(AssertionError, match="before its first unit"):
+        feed.reader()
+    assert next(early.units(time.monotonic() + 1)) == 0
