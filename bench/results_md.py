@@ -217,6 +217,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         return [row_scale(r)]
     if kind == "lora":
         return row_lora(r)
+    if kind == "weights" or name == "weights":
+        from bench.weights import readme_row as row_weights
+
+        return [row_weights(r)]
     packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
     return ([] if packing_only else _row_generic(name, r)) + row_packing(r)
 

@@ -89,6 +89,7 @@ def run_weights_bench(
         pub.close()
     best_pub, best_bare = min(publish_s[1:]), min(bare_s[1:])
     result = {
+        "bench": "weights",
         "bytes": total_bytes,
         "num_tensors": num_tensors,
         "publish_seconds": best_pub,
@@ -229,6 +230,28 @@ def _scaling(named: list, generators: tuple[int, ...], repeats: int) -> dict:
         "load_average": [load_before[0], *os.getloadavg()],
         "cpu_count": os.cpu_count(),
     }
+
+
+def readme_row(r: dict) -> str:
+    """The bench/README.md row of a result."""
+    measured = (
+        f"{r['bytes'] / 1e6:.0f} MB in {r['num_tensors']} tensors to 1 receiver: publish "
+        f"{r['publish_seconds']:.3f} s vs a bare gloo broadcast {r['bare_broadcast_seconds']:.3f} s"
+    )
+    ratio = f"publish ÷ bare speed **{r['publish_vs_bare_ratio']:.2f}**"
+    if r.get("generators"):
+        hi = max(r["generators"])
+        measured += (
+            f"; learner bytes per publish to {hi} receivers: chain "
+            f"{r['scaling']['chain'][str(hi)]['root_copies']:.2f}× the model, pairwise "
+            f"{r['scaling']['pairwise'][str(hi)]['root_copies']:.2f}×"
+        )
+        ratio += f", chain seconds N={hi} ÷ N=1 **{r[f'ratio_chain_seconds_n{hi}_vs_n1']:.2f}**"
+    notes = ("best of the timed rounds, alternating; the publish also hashes (xxh3) every byte on "
+             "both sides and the receiver verifies each unit, on the same 2 cores")  # fmt: skip
+    load = (r.get("machine", {}).get("load_average") or r["publish_load_average"])[0]
+    return (f"| weights | random fp32 tensors | {measured} | {ratio} | {notes} | {load:.1f} | "
+            f"`{r.get('command', 'tether bench weights')}` |")  # fmt: skip
 
 
 if __name__ == "__main__":
