@@ -85,7 +85,7 @@ class RouterReplay:
             raise ValueError(
                 f"learner.router_replay needs a mixture-of-experts model; {type(model).__name__} "
                 f"has no router Tether knows ({', '.join(sorted(ROUTER_CLASSES))}). Set "
-                "learner.router_replay = \"off\" for a dense model."
+                'learner.router_replay = "off" for a dense model.'
             )
         self.layers = len(routers)
         self.top_k = int(routers[0][1].top_k)

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.protocol import wire
-from common.protocol.wire_fields import READABLE_VERSIONS
 from common.protocol.wire import (
     PromptMsg,
     ScoredGroup,
@@ -23,6 +22,7 @@ from common.protocol.wire import (
     decode,
     encode,
 )
+from common.protocol.wire_fields import READABLE_VERSIONS
 
 
 def make_episode(i: int, n_tokens: int, group_id: str, rng) -> Trajectory:
@@ -136,7 +136,9 @@ def test_every_rejection_reason() -> None:
     assert _reason(good[: len(good) // 2]) == "undecodable"
     assert _reason(msgpack.packb(msgpack.ExtType(5, b"x"))) == "undecodable"
     assert _reason(msgpack.packb([1, 2])) == "bad_schema"
-    assert _reason(_mutated(lambda d: d.__setitem__("v", max(READABLE_VERSIONS) + 1))) == "bad_version"
+    assert (
+        _reason(_mutated(lambda d: d.__setitem__("v", max(READABLE_VERSIONS) + 1))) == "bad_version"
+    )
     assert _reason(_mutated(lambda d: d.pop("v"))) == "bad_version"
     assert _reason(_mutated(lambda d: d.__setitem__("kind", "nope"))) == "bad_kind"
     assert _reason(_mutated(lambda d: d.pop("prompt_text"))) == "bad_schema"
