@@ -86,3 +86,33 @@ def policy_tokenizer(cfg: TetherConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(policy_paths(cfg)[1])
+
+
+def moe_routing_shape(model_dir: str) -> tuple[int, int, int] | None:
+    """``(MoE layers, top-k, experts)`` of the model in ``model_dir`` from its config.json, or
+    None for a dense model. Qwen2/3-MoE: the layers with a sparse block (``mlp_only_layers``,
+    ``decoder_sparse_step``); Mixtral and the others: every layer."""
+    import json
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    top_k = int(c.get("num_experts_per_tok") or 0)
+    if experts <= 1 or top_k <= 0:
+        return None
+    n = int(c["num_hidden_layers"])
+    dense = set(c.get("mlp_only_layers") or [])
+    step = int(c.get("decoder_sparse_step") or 1)
+    layers = sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return (layers, top_k, experts) if layers else None
+
+
+def check_router_replay(cfg: TetherConfig) -> None:
+    """``learner.router_replay`` needs a mixture-of-experts policy: ``ConfigError`` otherwise."""
+    model, _ = policy_paths(cfg)
+    if moe_routing_shape(model) is None:
+        raise ConfigError(
+            f'learner.router_replay = "{cfg.learner.router_replay}" replays the experts a '
+            f"mixture-of-experts model routed each token to, but run.model ({model}) is a dense "
+            'model (its config.json names no experts). Set learner.router_replay = "off".'
+        )

@@ -109,6 +109,7 @@ def make_loss_fn(
             with_entropy=want_entropy,
             temperature=cfg.behaviour_temperature,
             packed=packing.packed_of(mb),
+            routing=mb.get("routing"),
         )
         off = ln.off_policy
         if off == "none":

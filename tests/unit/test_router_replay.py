@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.protocol import wire
 from services.learner import batching, packing
 from services.learner.router_replay import NOT_RECORDED, RouterReplay, flat_routing
 
@@ -177,3 +178,94 @@ def test_a_dense_model_and_bad_routing_are_refused():
     with pytest.raises(ValueError, match="flat_routing"):
         with torch.no_grad(), replay.replaying(torch.zeros(3, LAYERS, TOP_K, dtype=torch.long)):
             model(input_ids=ids, use_cache=False)
+
+
+def test_a_groups_routing_reaches_the_learners_forward(tmp_path):
+    """Wire (v3) → ``samples_from_groups`` → the ranks' bytes → ``collate`` → the forward: the
+    learner's forward routes by what the generator recorded, and a sample's prompt, response
+    and not-recorded ids line up."""
+    from common.protocol.routing import RoutingShape
+    from services.learner import cycle
+    from services.learner.logprobs import collate as learner_collate
+    from services.learner.model import token_logprobs_and_entropy
+    from tests.unit.test_wire import make_group
+
+    model = _moe()
+    replay = RouterReplay(model)
+    model.router_replay = replay
+    shape = RoutingShape(LAYERS, TOP_K, EXPERTS)
+    g = make_group(n_samples=2, n_tokens=9)
+    g.prompt_token_ids = g.prompt_token_ids % VOCAB
+    for s in g.samples:
+        s.response_token_ids = s.response_token_ids % VOCAB
+    ids = torch.tensor([[*g.prompt_token_ids.tolist(), *s.response_token_ids.tolist()]
+                        for s in g.samples])  # fmt: skip
+    own = _own_routing(model, replay, ids).reshape(2, ids.shape[1], LAYERS, TOP_K)
+    other = _other_routing(own).numpy()
+    g.routing_shape = shape
+    g.prompt_routed_experts = shape.encode(other[0, :10])  # the prompt: as sample 0 ran it
+    for i, s in enumerate(g.samples):
+        r = other[i, 10:].copy()
+        r[3:5] = -1  # the tool turn: not recorded
+        s.routed_experts = shape.encode(r)
+    scored = wire.ScoredGroup(group=wire.decode(wire.encode(g)), rewards=[1.0, 0.0],
+                              components=[{}, {}], reasons=["", ""], scorer_id="s",
+                              score_seconds=0.1)  # fmt: skip
+    samples = cycle.decode_samples(cycle.encode_samples(cycle.samples_from_groups([scored])))
+    assert samples[0].routing.shape == (19, LAYERS, TOP_K)
+    assert (samples[1].routing[13:15] == -1).all() and (samples[1].routing[15:] >= 0).all()
+
+    class Cfg:  # the one setting collate reads
+        class learner:
+            pack_sequences = True
+
+    mb = learner_collate(Cfg, [cycle.as_batch_fields(s) for s in samples], [0, 1], pad_id=0)
+    assert mb["routing"].shape == (2, 19, LAYERS, TOP_K)
+    seen = {}
+    hook = model.model.layers[2].mlp.experts.register_forward_hook(
+        lambda mod, args, out: seen.__setitem__("e", args[1]))  # fmt: skip
+    with torch.no_grad():
+        token_logprobs_and_entropy(model, mb["input_ids"], mb["attention_mask"],
+                                   mb["loss_mask"].long(), position_ids=mb["position_ids"],
+                                   packed=packing.packed_of(mb), routing=mb["routing"])  # fmt: skip
+    hook.remove()
+    # the packed rows' first 19 positions are sample 0: its prompt and response as recorded,
+    # but for its tool turn (response ids 3 and 4), which its own router routed
+    recorded = [p for p in range(19) if p not in (13, 14)]
+    assert torch.equal(seen["e"][recorded], torch.as_tensor(other[0, recorded, 2]))
+    counts = replay.take_counts()
+    assert counts.fallback_tokens >= 2  # sample 1's tool turn (and any packed slack)
+
+
+def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
+    import json
+
+    from common.config.errors import ConfigError
+    from common.data.model_paths import check_router_replay, moe_routing_shape
+
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 128,
+        "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [0, 5]}))  # fmt: skip
+    assert moe_routing_shape(str(moe)) == (4, 8, 128)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2}))
+    assert moe_routing_shape(str(dense)) is None
+
+    class Cfg:
+        class learner:
+            router_replay = "r3"
+
+    import common.data.model_paths as mp
+
+    orig = mp.policy_paths
+    mp.policy_paths = lambda cfg: (str(dense), str(dense))
+    try:
+        with pytest.raises(ConfigError, match='learner.router_replay = "off"'):
+            check_router_replay(Cfg)
+        mp.policy_paths = lambda cfg: (str(moe), str(moe))
+        check_router_replay(Cfg)
+    finally:
+        mp.policy_paths = orig
