@@ -118,3 +118,27 @@ def test_encoding_refuses_routing_that_does_not_fit_the_shape():
         SHAPE.encode(np.zeros((4, 2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="expert 8 of 8"):
         SHAPE.encode(np.full((4, 3, 2), 8))
+
+
+def test_the_generator_splits_the_engines_routing_into_prompt_and_response():
+    from types import SimpleNamespace
+
+    from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
+
+    engine = _routing(4 + 5)  # a prompt of 4 ids, a response of 6: the last one never ran
+    prompt, resp = split_routing(SHAPE, engine, 4, 6)
+    np.testing.assert_array_equal(prompt, engine[:4])
+    np.testing.assert_array_equal(resp[:5], engine[4:])
+    assert (resp[5] == SHAPE.not_recorded).all()
+    assert split_routing(None, engine, 4, 6) == (None, None)
+    assert split_routing(SHAPE, None, 4, 6) == (None, None)
+    msg = wire.PromptMsg(prompt_id="p0", cycle=0, index=0, split="train", text="q",
+                         ground_truth="1", metadata={}, created_at=0.0)  # fmt: skip
+    sample = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6], logprobs=[-0.1] * 6, weight_versions=[],
+                             finish_reason="stop", text="a", seconds=0.1, routed_experts=engine)  # fmt: skip
+    trajs = single_turn_trajectories(msg, [sample], started=0.0, version=0, prompt_len=4,
+                                     routing=SHAPE)  # fmt: skip
+    g = to_group(msg, [7, 8, 9, 10], trajs, generator_id="g", routing=SHAPE, prompt_routing=prompt)
+    back = decode(encode(g))
+    np.testing.assert_array_equal(SHAPE.replay(back.prompt_routed_experts), engine[:4])
+    np.testing.assert_array_equal(SHAPE.replay(back.samples[0].routed_experts)[:5], engine[4:])
