@@ -159,6 +159,9 @@ def make_loss_fn(
             token_loss = token_loss - ln.entropy_coef * entropy
             stats["entropy_mean"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
         stats.update({f"mismatch_{k}": v for k, v in raw_mismatch.items() if k != "tokens"})
+        replay = getattr(model, "router_replay", None)
+        if replay is not None:
+            stats.update(replay.take_counts().as_stats())
         if masking:
             stats.update(mask_counts)
         stats_out.append(stats)

@@ -43,13 +43,14 @@ ROUTER_CLASSES = frozenset(
 )
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NOT_RECORDED = -1
+PADDING = -2  # a position of no token (padding, packed slack): routed by the learner, not counted
 
 
 @dataclass
 class ReplayCounts:
     """Tokens seen by the first MoE layer since the last ``take_counts`` (so each token counts
-    once, not once per layer), and routing decisions (token × layer) where the learner's own
-    top-k, as a set, differed from the replayed one."""
+    once, not once per layer; padding not at all), and routing decisions (token × layer) where
+    the learner's own top-k, as a set, differed from the replayed one."""
 
     replayed_tokens: int = 0
     fallback_tokens: int = 0
@@ -59,6 +60,16 @@ class ReplayCounts:
     @property
     def differing_share(self) -> float:
         return self.differing_decisions / self.decisions if self.decisions else 0.0
+
+    def as_stats(self) -> dict[str, float]:
+        """The step record's counts (``losses.merge_stats`` sums them and makes the fractions
+        ``router_replay_fallback_frac`` and ``router_replay_differing_frac``)."""
+        return {
+            "router_replay_tokens_count": float(self.replayed_tokens + self.fallback_tokens),
+            "router_replay_fallback_count": float(self.fallback_tokens),
+            "router_replay_decisions_count": float(self.decisions),
+            "router_replay_differing_count": float(self.differing_decisions),
+        }
 
 
 def moe_routers(model: Any) -> list[tuple[int, Any]]:
@@ -147,6 +158,7 @@ class RouterReplay:
             )
         recorded = recorded.to(device=indices.device)
         use = (recorded >= 0).all(dim=-1)
+        real = (recorded != PADDING).any(dim=-1)
         chosen = torch.where(use.unsqueeze(-1), recorded.to(indices.dtype), indices)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights = probs.gather(-1, chosen)
@@ -158,7 +170,7 @@ class RouterReplay:
         if slot == 0:
             n_use = int(use.sum())
             c.replayed_tokens += n_use
-            c.fallback_tokens += int(use.numel()) - n_use
+            c.fallback_tokens += int(real.sum()) - n_use
         c.decisions += int(use.sum())
         c.differing_decisions += int(differs.sum())
         return logits, weights.to(scores.dtype), chosen
@@ -176,13 +188,13 @@ def flat_routing(routing: torch.Tensor, attention_mask: torch.Tensor,
                  packed: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """``[B, T, L, K]`` routing of a micro-batch (padding rows anything) as the forward's
     ``[N, L, K]``: ``B·T`` tokens row-major for the padded forward, or the packed rows' ``R·W``
-    positions (``packed_index``), padding and packed slack not recorded."""
+    positions (``packed_index``); padding and packed slack are ``PADDING``."""
     if packed is None:
         out = routing.clone()
-        out[~attention_mask.bool()] = NOT_RECORDED
+        out[~attention_mask.bool()] = PADDING
         return out.reshape(-1, *routing.shape[2:])
     rows = packed["packed_input_ids"]
-    out = torch.full((rows.numel(), *routing.shape[2:]), NOT_RECORDED, dtype=routing.dtype,
+    out = torch.full((rows.numel(), *routing.shape[2:]), PADDING, dtype=routing.dtype,
                      device=routing.device)  # fmt: skip
     real = attention_mask.bool()
     out[packed["packed_index"][real]] = routing[real]

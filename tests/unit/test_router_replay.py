@@ -234,7 +234,8 @@ def test_a_groups_routing_reaches_the_learners_forward(tmp_path):
     recorded = [p for p in range(19) if p not in (13, 14)]
     assert torch.equal(seen["e"][recorded], torch.as_tensor(other[0, recorded, 2]))
     counts = replay.take_counts()
-    assert counts.fallback_tokens >= 2  # sample 1's tool turn (and any packed slack)
+    # both samples' tool turns; packed slack and padding are not tokens and not counted
+    assert (counts.fallback_tokens, counts.replayed_tokens) == (4, 2 * 19 - 4)
 
 
 def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
