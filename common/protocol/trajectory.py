@@ -33,6 +33,9 @@ unchanged):
   template refused a turn, a turn could not be encoded); such an episode is recorded and
   counted but never trained.
 
+With routing replay on, an episode also carries ``routed_experts`` (its ids' experts) and, for a
+segment with its own prompt, ``prompt_routed_experts`` (``common.protocol.routing``, schema v3).
+
 A v1 message (single-turn, ``version_spans``) is read as an episode of one assistant turn.
 """
 
@@ -43,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from common.protocol.routing import ROUTING_VERSION, RoutingShape
 from common.protocol.wire_arrays import pack_array, unpack_array
 from common.protocol.wire_fields import (
     LOGPROB_EPS,
@@ -68,7 +72,9 @@ AGENT_FAILED = frozenset({"agent_error", "agent_timeout", "episode_error"})
 # fields written only when they differ from these defaults (see the module docstring)
 _OPTIONAL_DEFAULTS: dict[str, Any] = {
     "segment": 0, "prompt_token_ids": None, "agent_reward": None, "error": "",
+    "routed_experts": None, "prompt_routed_experts": None,
 }  # fmt: skip
+_ROUTING_FIELDS = ("routed_experts", "prompt_routed_experts")
 
 
 @dataclass
@@ -171,6 +177,8 @@ class Trajectory:
     prompt_token_ids: np.ndarray | None = None  # uint32; None = the group's prompt
     agent_reward: dict[str, float] | None = None
     error: str = ""
+    routed_experts: np.ndarray | None = None  # [n, L, K] (common.protocol.routing)
+    prompt_routed_experts: np.ndarray | None = None  # [len(prompt_token_ids), L, K]
 
     @property
     def failed(self) -> bool:
@@ -224,13 +232,21 @@ class Trajectory:
                 del d[name]
         if self.prompt_token_ids is not None:
             d["prompt_token_ids"] = pack_array(np.asarray(self.prompt_token_ids, dtype="<u4"))
+        for name in _ROUTING_FIELDS:
+            if name in d:
+                d[name] = pack_array(d[name])
         return d
 
     @classmethod
-    def from_wire(cls, d: Any, *, version: int) -> Trajectory:
+    def from_wire(cls, d: Any, *, version: int, routing: RoutingShape | None = None) -> Trajectory:
+        """``routing``: the group's routing shape (v3), which the sample's routing must fit."""
         if version == 1:
             return cls._from_v1(d)
         f = _Fields(d, "sample", cls, head=False, version=version)
+        for name in _ROUTING_FIELDS:
+            _check(name not in d or (version >= ROUTING_VERSION and routing is not None),
+                   "bad_schema", f"sample.{name} needs schema v{ROUTING_VERSION} and the "
+                   "group's routing_shape")  # fmt: skip
         ids = _token_ids(f.get("response_token_ids"), "response_token_ids")
         n = len(ids)
         mask = _array(f.get("loss_mask"), "|u1", n, "loss_mask")
@@ -250,7 +266,7 @@ class Trajectory:
             turns=_check_turns(turns, mask, [c.turn for c in records]), tool_calls=records,
             template_mismatch=f.get("template_mismatch", _is_int, "an int"),
             timings=f.get("timings", _map_of(_number), "a map of str to numbers"),
-            **_agent_fields(f),
+            **_agent_fields(f), **_routing_fields(f, routing, n),
         )  # fmt: skip
 
     @classmethod
@@ -293,6 +309,24 @@ def _agent_fields(f: _Fields) -> dict[str, Any]:
         "segment": segment, "prompt_token_ids": prompt, "error": error,
         "agent_reward": None if reward is None else {k: float(v) for k, v in reward.items()},
     }  # fmt: skip
+
+
+def _routing_fields(f: _Fields, routing: RoutingShape | None, n: int) -> dict[str, Any]:
+    """A v3 sample's routing, checked against the group's shape and its own ids."""
+    out: dict[str, Any] = {}
+    if routing is None:
+        return out
+    raw = f.get("routed_experts", optional=True)
+    if raw is not None:
+        out["routed_experts"] = routing.unpack(raw, n, "sample.routed_experts")
+    raw = f.get("prompt_routed_experts", optional=True)
+    if raw is not None:
+        own = f.d.get("prompt_token_ids")
+        _check(own is not None, "bad_schema",
+               "sample.prompt_routed_experts without the sample's own prompt_token_ids")  # fmt: skip
+        p = _token_ids(own, "sample.prompt_token_ids")
+        out["prompt_routed_experts"] = routing.unpack(raw, len(p), "sample.prompt_routed_experts")
+    return out
 
 
 def _anything_map(x: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from common.protocol.routing import ROUTING_VERSION, RoutingShape
 from common.protocol.trajectory import ToolCallRecord, Trajectory
 from common.protocol.wire_arrays import ERROR_REASONS, WireError, _is_int, pack_array
 from common.protocol.wire_fields import (
@@ -96,11 +97,26 @@ class TrajectoryGroup(_Msg):
     generator_id: str
     samples: list[Trajectory]
     created_at: float = field(default_factory=time.time)
+    # routing replay (schema v3, common.protocol.routing); absent from a v2 message
+    routing_shape: RoutingShape | None = None
+    prompt_routed_experts: np.ndarray | None = None  # [len(prompt_token_ids), L, K]
+
+    @property
+    def wire_version(self) -> int:
+        return ROUTING_VERSION if self.routing_shape is not None else SCHEMA_VERSION
 
     def to_wire(self) -> dict[str, Any]:
         d = super().to_wire()
+        d["v"] = self.wire_version
         d["prompt_token_ids"] = pack_array(np.asarray(self.prompt_token_ids, dtype="<u4"))
         d["samples"] = [s.to_wire() for s in self.samples]
+        for name in ("routing_shape", "prompt_routed_experts"):
+            if d[name] is None:
+                del d[name]
+        if self.routing_shape is not None:
+            d["routing_shape"] = self.routing_shape.to_wire()
+        if self.prompt_routed_experts is not None:
+            d["prompt_routed_experts"] = pack_array(self.prompt_routed_experts)
         return d
 
     @classmethod
@@ -108,14 +124,23 @@ class TrajectoryGroup(_Msg):
         f = _Fields(d, cls.kind, cls)
         _check(version in (None, f.version), "bad_version", f"group v{f.version} in v{version}")
         samples = f.get("samples", _list_of(_anything), "a list")
+        raw_shape = f.get("routing_shape", optional=True)
+        ok = raw_shape is None or f.version >= ROUTING_VERSION
+        _check(ok, "bad_schema", f"group.routing_shape needs schema v{ROUTING_VERSION}")
+        routing = None if raw_shape is None else RoutingShape.from_wire(raw_shape)
+        prompt = _token_ids(f.get("prompt_token_ids"), "prompt_token_ids")
+        raw = f.get("prompt_routed_experts", optional=True)
+        _check(raw is None or routing is not None, "bad_schema",
+               "group.prompt_routed_experts without a routing_shape")  # fmt: skip
         return cls(
             group_id=f.text("group_id"), prompt_id=f.text("prompt_id"), cycle=f.nat("cycle"),
-            index=f.nat("index"), split=f.split(),
-            prompt_token_ids=_token_ids(f.get("prompt_token_ids"), "prompt_token_ids"),
+            index=f.nat("index"), split=f.split(), prompt_token_ids=prompt,
             prompt_text=f.text("prompt_text"), ground_truth=f.text("ground_truth", optional=True),
             metadata=f.metadata(), generator_id=f.text("generator_id"),
-            samples=[Trajectory.from_wire(s, version=f.version) for s in samples],
-            created_at=f.num("created_at"),
+            samples=[Trajectory.from_wire(s, version=f.version, routing=routing) for s in samples],
+            created_at=f.num("created_at"), routing_shape=routing,
+            prompt_routed_experts=None if raw is None else routing.unpack(  # type: ignore[union-attr]
+                raw, len(prompt), "group.prompt_routed_experts"),
         )  # fmt: skip
 
 
@@ -132,7 +157,7 @@ class ScoredGroup(_Msg):
     score_seconds: float
 
     def to_wire(self) -> dict[str, Any]:
-        return {**super().to_wire(), "group": self.group.to_wire()}
+        return {**super().to_wire(), "v": self.group.wire_version, "group": self.group.to_wire()}
 
     @classmethod
     def from_wire(cls, d: Any) -> ScoredGroup:

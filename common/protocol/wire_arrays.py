@@ -13,7 +13,7 @@ MAX_ARRAY_ELEMS = 1 << 26
 ERROR_REASONS = frozenset(
     {"oversize", "undecodable", "bad_version", "bad_kind", "bad_schema", "bad_value"}
 )
-_ARRAY_DTYPES = frozenset({"<u4", "<i4", "<f4", "<u8", "<i8", "<f8", "|u1"})
+_ARRAY_DTYPES = frozenset({"<u4", "<i4", "<f4", "<u8", "<i8", "<f8", "|u1", "<u2"})
 
 
 def _is_int(x: Any) -> bool:

@@ -14,8 +14,9 @@ from common.protocol.wire_arrays import WireError, _is_int, unpack_array
 
 SCHEMA_VERSION = 2
 # Versions this build decodes. v1 (single-turn trajectories with version spans) is upgraded on
-# decode: every token sampled (loss mask 1), per-token versions from the spans, one turn.
-READABLE_VERSIONS = (1, 2)
+# decode: every token sampled (loss mask 1), per-token versions from the spans, one turn. v3 is
+# v2 with routed experts (``common.protocol.routing``): written only by a group that has them.
+READABLE_VERSIONS = (1, 2, 3)
 LOGPROB_EPS = 1e-3  # float32 rounding of log(p) for p ~ 1 can land slightly above 0
 _SPLITS = ("train", "eval")
 

@@ -9,6 +9,7 @@ check                                 train    learner     generator  scorer
 transformers, vLLM versions (stack)   yes      yes (**)    yes        solver mode
 learner.trackers installed            yes      yes         -          -
 peft installed (learner.lora_rank)    yes      yes         -          -
+router_replay: MoE; vLLM returns it  yes      MoE only    yes        -
 policy model + tokenizer directories  yes      yes         yes        solver mode
 solver model directory                solver   -           -          solver mode
 data.train_path / eval_path exist     yes      rank 0      -          -
@@ -105,6 +106,11 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
         checks.append(require_peft)
     if role != "scorer":
         checks.append(lambda: policy_paths(cfg))
+    if role != "scorer" and cfg.learner.router_replay != "off":
+        from common.data.model_paths import check_router_replay
+
+        engine = role in ("train", "generator")
+        checks.append(lambda: check_router_replay(cfg, engine=engine))
     if cfg.scorer.mode == "solver" and (role == "scorer" or cfg.scorer.solver_model):
         checks.append(lambda: solver_path(cfg))  # train: the policy, when empty, is checked above
     if needs_data:

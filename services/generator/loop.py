@@ -64,6 +64,7 @@ from services.generator.trajectories import (
     check_episodes_order,
     check_samples_order,
     single_turn_trajectories,
+    split_routing,
     to_group,
 )
 from services.generator.weights import WeightFollower
@@ -146,12 +147,23 @@ class GeneratorService:
         # an EpisodeRunner (generator.max_turns > 1) or an AgentRunner ([agent]): run_prompt, close
         self.episodes: Any = None
         self.tool_schemas: list[dict[str, Any]] | None = None
+        # routing replay (learner.router_replay): the model's RoutingShape, and each request's
+        # prompt routing until its group is made
+        self.routing: Any = None
+        self._prompt_routing: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
         from common.engine import GenerationEngine, policy_engine_settings
 
         settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
+        if settings.return_routed_experts:
+            from common.data.model_paths import moe_routing_shape
+            from common.protocol.routing import RoutingShape
+
+            shape = moe_routing_shape(settings.model)
+            assert shape is not None, "preflight refuses router_replay for a dense model"
+            self.routing = RoutingShape(*shape)
         self.engine = GenerationEngine(settings)
         await self.engine.start()
         if settings.max_lora_rank:  # a LoRA learner publishes adapters: this vLLM must take them
@@ -263,7 +275,11 @@ class GeneratorService:
             return episodes
         samples = await self.engine.generate_group(ids, sampling, request_id=request_id)
         check_samples_order(samples)
-        return single_turn_trajectories(msg, samples, started=started, version=version)
+        if self.routing is not None and samples:  # the prompt ran once: any sample's is it
+            self._prompt_routing[request_id] = split_routing(
+                self.routing, samples[0].routed_experts, len(ids), 0)[0]  # fmt: skip
+        return single_turn_trajectories(msg, samples, started=started, version=version,
+                                        prompt_len=len(ids), routing=self.routing)  # fmt: skip
 
     async def _handle(self, consumer, d) -> None:
         self._held.add(d.entry_id)
@@ -297,7 +313,8 @@ class GeneratorService:
                     "weights now loaded, so that its versions never go backwards",
                     msg.prompt_id, back,
                 )  # fmt: skip
-        group = to_group(msg, ids, trajectories, generator_id=self.sid)
+        group = to_group(msg, ids, trajectories, generator_id=self.sid, routing=self.routing,
+                         prompt_routing=self._prompt_routing.pop(request_id, None))  # fmt: skip
         self._waiting_backpressure += 1
         try:
             await asyncio.to_thread(self.bus.wait_for_capacity, streams.GROUPS, streams.SCORERS)

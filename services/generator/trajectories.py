@@ -41,12 +41,33 @@ def check_episodes_order(trajectories: list[wire.Trajectory]) -> None:
         _check_order(np.asarray(t.token_versions)[np.asarray(t.loss_mask) == 1])
 
 
+def split_routing(shape: Any, routed: Any, n_prompt: int, n_response: int) -> tuple[Any, Any]:
+    """The engine's routing of one request (``[tokens it ran, L, K]``, the prompt's first) as the
+    wire's prompt and response parts (``common.protocol.routing``), each as long as its ids: a
+    token the engine did not run (a response's last: nothing is sampled after it) is not
+    recorded. ``(None, None)`` without a shape or routing."""
+    import numpy as np
+
+    if shape is None or routed is None:
+        return None, None
+    arr = np.asarray(routed)
+
+    def part(a: Any, n: int) -> Any:
+        out = np.full((n, shape.layers, shape.top_k), -1, dtype=np.int64)
+        out[: len(a)] = a[:n]
+        return shape.encode(out)
+
+    return part(arr[:n_prompt], n_prompt), part(arr[n_prompt : n_prompt + n_response], n_response)
+
+
 def single_turn_trajectories(
-    msg: wire.PromptMsg, samples: list[Any], *, started: float, version: int | None
-) -> list[wire.Trajectory]:
+    msg: wire.PromptMsg, samples: list[Any], *, started: float, version: int | None,
+    prompt_len: int = 0, routing: Any = None,
+) -> list[wire.Trajectory]:  # fmt: skip
     """The one-turn episodes of ``samples`` (the engine's ``Sample``s): every id sampled, with
     its behaviour log-prob and the version of its span. ``version`` labels a response the engine
-    reported no spans for."""
+    reported no spans for. ``routing`` (a ``RoutingShape``, routing replay on): each response's
+    experts from the engine's (``prompt_len``: the prompt's ids, which come first in it)."""
     out = []
     for i, s in enumerate(samples):
         spans = [
@@ -66,6 +87,8 @@ def single_turn_trajectories(
                 timings={"generate_s": s.seconds, "queued_s": started - msg.created_at},
             )
         )
+        _, out[-1].routed_experts = split_routing(routing, s.routed_experts, prompt_len,
+                                                  len(s.token_ids))  # fmt: skip
     return out
 
 
@@ -75,10 +98,13 @@ def to_group(
     trajectories: list[wire.Trajectory],
     *,
     generator_id: str,
+    routing: Any = None,
+    prompt_routing: Any = None,
 ) -> wire.TrajectoryGroup:
     """The group of ``msg``'s episodes (single-turn responses are episodes of one turn); a
     trajectory's ``policy_version`` is its oldest sampled token's — the one staleness is judged
-    by."""
+    by. ``routing``: the model's ``RoutingShape`` (routing replay on; v3), ``prompt_routing``
+    the prompt's experts as the engine ran it."""
     import numpy as np
 
     return wire.TrajectoryGroup(
@@ -93,4 +119,6 @@ def to_group(
         metadata=msg.metadata,
         generator_id=generator_id,
         samples=trajectories,
+        routing_shape=routing,
+        prompt_routed_experts=prompt_routing if routing is not None else None,
     )

@@ -185,6 +185,7 @@ def collate(
     token_fields: Sequence[str] = (),
     seq_fields: Sequence[str] = (),
     mask_field: str | None = None,
+    routing_field: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded tensors for the samples at `indices` (each a mapping or an object with
     `prompt_ids` and `response_ids`, lists of token ids).
@@ -199,7 +200,9 @@ def collate(
       so an episode's tool and environment tokens carry no loss;
     - each name in `token_fields` (per-response-token float lists, e.g. "behaviour_logp"):
       [B, L] float32 placed on the response positions, 0 elsewhere;
-    - each name in `seq_fields` (one number per sample, e.g. "advantage"): [B] float32.
+    - each name in `seq_fields` (one number per sample, e.g. "advantage"): [B] float32;
+    - `routing` [B, L, layers, top_k] long, with `routing_field` when any sample has one (an
+      array of every prompt and response id's experts, `router_replay`): -1 where not recorded.
     No indices gives a dummy batch of one pad token with loss_mask 0 (a zero-weight pass).
     """
     import torch
@@ -259,4 +262,16 @@ def collate(
             out[f][row, n_p:n] = torch.tensor(values, dtype=torch.float32)
     for f in seq_fields:
         out[f] = torch.tensor([float(_field(samples[i], f)) for i in indices])
+    if routing_field is not None:
+        routes = [_field(samples[i], routing_field) for i in indices]
+        given = [r for r in routes if r is not None]
+        if given:
+            out["routing"] = torch.full((b, width, *given[0].shape[1:]), -1, dtype=torch.long)
+            for row, (r, (prompt, response)) in enumerate(zip(routes, rows, strict=True)):
+                if r is None:
+                    continue
+                if len(r) != len(prompt) + len(response):
+                    raise ValueError(f"sample {indices[row]}: routing for {len(r)} ids, it has "
+                                     f"{len(prompt) + len(response)}")  # fmt: skip
+                out["routing"][row, : len(r)] = torch.as_tensor(r, dtype=torch.long)
     return out

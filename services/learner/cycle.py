@@ -58,6 +58,9 @@ class Sample:
     # what the episode did (rank 0's step records; not sent to the other ranks): see
     # ``episode_stats``
     episode: dict[str, float] = field(default_factory=dict)
+    # routing replay (``learner.router_replay``): the experts of every prompt and response id,
+    # [len(prompt_ids) + len(response_ids), L, K] int32, -1 where not recorded; None = none sent
+    routing: np.ndarray | None = None
     # filled in per cycle / per step
     advantages: list[float] = field(default_factory=list)  # one per response token
     old_logp: list[float] = field(default_factory=list)
@@ -81,6 +84,7 @@ def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
         }
         for traj in sg.group.samples:
             own = traj.prompt_token_ids
+            n_prompt = len(prompt) if own is None else len(own)
             out.append(
                 Sample(
                     sample_id=traj.sample_id,
@@ -97,9 +101,27 @@ def samples_from_groups(groups: list[wire.ScoredGroup]) -> list[Sample]:
                     episode_index=traj.sample_index,
                     segment=traj.segment,
                     failed=traj.failed,
+                    routing=_routing_of(sg.group, traj, n_prompt),
                 )
             )
     return out
+
+
+def _routing_of(group: wire.TrajectoryGroup, traj: wire.Trajectory, n_prompt: int):
+    """A sample's routing as the learner replays it (``Sample.routing``), or None."""
+    shape = group.routing_shape
+    if shape is None:
+        return None
+    parts = []
+    prompt = (
+        group.prompt_routed_experts if traj.prompt_token_ids is None else traj.prompt_routed_experts
+    )
+    for arr, n in ((prompt, n_prompt), (traj.routed_experts, len(traj.response_token_ids))):
+        if arr is None:
+            parts.append(np.full((n, shape.layers, shape.top_k), -1, dtype=np.int32))
+        else:
+            parts.append(shape.replay(arr).astype(np.int32))
+    return np.concatenate(parts)
 
 
 def episode_rows(samples: list[Sample]) -> list[int]:
@@ -157,6 +179,9 @@ def encode_samples(samples: list[Sample]) -> bytes:
             s.episode_index,
             s.segment,
             s.failed,
+            None
+            if s.routing is None
+            else [list(s.routing.shape), s.routing.astype("<i4").tobytes()],
         ]
         for s in samples
     ]
@@ -180,6 +205,9 @@ def decode_samples(data: bytes) -> list[Sample]:
             episode_index=int(r[10]),
             segment=int(r[11]),
             failed=bool(r[12]),
+            routing=None
+            if r[13] is None
+            else np.frombuffer(r[13][1], dtype="<i4").reshape(r[13][0]).copy(),
         )
         for r in rows
     ]
@@ -236,6 +264,7 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
         "advantage": s.advantages or [0.0] * len(s.response_ids),
         "response_mask": response_mask(s),
         "weight": s.weight,
+        "routing": s.routing,
     }
 
 

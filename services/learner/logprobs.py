@@ -36,7 +36,7 @@ def collate(
 ) -> dict[str, torch.Tensor]:
     """``batching.collate``, plus the packed forward's inputs with ``learner.pack_sequences``:
     one rule for the training step and the recompute passes."""
-    batch = batching.collate(fields, indices, pad_id=pad_id, **kw)
+    batch = batching.collate(fields, indices, pad_id=pad_id, routing_field="routing", **kw)
     return packing.add_packed(batch, pad_id=pad_id) if cfg.learner.pack_sequences else batch
 
 
@@ -62,7 +62,8 @@ def recompute_logprobs(
     local = [[mine[j] for j in mb] for mb in micro_batches(cfg, [lengths[i] for i in mine])]
     count = int(all_reduce(torch.tensor([len(local)], device=device), "max").item())
     flat = torch.zeros(max(total, 1), dtype=torch.float64, device=device)
-    fields = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in samples]
+    fields = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "routing": s.routing}
+              for s in samples]  # fmt: skip
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -76,6 +77,7 @@ def recompute_logprobs(
                 position_ids=batch["position_ids"],
                 temperature=cfg.behaviour_temperature,
                 packed=packing.packed_of(batch),
+                routing=batch.get("routing"),
             )
             for row, i in enumerate(mb):
                 n_p, n_r = len(samples[i].prompt_ids), len(samples[i].response_ids)

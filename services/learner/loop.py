@@ -186,6 +186,14 @@ class LearnerService:
                 model_dir, device=self.device, param_dtype=dtype, pack_sequences=ln.pack_sequences,
                 offload=ln.reference_cpu_offload,
             )  # fmt: skip
+        if ln.router_replay != "off":
+            from services.learner.router_replay import RouterReplay
+
+            for m in {id(x): x for x in (self.model, self.ref_model) if x is not None}.values():
+                m.router_replay = RouterReplay(m)
+            r = self.model.router_replay
+            log.info("routing replay (%s): %d MoE layers, top-%d of %d experts", ln.router_replay,
+                     r.layers, r.top_k, r.num_experts)  # fmt: skip
         if self.lora is not None:
             self._log_lora(self.lora)
         from transformers import AutoTokenizer

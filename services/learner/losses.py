@@ -271,6 +271,13 @@ def _policy_stats(adv, r, valid, dual_active, weights, over, *, clip_low, clip_h
 _COUNT_FRACTIONS = {
     "mismatch_masked_frac": ("mismatch_masked_tokens_count", "mismatch_tokens_count"),
     "mismatch_masked_seq_frac": ("mismatch_masked_seqs_count", "mismatch_seqs_count"),
+    # routing replay (services/learner/router_replay.py): tokens the learner routed itself, and
+    # routing decisions where its own top-k differed from the replayed (generator's) one
+    "router_replay_fallback_frac": ("router_replay_fallback_count", "router_replay_tokens_count"),
+    "router_replay_differing_frac": (
+        "router_replay_differing_count",
+        "router_replay_decisions_count",
+    ),
 }
 
 

@@ -380,6 +380,7 @@ def token_logprobs_and_entropy(
     with_entropy: bool = False,
     temperature: float = 1.0,
     packed: Mapping[str, torch.Tensor] | None = None,
+    routing: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each token given the tokens before it, on response positions.
 
@@ -393,6 +394,10 @@ def token_logprobs_and_entropy(
 
     ``packed`` (``packing.add_packed``'s fields): run the forward on the packed rows instead of
     the padded ``[B, T]`` batch; the outputs are the same ``[B, T]`` tensors.
+
+    ``routing`` (``[B, T, layers, top_k]`` expert ids, -1 = not recorded): route every MoE layer
+    by it (``router_replay``; the model must have it installed, ``model.router_replay``), or
+    by the model's own routers when it is None or the model has no replay installed.
 
     Memory: logits are computed once; only the rows that predict a response token are selected
     and upcast to fp32, and the log-prob uses ``gather - logsumexp`` (no full log-softmax copy).
@@ -409,6 +414,15 @@ def token_logprobs_and_entropy(
         raise ValueError("response_mask[:, 0] must be 0: the first token has no preceding context")
     # logits[:, t] predicts token t + 1.
     pred_mask = response_mask[:, 1:].bool()
+    replay = getattr(model, "router_replay", None)
+    if routing is not None and replay is not None:
+        from services.learner.router_replay import flat_routing
+
+        with replay.replaying(flat_routing(routing, attention_mask, packed)):
+            return token_logprobs_and_entropy(
+                model, input_ids, attention_mask, response_mask, position_ids=position_ids,
+                with_entropy=with_entropy, temperature=temperature, packed=packed,
+            )  # fmt: skip
     if packed is None:
         out = model(
             input_ids=input_ids,

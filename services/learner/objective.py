@@ -109,6 +109,7 @@ def make_loss_fn(
             with_entropy=want_entropy,
             temperature=cfg.behaviour_temperature,
             packed=packing.packed_of(mb),
+            routing=mb.get("routing"),
         )
         off = ln.off_policy
         if off == "none":
@@ -158,6 +159,9 @@ def make_loss_fn(
             token_loss = token_loss - ln.entropy_coef * entropy
             stats["entropy_mean"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
         stats.update({f"mismatch_{k}": v for k, v in raw_mismatch.items() if k != "tokens"})
+        replay = getattr(model, "router_replay", None)
+        if replay is not None:
+            stats.update(replay.take_counts().as_stats())
         if masking:
             stats.update(mask_counts)
         stats_out.append(stats)

@@ -159,3 +159,25 @@ def test_missing_command_and_bad_inputs(tmp_path):
     bad.write_text("a: [1, 2\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         import_peer_config("verl", bad)
+
+
+def test_rollout_routing_replay_from_slime_and_verl(tmp_path):
+    """slime's --use-rollout-routing-replay and verl's router_replay.mode=R3 are
+    learner.router_replay = "r3"; R2 (the learner's own old routing) is listed as not mapped."""
+    script = tmp_path / "run.sh"
+    base = "python3 train.py --rollout-batch-size 8 --n-samples-per-prompt 4 --global-batch-size 32"
+    script.write_text(f"{base} --use-rollout-routing-replay\n")
+    assert import_peer_config("slime", script).tether["learner"]["router_replay"] == "r3"
+    script.write_text(f"{base} --use-routing-replay\n")
+    r = import_peer_config("slime", script)
+    assert "router_replay" not in r.tether.get("learner", {})
+    assert any("R2" in why for key, _, why in r.unmapped if "routing" in key)
+    verl = ("python3 -m verl.trainer.main_ppo data.train_batch_size=8 actor_rollout_ref.rollout.n=4 "
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8 ")  # fmt: skip
+    for key in ("router_replay.mode", "megatron.router_replay.mode"):
+        script.write_text(f"{verl}actor_rollout_ref.actor.{key}=R3\n")
+        assert import_peer_config("verl", script).tether["learner"]["router_replay"] == "r3"
+    script.write_text(f"{verl}actor_rollout_ref.actor.router_replay.mode=R2\n")
+    r = import_peer_config("verl", script)
+    assert "router_replay" not in r.tether.get("learner", {})
+    assert any("R2" in why for _, _, why in r.unmapped)

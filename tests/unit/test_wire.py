@@ -22,6 +22,7 @@ from common.protocol.wire import (
     decode,
     encode,
 )
+from common.protocol.wire_fields import READABLE_VERSIONS
 
 
 def make_episode(i: int, n_tokens: int, group_id: str, rng) -> Trajectory:
@@ -135,7 +136,9 @@ def test_every_rejection_reason() -> None:
     assert _reason(good[: len(good) // 2]) == "undecodable"
     assert _reason(msgpack.packb(msgpack.ExtType(5, b"x"))) == "undecodable"
     assert _reason(msgpack.packb([1, 2])) == "bad_schema"
-    assert _reason(_mutated(lambda d: d.__setitem__("v", 3))) == "bad_version"
+    assert (
+        _reason(_mutated(lambda d: d.__setitem__("v", max(READABLE_VERSIONS) + 1))) == "bad_version"
+    )
     assert _reason(_mutated(lambda d: d.pop("v"))) == "bad_version"
     assert _reason(_mutated(lambda d: d.__setitem__("kind", "nope"))) == "bad_kind"
     assert _reason(_mutated(lambda d: d.pop("prompt_text"))) == "bad_schema"
@@ -240,13 +243,13 @@ def test_v1_spans_are_still_checked_and_v2_fields_refused_in_v1() -> None:
     assert _reason(msgpack.packb(outer, use_bin_type=True)) == "bad_version"
 
 
-def test_versions_other_than_1_and_2_are_dead_lettered_with_the_reason() -> None:
-    for v in (0, 3, "2", None):
+def test_versions_this_build_cannot_read_are_dead_lettered_with_the_reason() -> None:
+    for v in (0, 4, "2", None):
         d = make_group().to_wire()
         d["v"] = v
         with pytest.raises(WireError) as e:
             decode(msgpack.packb(d, use_bin_type=True))
-        assert e.value.reason == "bad_version" and "this build reads (1, 2)" in str(e.value)
+        assert e.value.reason == "bad_version" and "this build reads (1, 2, 3)" in str(e.value)
 
 
 def test_a_single_turn_response_is_an_episode_of_one_turn() -> None:

@@ -361,3 +361,19 @@ def to_one_path(value: Any) -> str:
             raise Skip("Tether reads one data file per split; merge the files first")
         value = value[0]
     return str(value)
+
+
+R2_NOTE = (
+    "R2 replays the routing the learner's own old policy computed; Tether replays the routing "
+    'the generator sampled with (R3, learner.router_replay = "r3") or none'
+)
+
+
+def to_router_replay(value: Any) -> str:
+    """verl's ``router_replay.mode`` (disabled, R2, R3) as ``learner.router_replay``."""
+    mode = str(value).strip().upper()
+    if mode in ("DISABLED", "NONE", "OFF", "FALSE", ""):
+        return "off"
+    if mode == "R3":
+        return "r3"
+    raise Skip(R2_NOTE if mode == "R2" else f"unknown router replay mode {value!r}")

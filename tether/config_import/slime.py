@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config.rules import default_max_staleness
-from tether.config_import.mapping import Mapper, to_lr_schedule, to_one_path
+from tether.config_import.mapping import R2_NOTE, Mapper, to_lr_schedule, to_one_path
 
 _SLIME_NEW = {
     "prompts_per_cycle": "rollout_batch_size",
@@ -236,9 +236,21 @@ def _slime_schedule(m: Mapper, steps: int | None) -> None:
     m.put_per_cycle("eval_interval", "learner.eval_every_steps", steps, "rollouts (cycles)")
 
 
+def _slime_routing(m: Mapper) -> None:
+    """slime's --use-rollout-routing-replay is R3; --use-routing-replay (R2) has no Tether
+    counterpart."""
+    if m.given("use_rollout_routing_replay"):
+        on = bool(m.get("use_rollout_routing_replay"))
+        m.put("learner.router_replay", "r3" if on else "off", "use_rollout_routing_replay",
+              "slime's rollout routing replay (R3)")  # fmt: skip
+    if m.given("use_routing_replay") and m.get("use_routing_replay"):
+        m.drop("use_routing_replay", R2_NOTE)
+
+
 def map_slime(m: Mapper) -> None:
     steps = _slime_batches(m)
     _slime_direct(m)
+    _slime_routing(m)
     _slime_policy_loss(m)
     _slime_memory(m)
     _slime_schedule(m, steps)

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from tether.config_import.lora import map_verl_lora
-from tether.config_import.mapping import Mapper, to_loss_agg, to_lr_schedule, to_one_path
+from tether.config_import.mapping import (
+    Mapper,
+    to_loss_agg,
+    to_lr_schedule,
+    to_one_path,
+    to_router_replay,
+)
 from tether.config_import.verl_multi_turn import map_multi_turn
 
 _A, _R, _O = (
@@ -320,6 +326,18 @@ def _verl_optimizer_and_sampling(m: Mapper, steps: int | None) -> None:
                 "actor_rollout_ref.model.enable_gradient_checkpointing",
                 "learner.gradient_checkpointing",
                 bool,
+            ),
+            (
+                _A + "router_replay.mode",
+                "learner.router_replay",
+                to_router_replay,
+                "verl's rollout routing replay (R3)",
+            ),
+            (
+                _A + "megatron.router_replay.mode",
+                "learner.router_replay",
+                to_router_replay,
+                "verl's rollout routing replay (R3)",
             ),
             (
                 "actor_rollout_ref.model.use_remove_padding",
