@@ -83,6 +83,9 @@ def recompute_logprobs(
                 n_p, n_r = len(samples[i].prompt_ids), len(samples[i].response_ids)
                 flat[offsets[i] : offsets[i] + n_r] = logp[row, n_p : n_p + n_r].double()
     model.train(was_training)
+    replay = getattr(model, "router_replay", None)
+    if replay is not None:  # the step record counts the training forwards only
+        replay.take_counts()
     flat = all_reduce(flat)
     values = flat.cpu().tolist()
     return [values[o : o + len(s.response_ids)] for o, s in zip(offsets, samples, strict=True)]

@@ -104,7 +104,9 @@ class RouterReplay:
         self.layer_ids = [layer for layer, _ in routers]
         self._routing: torch.Tensor | None = None
         self._recorded: list[torch.Tensor | None] | None = None
-        self.counts = ReplayCounts()
+        # [replayed tokens, fallback tokens, decisions, differing decisions], summed where the
+        # forward runs: read on the host only by take_counts (no device sync per layer)
+        self._counts: torch.Tensor | None = None
         for slot, (_, router) in enumerate(routers):
             if getattr(router, "_tether_replay", None) is not None:
                 raise ValueError("routing replay is installed on this model already")
@@ -140,8 +142,9 @@ class RouterReplay:
             self._recorded = None
 
     def take_counts(self) -> ReplayCounts:
-        counts, self.counts = self.counts, ReplayCounts()
-        return counts
+        """The counts since the last call (one device-to-host copy), and start again."""
+        acc, self._counts = self._counts, None
+        return ReplayCounts() if acc is None else ReplayCounts(*(int(x) for x in acc.tolist()))
 
     def _route(self, router: Any, slot: int, logits, scores, indices):
         if self._recorded is not None:
@@ -166,13 +169,11 @@ class RouterReplay:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         own = indices.sort(dim=-1).values
         differs = (own != chosen.sort(dim=-1).values).any(dim=-1) & use
-        c = self.counts
-        if slot == 0:
-            n_use = int(use.sum())
-            c.replayed_tokens += n_use
-            c.fallback_tokens += int(real.sum()) - n_use
-        c.decisions += int(use.sum())
-        c.differing_decisions += int(differs.sum())
+        n_use = use.sum()
+        zero = torch.zeros_like(n_use)
+        tokens = (n_use, real.sum() - n_use) if slot == 0 else (zero, zero)
+        step = torch.stack([*tokens, n_use, differs.sum()])
+        self._counts = step if self._counts is None else self._counts + step
         return logits, weights.to(scores.dtype), chosen
 
 
