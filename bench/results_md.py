@@ -217,7 +217,7 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         return [row_scale(r)]
     if kind == "lora":
         return row_lora(r)
-    if kind == "weights" or name == "weights":
+    if kind == "weights":
         from bench.weights import readme_row as row_weights
 
         return [row_weights(r)]
