@@ -23,7 +23,10 @@ from common.weights.group import broadcast, finish
 from common.weights.layout import MAGIC, WeightSyncError, dtype_of, largest_unit, pieces
 
 WINDOW_OPS = 4  # collectives in flight per link and side
-RELEASE_WAIT_S = 0.002  # see StagingBuffer.take
+# see StagingBuffer.take: gloo's worker thread lets go of a finished op's tensors a moment after
+# the wait returns; on a loaded machine (CI's 2 cores under a parallel suite) it can take tens of
+# milliseconds to be scheduled, and a second buffer of a unit's size costs more than the wait
+RELEASE_WAIT_S = 0.05
 
 
 class _InFlight:
