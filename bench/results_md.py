@@ -221,6 +221,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         from bench.weights import readme_row as row_weights
 
         return [row_weights(r)]
+    if kind == "weights_hosts":
+        from bench.weights_hosts import readme_row as row_weights_hosts
+
+        return [row_weights_hosts(r)]
     packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
     return ([] if packing_only else _row_generic(name, r)) + row_packing(r)
 

@@ -118,6 +118,7 @@ def run_one(
     lr: float | None = None,
     kind: str | None = None,
     seeds: tuple[int, ...] | None = None,
+    hosts_mbit: float | None = None,
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -139,6 +140,9 @@ def run_one(
     suffix += f"_t{threads}" if threads and e2e else ""
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
+    hosts_mbit = hosts_mbit if what == "weights" else None
+    if hosts_mbit:  # the chain on emulated hosts (bench.weights_hosts): a result of its own
+        out = out_dir / f"weights_hosts{'_quick' if quick else ''}.json"
     if what == "demos":  # one file per demo kind, each a README table (bench.demos_report)
         out = out_dir / "demos" / f"{kind or 'arithmetic'}{'_quick' if quick else ''}.json"
     kwargs = _quick_kwargs(what, quick)
@@ -156,6 +160,8 @@ def run_one(
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:
         kwargs["generators"] = generators
+    if hosts_mbit:
+        kwargs.update(hosts_mbit=hosts_mbit, work_dir=work_dir, quick=quick)
     if what == "staleness" and lr is not None:
         kwargs["lr"] = lr
     if what == "staleness" and size is None and quick:
@@ -165,7 +171,7 @@ def run_one(
     machine = machine_info()  # its load average is the load when the benchmark started
     result = fn(out_path=out, **kwargs)
     command = command_line(what, quick=quick, size=size, threads=threads, generators=generators,
-                           lr=lr, kind=kind, seeds=seeds)  # fmt: skip
+                           lr=lr, kind=kind, seeds=seeds, hosts_mbit=hosts_mbit)  # fmt: skip
     stamp(out, git_state(), command=command, machine=machine)
     if isinstance(result, dict):
         result.setdefault("git", git_state())
@@ -175,7 +181,7 @@ def run_one(
 def command_line(
     what: str, *, quick: bool = False, size: str | None = None, threads: int | None = None,
     generators: tuple[int, ...] = (), lr: float | None = None, kind: str | None = None,
-    seeds: tuple[int, ...] | None = None,
+    seeds: tuple[int, ...] | None = None, hosts_mbit: float | None = None,
 ) -> str:  # fmt: skip
     """The ``tether bench`` command that runs ``what`` with these settings."""
     parts = ["tether bench", what]
@@ -187,6 +193,7 @@ def command_line(
         if what == "weights" and generators
         else []
     )
+    parts += [f"--hosts-mbit {hosts_mbit:g}"] if hosts_mbit and what == "weights" else []
     parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
     parts += [f"--kind {kind}"] if kind and what == "demos" else []
     parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what == "demos" else []
@@ -219,13 +226,17 @@ def run_bench(args: Any) -> int:
     work_dir = Path(getattr(args, "work_dir", None) or "bench/work")
     threads = getattr(args, "threads", None)
     size = getattr(args, "size", None)
-    generators = _generators(getattr(args, "generators", None) or ("1,2" if quick else "1,2,4"))
+    hosts_mbit = getattr(args, "hosts_mbit", None)
+    if hosts_mbit is not None and hosts_mbit <= 0:
+        raise ValueError(f"--hosts-mbit {hosts_mbit:g}: give each host's link rate in Mbit/s (> 0)")
+    default = "1,2" if quick else "1,2,4,8" if hosts_mbit else "1,2,4"
+    generators = _generators(getattr(args, "generators", None) or default)
     lr = getattr(args, "lr", None)
     demos = {"kind": getattr(args, "kind", None), "seeds": getattr(args, "seeds", None)}
     try:
         with stop_on_signals():
             _run(what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-                 generators=generators, lr=lr, demos=demos)  # fmt: skip
+                 generators=generators, lr=lr, demos=demos, hosts_mbit=hosts_mbit)  # fmt: skip
     except Interrupted as exc:
         print(f"tether bench {what}: {exc}; what it had started is stopped", file=sys.stderr)
         return 128 + exc.signum
@@ -239,13 +250,14 @@ def run_bench(args: Any) -> int:
 
 def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int | None,
          size: str | None, generators: tuple[int, ...], lr: float | None,
-         demos: dict[str, Any] | None = None) -> None:  # fmt: skip
+         demos: dict[str, Any] | None = None,
+         hosts_mbit: float | None = None) -> None:  # fmt: skip
     """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout.
     ``demos``: the demos benchmark's ``kind`` and ``seeds``."""
     if what != "all":
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-            generators=generators, lr=lr, **(demos or {}),
+            generators=generators, lr=lr, hosts_mbit=hosts_mbit, **(demos or {}),
         )  # fmt: skip
         if result is None:
             raise LookupError("its module is not available in this checkout")

@@ -44,10 +44,18 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 
 def run_weights_bench(
     *, total_mb: int = 200, num_tensors: int = 16, repeats: int = 3, out_path: str | None = None,
-    generators: tuple[int, ...] = (),
+    generators: tuple[int, ...] = (), hosts_mbit: float | None = None, work_dir: str = "bench/work",
+    quick: bool = False,
 ) -> dict:  # fmt: skip
     """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio, and
-    with ``generators`` the scaling section (see the module docstring)."""
+    with ``generators`` the scaling section (see the module docstring). With ``hosts_mbit``: the
+    chain against pairwise on emulated hosts instead (``bench.weights_hosts``)."""
+    if hosts_mbit:
+        from bench.weights_hosts import GENERATORS, run_hosts_bench
+
+        small = {"mb": 32, "repeats": 1} if quick else {}
+        return run_hosts_bench(out_path=out_path, mbit=hosts_mbit, work_dir=work_dir,
+                               generators=generators or GENERATORS, **small)  # fmt: skip
     import torch
 
     from common.weights.group import broadcast, make_pair_group

@@ -168,6 +168,15 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         "(default 1,2,4; 1,2 with --quick)",
     )
     bench.add_argument(
+        "--hosts-mbit",
+        type=float,
+        default=None,
+        metavar="R",
+        help="weights: the learner and each generator on an emulated host of its own (a network "
+        "namespace, needs root), each link shaped to R Mbit/s; publish seconds at N = 1,2,4,8 "
+        "down the chain against pairwise, to <out>/weights_hosts.json",
+    )
+    bench.add_argument(
         "--lr",
         type=float,
         default=None,
