@@ -88,7 +88,12 @@ alike); without it each process uses the libraries' default (one thread per core
   The learner's bytes are the measure that carries over to a cluster: down a chain they stay at
   1× the model for any N (pairwise N×; gloo's own broadcast, a binomial tree, ⌈log2(N + 1)⌉×).
   The seconds do not carry over: on loopback every copy, the learner's and each relay's, goes
-  through the same two cores and memory bus.
+  through the same two cores and memory bus. `tether bench weights --hosts-mbit R` puts the
+  learner and each generator on an emulated host of its own (a network namespace, `bench/hosts.py`)
+  whose link is shaped to R Mbit/s each way, so that each host's link, not the shared cores, is
+  the bottleneck; a publish is timed until every generator has verified it. The model and the
+  piece are scaled down together (the row gives both), so the chain's fill of a piece per hop
+  weighs more than it would for a real model with many more pieces.
 
 """
 
