@@ -148,11 +148,10 @@ def _one_n(net, n: int, *, mb: int, tensors: int, chunk_mb: float, repeats: int,
     common = ["--timeout-s", str(timeout_s), "--progress-dir", str(progress)]
     out = work / f"learner_n{n}.json"
     out.unlink(missing_ok=True)
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
-        TETHER_WEIGHTS_SECRET=secrets.token_hex(16),
-    )  # the handshake, as a run has it
+    from bench.workload import child_env
+
+    # the children import bench from this clone; the handshake's secret, as a run has it
+    env = dict(child_env(None), TETHER_WEIGHTS_SECRET=secrets.token_hex(16))
     learner = net.hosts["learner"]
     procs = [net.popen("learner", [*py, "learner", "--address", learner.address, "--members",
                                    str(n), "--mb", str(mb), "--tensors", str(tensors),
