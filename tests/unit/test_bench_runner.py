@@ -102,3 +102,13 @@ def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
     assert cell.endswith("experts, …") and len(cell) < 180  # cut after a whole module name
     result["families"] = [{"family": "moe", "ok": False, "error": "x" * 300}]  # no list in it
     assert readme_row(result)[1].split(" | ")[2] == "moe ✗ " + "x" * 160 + "…"
+
+
+def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2(capsys):
+    from tether.cli.main import main
+
+    for bad in ("-1", "0", "fast"):
+        assert main(["bench", "weights", "--hosts-mbit", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--hosts-mbit: '{bad}': give each emulated host's link rate in Mbit/s" in err
+        assert "Traceback" not in err

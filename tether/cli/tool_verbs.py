@@ -86,6 +86,19 @@ def _bench(args: argparse.Namespace) -> int:
     return int(run_bench(args))
 
 
+def _link_mbit(text: str) -> float:
+    """``--hosts-mbit R``: a link rate in Mbit/s > 0 (argparse turns the error into exit 2)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = 0.0
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give each emulated host's link rate in Mbit/s, a number > 0, e.g. 200"
+        )
+    return rate
+
+
 def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo",
@@ -169,7 +182,7 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--hosts-mbit",
-        type=float,
+        type=_link_mbit,
         default=None,
         metavar="R",
         help="weights: the learner and each generator on an emulated host of its own (a network "
