@@ -86,4 +86,3 @@ def test_weight_chain_on_hosts_sends_the_model_once_from_the_learner(tmp_path: P
             # timed until every generator had it verified: never faster than the link allows
             assert 0.2 < fanout[n]["link_rate_share"] <= 1.0
     assert "weights (hosts)" in readme_row(r)
-

@@ -104,11 +104,17 @@ def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
     assert readme_row(result)[1].split(" | ")[2] == "moe ✗ " + "x" * 160 + "…"
 
 
-def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2(capsys):
-    from tether.cli.main import main
+def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2():
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    tether = Path(sys.executable).with_name("tether")  # the installed command, as a user runs it
     for bad in ("-1", "0", "fast"):
-        assert main(["bench", "weights", "--hosts-mbit", bad]) == 2
-        err = capsys.readouterr().err
-        assert f"--hosts-mbit: '{bad}': give each emulated host's link rate in Mbit/s" in err
-        assert "Traceback" not in err
+        proc = subprocess.run([str(tether), "bench", "weights", f"--hosts-mbit={bad}"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2
+        assert (
+            f"--hosts-mbit: '{bad}': give each emulated host's link rate in Mbit/s" in proc.stderr
+        )
+        assert "Traceback" not in proc.stderr
