@@ -5,7 +5,9 @@ tensors into the units sent), ``checksum``, ``group`` (a pairwise process group,
 the deadline every collective is held to), ``transfer`` (one update over one link, both sides),
 ``stream`` (an update produced unit by unit while it is sent: the learner never holds the whole
 model), ``chain`` (routes, links, the member's relay, the learner's failure rule), ``publisher``
-(learner side: membership, chain rounds, pairwise catch-ups) and ``receiver`` (generator side).
+(learner side: the store and the publishes, with its parts ``acceptor`` (joins), ``roster`` (the
+members), ``pairwise`` (a sender per member) and ``chain_sender`` (chain rounds and their
+retry)) and ``receiver`` (generator side).
 
 Membership
     The learner hosts a ``torch.distributed.TCPStore`` (``is_master``). A generator joins by

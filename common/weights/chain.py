@@ -192,6 +192,13 @@ class _Watch:
     changed: float = 0.0
 
 
+@dataclass
+class FirstSend:
+    """The learner's own send of a chain round (to the first member): its error once it failed."""
+
+    error: str | None = None
+
+
 class ChainRound:
     """The learner's side of one publish down a chain: send to the first member, then watch every
     member's ``result`` and ``progress`` until all have the version or the deadline.
@@ -206,7 +213,7 @@ class ChainRound:
     def __init__(self, *, stall_s: float, grace_s: float) -> None:
         self.stall_s, self.grace_s = stall_s, grace_s
 
-    def watch(self, members: list, routes: list[str], sender: dict, deadline: float):
+    def watch(self, members: list, routes: list[str], sender: FirstSend, deadline: float):
         """Returns (members that have the version, the blamed member or None, its reason)."""
         now = time.monotonic()
         w = [_Watch(m, r, changed=now) for m, r in zip(members, routes, strict=True)]
@@ -235,7 +242,7 @@ class ChainRound:
             if quiet > self.stall_s:
                 return acked, first.member, f"stalled: no progress for {quiet:.1f} s"
             signals = [x.seen.split("|err|", 1)[1] for x in errors] + below
-            signals += [sender["error"]] if sender.get("error") else []
+            signals += [sender.error] if sender.error else []
             if signals and quiet > self.grace_s:
                 return acked, first.member, f"broke the chain ({signals[0]})"
             if now >= deadline:

@@ -1,7 +1,8 @@
-"""What the learner's publisher keeps per round: the report a publish returns, each member it
-sends to (its process group, its store, what it was last sent) and the update in flight (its
-layout, its deadline allowance and the running checksum through each unit, computed beside the
-sends). ``common.weights.publisher`` runs the rounds with them."""
+"""What the learner's publisher keeps per round: the report a publish returns, what a round has
+done so far (``RoundOutcome``), each member it sends to (its process group, its store, what it was
+last sent) and the update in flight (its layout, its deadline allowance and the running checksum
+through each unit, computed beside the sends). ``common.weights.publisher`` runs the rounds with
+them (``pairwise``, ``chain_sender``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ class PublishReport:
     per_member: dict[str, str] = field(default_factory=dict)
     root_bytes: int = 0  # what the learner itself sent: once per chain round, once per pairwise
     epoch: int = 0  # the chain epoch of the last round (0: nothing went down a chain)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round (chain or pairwise) has done so far. Filled as members finish, so that a
+    report taken at the deadline holds every outcome known by then, even while the round is still
+    dropping the late ones."""
+
+    members: list[str] = field(default_factory=list)  # the members the round serves
+    per_member: dict[str, str] = field(default_factory=dict)  # "ok", "timeout", "error: ..."
+    root_bytes: int = 0  # what the learner sent in it
+
+    def settled(self) -> dict[str, str]:
+        """Every served member's outcome; one the round has not finished with is a timeout (the
+        round drops it as such right after the deadline)."""
+        return {m: self.per_member.get(m, "timeout") for m in list(self.members)}
 
 
 @dataclass(eq=False)

@@ -18,6 +18,7 @@ from common.weights.group import make_pair_group  # noqa: E402
 from common.weights.layout import WeightSyncError, build_layout  # noqa: E402
 from common.weights.publisher import WeightPublisher  # noqa: E402
 from common.weights.receiver import WeightReceiver  # noqa: E402
+from common.weights.roster import Roster  # noqa: E402
 from common.weights.transfer import send_update  # noqa: E402
 from tests.weights_support import (  # noqa: E402
     JOIN_S,
@@ -100,13 +101,13 @@ def test_hung_member_times_out_without_blocking_the_others(
     outcome even when the round is still dropping the hung one as the deadline passes (a busy CI
     machine once returned an empty report: ``slow_drop`` makes that moment long)."""
     if slow_drop:
-        drop = WeightPublisher._drop
+        drop = Roster.drop
 
         def slow(self, m, reason, *detail):
             time.sleep(2.0)
             drop(self, m, reason, *detail)
 
-        monkeypatch.setattr(WeightPublisher, "_drop", slow)
+        monkeypatch.setattr(Roster, "drop", slow)
     timeout_s = 8.0
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, bucket_bytes=1 << 20,
                           fanout=fanout)  # fmt: skip
@@ -130,12 +131,7 @@ def test_hung_member_times_out_without_blocking_the_others(
 def _stream(pub: WeightPublisher, named, version: int):
     """A streamed publish of ``named`` as the learner's rank 0 makes one
     (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
-    session = pub.begin(named, version)
-    named = sorted(named)
-    while (feed := session.next_pass()) is not None:
-        for k, (_, _, first, last) in enumerate(session.layout["units"]):
-            session.put(feed, k, [t for _, t in named[first:last]])
-    return session.close()
+    return _passes(pub.begin(named, version), named)
 
 
 @pytest.mark.parametrize("fanout", ["chain", "pairwise"])
@@ -167,6 +163,43 @@ def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
         assert report.checksum == tensors_checksum(w)
         got = wait_for(lambda: [e for e in events(log_a) if e["event"] == "update"])
         assert got[0]["version"] == 1 and got[0]["checksum"] == report.checksum
+    finally:
+        stop_all(procs, pub)
+
+
+def _passes(session, named):
+    """Make every pass ``session`` asks for (the learner's rank 0), then close it."""
+    named = sorted(named)
+    while (feed := session.next_pass()) is not None:
+        for k, (_, _, first, last) in enumerate(session.layout["units"]):
+            session.put(feed, k, [t for _, t in named[first:last]])
+    return session.close()
+
+
+def test_a_member_that_joins_after_a_streamed_publish_is_caught_up_by_the_learner(tmp_path):
+    """A streamed update is not kept, so the acceptor cannot serve a late joiner: the publisher
+    says it is behind, and ``begin_catch_up`` streams the latest version again, to it alone."""
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=10.0, bucket_bytes=1 << 20)
+    procs = []
+    try:
+        a, _ = start_receiver(tmp_path, pub.port, "a")
+        procs.append(a)
+        wait_for(lambda: "a" in pub.members(), 120, "a")
+        w = weights(6, n=4)
+        assert _stream(pub, w, 3).per_member == {"a": "ok"}
+        assert pub.behind() == [] and pub.begin_catch_up() is None
+        b, log_b = start_receiver(tmp_path, pub.port, "b")
+        procs.append(b)
+        wait_for(lambda: "b" in pub.members(), 120, "b")
+        assert pub.behind() == ["b"]
+        session = pub.begin_catch_up()
+        assert session is not None and pub.begin_catch_up() is None  # one catch-up at a time
+        report = _passes(session, w)
+        assert report.version == 3 and report.per_member == {"b": "ok"}, report.per_member
+        assert report.checksum == tensors_checksum(w)
+        got = wait_for(lambda: [e for e in events(log_b) if e["event"] == "update"])
+        assert got[0]["version"] == 3 and got[0]["checksum"] == report.checksum
+        assert pub.behind() == [] and pub.begin_catch_up() is None
     finally:
         stop_all(procs, pub)
 
