@@ -83,7 +83,10 @@ class Bus:
                     ) from e
                 log.warning("bus: %s failed (%s); reconnecting in %.2f s", what, e, delay)
                 self.metrics.reconnects.inc()
-                self.redis.connection_pool.disconnect()
+                # the idle connections only: the failed one was closed by redis-py, and another
+                # thread's command (a blocking read) keeps its own; closing that under it raised
+                # ValueError ("I/O operation on closed file") there, which nothing retries
+                self.redis.connection_pool.disconnect(inuse_connections=False)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -286,3 +286,38 @@ def test_counters_of_a_consumer_group_exist_before_their_first_event(redis_serve
     assert get("tether_bus_dead_letters_total", {**sg, "reason": "undecodable"}) is not None
     assert get("tether_bus_dead_letters_total", {**sg, "reason": "max_deliveries"}) is not None
     bus.close()
+
+
+def test_one_threads_lost_connection_does_not_close_anothers_read(redis_server) -> None:
+    """A command that loses its connection is retried on a new one; another thread's blocking
+    read on its own connection goes on. Reconnecting used to close every connection of the pool,
+    in use or not: on emulated hosts a flapping link made one thread's command fail while the
+    sampling loop was in XREADGROUP, whose socket was closed under it ("I/O operation on closed
+    file", not a connection error): the generator crashed."""
+    bus = new_bus(redis_server)
+    consumer = Consumer(bus, "prompts", "gen", "c1")
+    consumer.read(1)  # the group exists
+    got: dict[str, object] = {}
+
+    def reader() -> None:
+        try:
+            got["entries"] = consumer.read(1, block_ms=3000)
+        except Exception as e:  # noqa: BLE001 - the test's finding
+            got["error"] = e
+
+    th = threading.Thread(target=reader)
+    th.start()
+    wait_until(lambda: any(c.get("cmd") == "xreadgroup" for c in bus.redis.client_list()),
+               what="the blocking read")  # fmt: skip
+    failures = iter([redis.ConnectionError("lost the link")])
+
+    def flaky() -> bool:
+        for e in failures:
+            raise e
+        return bool(bus.redis.ping())
+
+    assert bus.call(flaky, what="PING")  # failed once, then done on a new connection
+    bus.publish("prompts", prompt(1))
+    th.join(10)
+    assert "error" not in got, got
+    assert [d.msg.prompt_id for d in got["entries"]] == ["p1"]  # type: ignore[attr-defined]
