@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -180,17 +180,20 @@ def acl_rules_in(script: str) -> dict[str, list[str]]:
     return {k: v.split() for k, v in re.findall(r"^\s*(\w+)='([^']*)'$", script, re.M)}
 
 
-def start_redis_with_users(script: str, data_dir: Path, *, port: int, env: dict[str, str]):
+def start_redis_with_users(script: str, data_dir: Path, *, port: int, env: dict[str, str],
+                           bind: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list):  # fmt: skip
     """Run a deploy Redis start script with the machine's redis-server (Debian's 7.0 in CI) on
-    127.0.0.1:``port``, its data in ``data_dir`` (the script's ``--dir /data`` pointed there)."""
+    ``bind``:``port``, its data in ``data_dir`` (the script's ``--dir /data`` pointed there);
+    ``wrap`` makes the command line run elsewhere (an emulated host: ``Hosts.argv``)."""
     import os
 
     text = script.replace("--dir /data", f"--dir {data_dir}")
-    args = ["sh", "-c", text, "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+    args = ["sh", "-c", text, "redis-server", "--port", str(port), "--bind", bind,
             "--appendonly", "no", "--save", "", "--logfile", str(data_dir / "redis.log")]  # fmt: skip
     return subprocess.Popen(
-        args, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+        wrap(args), env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
 
 
 REQUIRE = os.environ.get("TETHER_TEST_REQUIRE_REDIS7") == "1"
@@ -210,17 +213,20 @@ def need_system_tool(tool: str, apt: str) -> str:
 class UsersRedis:
     """The deploy script's Redis with a random password per user."""
 
-    def __init__(self, data_dir) -> None:
+    def __init__(self, data_dir, *, address: str = "127.0.0.1",
+                 wrap: Callable[[list[str]], list[str]] = list) -> None:  # fmt: skip
+        """On 127.0.0.1, or on an emulated host: its ``address`` and ``wrap`` (``Hosts.argv``)."""
         need_system_tool("redis-server", "redis-server")
-        self.port = free_port()
+        self.address = address
+        self.port = free_port() if address == "127.0.0.1" else 6379  # a host of its own
         self.passwords = {user: secrets.token_hex(16) for user in PASSWORD_ENV}
         env = {var: self.passwords[user] for user, var in PASSWORD_ENV.items()}
         env["REDIS_MAXMEMORY"] = "256mb"
         self.proc = start_redis_with_users(
-            compose_redis_script(), data_dir, port=self.port, env=env
+            compose_redis_script(), data_dir, port=self.port, env=env, bind=address, wrap=wrap
         )
         self.log = data_dir / "redis.log"
-        self.admin = redis.Redis(port=self.port, password=self.passwords["default"])
+        self.admin = redis.Redis(host=address, port=self.port, password=self.passwords["default"])
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -233,7 +239,7 @@ class UsersRedis:
         assert self.admin.info("server")["redis_version"].startswith("7."), "not Redis 7"
 
     def url(self, kind: str) -> str:
-        return f"redis://{acl.user_name(kind)}:{self.passwords[kind]}@127.0.0.1:{self.port}/0"
+        return f"redis://{acl.user_name(kind)}:{self.passwords[kind]}@{self.address}:{self.port}/0"
 
     def client(self, kind: str) -> redis.Redis:
         return redis.Redis.from_url(self.url(kind), driver_info=None)

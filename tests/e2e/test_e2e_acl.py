@@ -1,25 +1,28 @@
-"""A whole run with every service under its own Redis ACL user (``common.bus.acl``) on Debian's
-Redis 7.0, started by deploy/compose's own Redis script: the learner, a vLLM generator and a
-scorer as separate processes, as compose and Kubernetes run them (no launcher), each with its
-user's URL and the run's weights secret. The run trains every cycle, the generator and the scorer
-stop by themselves (exit 0) when the learner finishes, `tether status` and `tether bus inspect`
-work with the learner's user, and the server's ACL LOG stays empty: no command any service sent
-was outside its set."""
+"""A whole run on emulated hosts (``bench.hosts``: a network namespace per host, joined by a
+switch, each link shaped), with every service under its own Redis ACL user (``common.bus.acl``) on
+Debian's Redis 7.0 started by deploy/compose's own Redis script: Redis, the learner, a vLLM
+generator and a scorer each on a host of its own, as separate processes, as compose and
+Kubernetes run them (no launcher), with their real settings only: the Redis URL with the
+server's address and the service's user, the learner's address for the weight store
+(``weights.host``), the run's weights secret. The run trains every cycle, the generator and the
+scorer stop by themselves (exit 0) when the learner finishes, `tether status` and `tether bus
+inspect` work from the machine's own namespace with the learner's user, the books balance, and
+the server's ACL LOG stays empty: no command any service sent was outside its set."""
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
+from common.bus import acl
 from common.weights.handshake import SECRET_ENV
 from tests.deploy_tools import UsersRedis
 from tests.e2e_support import recovery_config
+from tests.hosts_support import emulated_hosts, start_service
 from tether.runs.supervisor import tether_command
 
 pytestmark = pytest.mark.slow
@@ -28,31 +31,33 @@ CYCLES, PROMPTS, RESPONSES = 3, 4, 4
 RUN = "acl"
 
 
-def _start(kind: str, config: Path, url: str, log_dir: Path, env: dict[str, str], *args: str):
-    log = (log_dir / f"{kind}.log").open("wb")
-    full = {**os.environ, **env, "TETHER_RUN__REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
-    cmd = tether_command(kind, "--config", str(config), *args)
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full)
+@pytest.fixture
+def net():
+    with emulated_hosts("redis", "learner", "generator", "scorer") as hosts:
+        yield hosts
 
 
-def test_a_run_trains_with_each_service_under_its_own_user(tmp_path):
+def test_a_run_on_emulated_hosts_trains_with_each_service_under_its_own_user(tmp_path, net):
     (tmp_path / "redis-data").mkdir()
-    server = UsersRedis(tmp_path / "redis-data")
+    server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
+                        wrap=lambda argv: net.argv("redis", argv))  # fmt: skip
     config = recovery_config(tmp_path, RUN, cycles=CYCLES)
-    env = {SECRET_ENV: secrets.token_hex(16), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {SECRET_ENV: secrets.token_hex(16), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "TETHER_WEIGHTS__HOST": net.hosts["learner"].address}  # fmt: skip
     logs = tmp_path / "logs"
     logs.mkdir()
     procs = {}
     try:
-        procs["learner"] = _start("learner", config, server.url("learner"), logs, env)
-        procs["generator"] = _start("generator", config, server.url("generator"), logs, env,
-                                    "--id", "generator-0")  # fmt: skip
-        procs["scorer"] = _start("scorer", config, server.url("scorer"), logs, env,
-                                 "--id", "scorer-0")  # fmt: skip
+        for kind, args in (("learner", ()), ("generator", ("--id", "generator-0")),
+                           ("scorer", ("--id", "scorer-0"))):  # fmt: skip
+            procs[kind] = start_service(net, kind, kind, config, server.url(kind), logs, env, *args)
         deadline = time.monotonic() + 900
+        clients: dict[str, set[str]] = {}  # Redis user -> the addresses it connected from
         while procs["learner"].poll() is None and time.monotonic() < deadline:
             for kind in ("generator", "scorer"):  # 0 once the learner wrote the run's end
                 assert procs[kind].poll() in (None, 0), (logs / f"{kind}.log").read_text()[-3000:]
+            for c in server.admin.client_list():
+                clients.setdefault(c["user"], set()).add(c["addr"].rsplit(":", 1)[0])
             time.sleep(1)
         assert procs["learner"].wait(5) == 0, (logs / "learner.log").read_text()[-3000:]
         ended = time.monotonic()
@@ -85,6 +90,9 @@ def test_a_run_trains_with_each_service_under_its_own_user(tmp_path):
         if '"kind": "step"' in line
     ]
     assert [s["step"] for s in steps] == list(range(1, CYCLES + 1))
+    # each service reached Redis from its own host, over the switch
+    for kind in ("learner", "generator", "scorer"):
+        assert clients.get(acl.user_name(kind)) == {net.hosts[kind].address}, clients
     doc = json.loads(status.stdout)
     learner = next(d for d in doc["services"] if d["service"] == "learner")
     books = learner["books"]

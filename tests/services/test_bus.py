@@ -321,3 +321,20 @@ def test_one_threads_lost_connection_does_not_close_anothers_read(redis_server) 
     th.join(10)
     assert "error" not in got, got
     assert [d.msg.prompt_id for d in got["entries"]] == ["p1"]  # type: ignore[attr-defined]
+
+
+def test_writes_a_partition_hid_are_not_duplicated_by_their_retries(redis_server) -> None:
+    """A one-way partition hides whether a write landed. A commit made again after its reply was
+    lost publishes nothing the second time (the done-set), and a prompt whose XADD was made again
+    (two entries, one prompt id) is published downstream once; both entries are acknowledged."""
+    bus = new_bus(redis_server)
+    consumer = Consumer(bus, "prompts", "gen", "c1")
+    bus.publish("prompts", prompt(7))
+    bus.publish("prompts", prompt(7))  # the retry of an XADD that had landed
+    first, second = consumer.read(1), consumer.read(1)
+    out = [("groups", prompt(7))]
+    assert consumer.commit(first, publish=out, dedupe_ids=["p7"]) == 1
+    assert consumer.commit(first, publish=out, dedupe_ids=["p7"]) == 0  # the commit's retry
+    assert consumer.commit(second, publish=out, dedupe_ids=["p7"]) == 0  # the prompt's copy
+    assert bus.redis.xlen(f"{bus.settings.run}:groups") == 1
+    assert bus.backlog("prompts", "gen") == (0, 0)
