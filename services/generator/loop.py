@@ -59,6 +59,7 @@ from common.protocol import streams, wire
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
+from services.generator.claims import ClaimKeeper
 from services.generator.trajectories import (
     RolledBack,
     check_episodes_order,
@@ -364,21 +365,42 @@ class GeneratorService:
     async def _keep_claims(self, consumer) -> None:
         """Reset the idle time of the prompts this generator still works on, every third of
         ``bus.claim_idle_s``: a live generator keeps its prompts however long it takes (the
-        staleness gate, long responses), so only a dead one's are taken over by its peers.
+        staleness gate, long responses), so only a dead one's are taken over by its peers; but
+        not while it is cut off from the weights (``services.generator.claims``).
 
         Only entries the group still lists as ours are touched, and only when idle for half a
         period at least: an entry a peer claimed a moment ago (idle ~0) is never taken back."""
+        assert self.weights is not None
         period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
+        keeper = ClaimKeeper(period_s)
+        lapsing = False
         while not self._stop.is_set():
             await asyncio.sleep(period_s)
             held = set(self._held)
-            if held:
-                try:
+            if not held:
+                continue
+            try:
+                learner = await asyncio.to_thread(self.bus.get, streams.LEARNER_VERSION)
+                keep = keeper.keep(time.monotonic(), self.weights.version,
+                                   int(learner) if learner else None)  # fmt: skip
+                if keep != (not lapsing):
+                    lapsing = not keep
+                    if lapsing:
+                        log.warning(
+                            "behind the learner's v%s for %.0f s on v%s (cut off from its weight "
+                            "store?): letting the claims on %d prompts lapse, so that a peer "
+                            "takes them over after bus.claim_idle_s", learner,
+                            time.monotonic() - (keeper.behind_since or 0), self.weights.version,
+                            len(held),
+                        )  # fmt: skip
+                    else:
+                        log.info("caught up with the learner: keeping the claims again")
+                if keep:
                     await asyncio.to_thread(
                         consumer.refresh_claims, held, min_idle_ms=int(period_s * 500)
                     )
-                except Exception as exc:  # best effort: the commit's dedupe covers a lost race
-                    log.warning("could not refresh the claim on %d prompts: %s", len(held), exc)
+            except Exception as exc:  # best effort: the commit's dedupe covers a lost race
+                log.warning("could not refresh the claim on %d prompts: %s", len(held), exc)
 
     async def _watch_engine(self) -> None:
         """Beat ``engine`` while the engine-core process answers ``is_paused`` within

@@ -11,11 +11,13 @@ import secrets
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.hosts import Hosts
 from common.protocol import streams
@@ -28,8 +30,13 @@ from tether.runs.supervisor import tether_command
 pytestmark = pytest.mark.slow
 
 PROMPTS, RESPONSES = 4, 4
-SERVICES = (("learner", "learner", ()), ("generator", "generator", ("--id", "generator-0")),
-            ("scorer", "scorer", ("--id", "scorer-0")))  # fmt: skip
+# (host, service, arguments): each service on a host named by its id
+SERVICES = (("learner", "learner", ()),
+            ("generator-0", "generator", ("--id", "generator-0")),
+            ("generator-1", "generator", ("--id", "generator-1")),
+            ("scorer-0", "scorer", ("--id", "scorer-0")))  # fmt: skip
+GENERATORS = ("generator-0", "generator-1")
+WATCHED = ("tether_bus_claimed_messages_total", "tether_bus_duplicates_skipped_total")
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Run:
     books: dict = field(default_factory=dict)
     logs: Path = Path()
     windows: list[Window] = field(default_factory=list)
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # host -> WATCHED totals
 
     def recovery_s(self, w: Window) -> float:
         """Seconds from healing ``w`` to the next step the learner published."""
@@ -59,10 +67,11 @@ class Run:
 
 
 def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
-         faults: Callable[[Hosts, Run, threading.Event], None]) -> Run:  # fmt: skip
-    """A run of ``cycles``; ``faults(net, run, stop)`` runs on a thread of its own once the
-    learner has published step ``at_step``: it makes each fault and heals it, and records its
-    ``Window`` in ``run.windows`` (``stop``: the test is over, heal and return)."""
+         faults: Callable[..., None]) -> Run:  # fmt: skip
+    """A run of ``cycles``; ``faults(net, run, stop, admin, name)`` runs on a thread of its own
+    once the learner has published step ``at_step``: it makes each fault and heals it, and
+    records its ``Window`` in ``run.windows`` (``stop``: the test is over, heal and return;
+    ``admin``: a client of the server as its default user; ``name``: the run's)."""
     (tmp_path / "redis-data").mkdir()
     server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
                         wrap=lambda argv: net.argv("redis", argv))  # fmt: skip
@@ -81,18 +90,20 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
                                         *args)  # fmt: skip
         deadline = time.monotonic() + 900
         while procs["learner"].poll() is None and time.monotonic() < deadline:
-            for host in ("generator", "scorer"):  # a crash fails at once (0: the run's end)
+            for host in (*GENERATORS, "scorer-0"):  # a crash fails at once (0: the run's end)
                 assert procs[host].poll() in (None, 0), _tail(run, host)
+            _watch(net, server.admin, name, run)
             step = int(server.admin.get(version_key) or 0)
             if step > 0:
                 run.step_seen.setdefault(step, time.monotonic())
             if faulting is None and step >= at_step:
-                faulting = threading.Thread(target=faults, args=(net, run, stop), daemon=True)
+                faulting = threading.Thread(target=faults, daemon=True,
+                                            args=(net, run, stop, server.admin, name))  # fmt: skip
                 faulting.start()
             time.sleep(0.25)
         assert faulting is not None and not faulting.is_alive(), "the fault did not end in time"
         assert procs["learner"].wait(5) == 0, _tail(run, "learner")
-        for host in ("generator", "scorer"):
+        for host in (*GENERATORS, "scorer-0"):
             assert procs[host].wait(90) == 0, _tail(run, host)
         status = subprocess.run(
             tether_command("status", "--json", "--config", str(config), "--redis-url",
@@ -116,6 +127,26 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
     return run
 
 
+def _watch(net: Hosts, admin, name: str, run: Run) -> None:
+    """The generators' ``WATCHED`` counters, read from their /metrics over the switch."""
+    for raw in admin.hgetall(f"{name}:status").values():
+        doc = json.loads(raw)
+        if doc.get("id") not in GENERATORS or not doc.get("metrics_port"):
+            continue
+        url = f"http://{net.hosts[doc['id']].address}:{doc['metrics_port']}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:  # cut off, or gone at the run's end: the last reading stays
+            continue
+        totals = dict.fromkeys(WATCHED, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+        run.counters[doc["id"]] = totals
+
+
 def _tail(run: Run, host: str) -> str:
     return (run.logs / f"{host}.log").read_text(errors="replace")[-3000:]
 
@@ -132,7 +163,7 @@ def _trained_once(run: Run, cycles: int) -> None:
 
 @pytest.fixture
 def net():
-    with emulated_hosts("redis", "learner", "generator", "scorer") as hosts:
+    with emulated_hosts("redis", *(host for host, _, _ in SERVICES)) as hosts:
         yield hosts
 
 
@@ -143,9 +174,14 @@ CUT_S = 30.0  # a service cut off
 # and the call is made again on a new connection (back-off at most 2 s), then a cycle runs
 RECOVERY_BOUND_S = 30.0 + 2.0 + 8.0
 PAUSE_S = 5.0  # between two faults: the run goes on
+CLAIM_IDLE_S = 20.0  # bus.claim_idle_s of the run (tests.e2e_support.write_config)
+# generator-0 cut off from the learner holds prompts that need a version it cannot get: it lets
+# their claims lapse after a third of claim_idle_s behind (services.generator.claims), and
+# generator-1 takes them over claim_idle_s after their last refresh: well inside 45 s
+WEIGHTS_CUT_S = 45.0
 
 
-def _faults(net: Hosts, run: Run, stop: threading.Event) -> None:
+def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> None:
     """The schedule, one fault after another, each healed before the next."""
 
     def hold(seconds: float) -> None:
@@ -161,13 +197,13 @@ def _faults(net: Hosts, run: Run, stop: threading.Event) -> None:
         hold(PAUSE_S)
 
     # the generator's link flapping: it is cut from Redis, the learner and the weight chain
-    w = Window("generator link flapping", start=time.monotonic())
+    w = Window("generator-0's link flapping", start=time.monotonic())
     for _ in range(FLAPS):
         if stop.is_set():
             break
-        net.cut("generator")
+        net.cut("generator-0")
         hold(FLAP_S)
-        net.heal("generator")
+        net.heal("generator-0")
         hold(FLAP_S)
     w.healed = time.monotonic()
     run.windows.append(w)
@@ -183,33 +219,61 @@ def _faults(net: Hosts, run: Run, stop: threading.Event) -> None:
     # one way: the generator's commands reach Redis, the replies do not (a write may have
     # landed that the generator cannot know of: its retry must not duplicate it)
     window(
-        "generator hears nothing from Redis (one way)",
-        lambda: net.block("redis", "generator"),
-        lambda: net.unblock("redis", "generator"),
+        "generator-0 hears nothing from Redis (one way)",
+        lambda: net.block("redis", "generator-0"),
+        lambda: net.unblock("redis", "generator-0"),
         CUT_S,
     )
     # the scorer cut off from everyone, mid-batch
-    window("scorer cut off", lambda: net.cut("scorer"), lambda: net.heal("scorer"), CUT_S)
+    window("scorer cut off", lambda: net.cut("scorer-0"), lambda: net.heal("scorer-0"), CUT_S)
+    # generator-1 cut off from Redis past bus.claim_idle_s while it holds prompts: generator-0
+    # claims them; healed, generator-1's late commit of the same groups publishes nothing
+    key, deadline = f"{name}:{streams.PROMPTS}", time.monotonic() + 60
+    while not admin.xpending_range(key, streams.GENERATORS, "-", "+", 10, "generator-1"):
+        assert time.monotonic() < deadline, "generator-1 never held a prompt"
+        time.sleep(0.02)
+    window("generator-1 cut off from Redis past bus.claim_idle_s",
+           lambda: both_ways(net.block, "generator-1", "redis"),
+           lambda: both_ways(net.unblock, "generator-1", "redis"), CUT_S)  # fmt: skip
+    # generator-0, the chain's first member, cut off from the learner: the publish drops it and
+    # sends the version down a new chain to generator-1; healed, generator-0 rejoins, catches up
+    window("generator-0 cut off from the learner",
+           lambda: both_ways(net.block, "generator-0", "learner"),
+           lambda: both_ways(net.unblock, "generator-0", "learner"), WEIGHTS_CUT_S)  # fmt: skip
 
 
 def test_partitions_during_a_run_lose_nothing_train_nothing_twice_and_stall_boundedly(
     tmp_path, net
 ):
-    """One run, four faults one after another from its second step (the run's steady state:
-    the generator sampling, the scorer grading, the learner training and publishing every
-    cycle), each healed before the next: the generator's link flapping (3 s down, 3 s up, for a
-    minute), the learner cut off from Redis for 30 s (its weight publishes still reach the
-    generator), a one-way partition for 30 s (the generator's commands reach Redis, the replies
-    do not: writes may land that it cannot know of, and its retries must not duplicate them),
-    the scorer cut off from everyone for 30 s. Every response is trained exactly once, the run
-    finishes, and after each fault the run steps again within ``RECOVERY_BOUND_S``."""
-    cycles = 120
+    """One run with two generators, six faults one after another from its second step (the
+    run's steady state: the generators sampling, the scorer grading, the learner training and
+    publishing down the weight chain every cycle), each healed before the next: generator-0's
+    link flapping (3 s down, 3 s up, for a minute), the learner cut off from Redis for 30 s (its
+    weight publishes still reach the generators), a one-way partition for 30 s (generator-0's
+    commands reach Redis, the replies do not: writes may land that it cannot know of, and its
+    retries must not duplicate them), the scorer cut off from everyone for 30 s, generator-1 cut
+    off from Redis for 30 s while it holds prompts (past ``bus.claim_idle_s``, 20 s: generator-0
+    claims them, and generator-1's late commit publishes nothing), and generator-0, the chain's
+    first member, cut off from the learner for 45 s (dropped by the publish, which goes on to
+    generator-1 down a new chain; the prompts it holds need a version it cannot get, so it lets
+    their claims lapse and generator-1 takes them over while the cut lasts; it rejoins when
+    healed). Every response is trained exactly
+    once, the run finishes, and after each fault the run steps again within
+    ``RECOVERY_BOUND_S``."""
+    cycles = 220  # enough that the run outlasts the schedule (~4 min of faults and pauses)
     run = _run(tmp_path, net, "partitions", cycles, 2, _faults)
     _trained_once(run, cycles)
     report = {w.name: {"steps during": run.steps_during(w),
                        "recovery s": round(run.recovery_s(w), 1)} for w in run.windows}  # fmt: skip
     print("faults", json.dumps(report, indent=1), "books", run.books)
-    assert len(run.windows) == 4, report
+    assert len(run.windows) == 6, report
+    # generator-0 took over generator-1's prompts, and generator-1's late commit was skipped
+    assert run.counters["generator-0"]["tether_bus_claimed_messages_total"] > 0, run.counters
+    assert run.counters["generator-1"]["tether_bus_duplicates_skipped_total"] > 0, run.counters
+    # while generator-0 was still cut off from the learner, generator-1 took its prompts over
+    # and the run stepped again
+    cut = run.windows[5]
+    assert any(cut.start + CLAIM_IDLE_S < t < cut.healed for t in run.step_seen.values()), report
     for w in run.windows:
         assert run.recovery_s(w) <= RECOVERY_BOUND_S, report
     assert run.steps_during(run.windows[0]) > 0, report  # a flapping link slows the run only
