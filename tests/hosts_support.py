@@ -44,3 +44,16 @@ def start_service(net: Hosts, host: str, kind: str, config: Path, url: str, log_
     full = {**os.environ, **env, "TETHER_RUN__REDIS_URL": url, "PYTHONUNBUFFERED": "1"}
     cmd = tether_command(kind, "--config", str(config), *args)
     return net.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=full)
+
+
+def tether_json(config: Path, url: str, *verb: str) -> dict:
+    """`tether <verb> --json` of the run in ``config``, from this (the machine's) namespace, with
+    the Redis URL ``url``: its parsed output (a failure shows its stderr)."""
+    import json
+
+    proc = subprocess.run(
+        tether_command(*verb, "--json", "--config", str(config), "--redis-url", url),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)

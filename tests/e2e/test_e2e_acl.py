@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import time
 
 import pytest
@@ -22,8 +21,7 @@ from common.bus import acl
 from common.weights.handshake import SECRET_ENV
 from tests.deploy_tools import UsersRedis
 from tests.e2e_support import recovery_config
-from tests.hosts_support import emulated_hosts, start_service
-from tether.runs.supervisor import tether_command
+from tests.hosts_support import emulated_hosts, start_service, tether_json
 
 pytestmark = pytest.mark.slow
 
@@ -65,18 +63,8 @@ def test_a_run_on_emulated_hosts_trains_with_each_service_under_its_own_user(tmp
             assert procs[kind].wait(90) == 0, (logs / f"{kind}.log").read_text()[-3000:]
             assert "the run is finished" in (logs / f"{kind}.log").read_text()
         assert time.monotonic() - ended < 90
-        status = subprocess.run(
-            tether_command("status", "--json", "--config", str(config), "--redis-url",
-                           server.url("learner")),
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert status.returncode == 0, status.stderr[-2000:]
-        inspect = subprocess.run(
-            tether_command("bus", "inspect", "--json", "--config", str(config), "--redis-url",
-                           server.url("learner")),
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert inspect.returncode == 0, inspect.stderr[-2000:]
+        doc = tether_json(config, server.url("learner"), "status")
+        streams_seen = tether_json(config, server.url("learner"), "bus", "inspect")["streams"]
         assert server.denied() == []
     finally:
         for p in procs.values():
@@ -93,9 +81,8 @@ def test_a_run_on_emulated_hosts_trains_with_each_service_under_its_own_user(tmp
     # each service reached Redis from its own host, over the switch
     for kind in ("learner", "generator", "scorer"):
         assert clients.get(acl.user_name(kind)) == {net.hosts[kind].address}, clients
-    doc = json.loads(status.stdout)
     learner = next(d for d in doc["services"] if d["service"] == "learner")
     books = learner["books"]
     trained = books["trained_samples"] + books["filtered_samples"]
     assert trained + books["dropped_stale_samples"] == CYCLES * PROMPTS * RESPONSES
-    assert {s["stream"] for s in json.loads(inspect.stdout)["streams"]} >= {"prompts", "groups"}
+    assert {s["stream"] for s in streams_seen} >= {"prompts", "groups"}

@@ -24,8 +24,8 @@ from common.protocol import streams
 from common.weights.handshake import SECRET_ENV
 from tests.deploy_tools import UsersRedis
 from tests.e2e_support import recovery_config
-from tests.hosts_support import emulated_hosts, start_service
-from tether.runs.supervisor import tether_command
+from tests.hosts_support import emulated_hosts, start_service, tether_json
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -105,12 +105,7 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
         assert procs["learner"].wait(5) == 0, _tail(run, "learner")
         for host in (*GENERATORS, "scorer-0"):
             assert procs[host].wait(90) == 0, _tail(run, host)
-        status = subprocess.run(
-            tether_command("status", "--json", "--config", str(config), "--redis-url",
-                           server.url("learner")),
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert status.returncode == 0, status.stderr[-2000:]
+        doc = tether_json(config, server.url("learner"), "status")
     finally:
         stop.set()
         if faulting is not None:
@@ -122,7 +117,6 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
         server.stop()
     metrics = tmp_path / "runs" / name / "metrics.jsonl"
     run.steps = [json.loads(x) for x in metrics.read_text().splitlines() if '"kind": "step"' in x]
-    doc = json.loads(status.stdout)
     run.books = next(d for d in doc["services"] if d["service"] == "learner")["books"]
     return run
 
@@ -228,10 +222,9 @@ def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> No
     window("scorer cut off", lambda: net.cut("scorer-0"), lambda: net.heal("scorer-0"), CUT_S)
     # generator-1 cut off from Redis past bus.claim_idle_s while it holds prompts: generator-0
     # claims them; healed, generator-1's late commit of the same groups publishes nothing
-    key, deadline = f"{name}:{streams.PROMPTS}", time.monotonic() + 60
-    while not admin.xpending_range(key, streams.GENERATORS, "-", "+", 10, "generator-1"):
-        assert time.monotonic() < deadline, "generator-1 never held a prompt"
-        time.sleep(0.02)
+    key = f"{name}:{streams.PROMPTS}"
+    wait_until(lambda: admin.xpending_range(key, streams.GENERATORS, "-", "+", 10, "generator-1"),
+               timeout_s=60, what="generator-1 holding a prompt", poll_s=0.02)  # fmt: skip
     window("generator-1 cut off from Redis past bus.claim_idle_s",
            lambda: both_ways(net.block, "generator-1", "redis"),
            lambda: both_ways(net.unblock, "generator-1", "redis"), CUT_S)  # fmt: skip
