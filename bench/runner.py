@@ -119,6 +119,7 @@ def run_one(
     kind: str | None = None,
     seeds: tuple[int, ...] | None = None,
     hosts_mbit: float | None = None,
+    families: tuple[str, ...] = (),
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -145,6 +146,9 @@ def run_one(
         out = out_dir / f"weights_hosts{'_quick' if quick else ''}.json"
     if what == "demos":  # one file per demo kind, each a README table (bench.demos_report)
         out = out_dir / "demos" / f"{kind or 'arithmetic'}{'_quick' if quick else ''}.json"
+    families = families if what == "models" else ()
+    if families:  # a file of its own: models.json, the full result, keeps every family's row
+        out = out_dir / f"models_{'+'.join(families)}{'_quick' if quick else ''}.json"
     kwargs = _quick_kwargs(what, quick)
     if e2e:
         kwargs["work_dir"] = work_dir
@@ -156,6 +160,8 @@ def run_one(
         kwargs["mode"] = size
     if what == "demos":
         kwargs.update(kind=kind, seeds=seeds)
+    if families:
+        kwargs["families"] = list(families)
     if what == "peer" and reuse is not None:
         kwargs["tether_result"] = reuse
     if what == "weights" and generators:
@@ -171,7 +177,8 @@ def run_one(
     machine = machine_info()  # its load average is the load when the benchmark started
     result = fn(out_path=out, **kwargs)
     command = command_line(what, quick=quick, size=size, threads=threads, generators=generators,
-                           lr=lr, kind=kind, seeds=seeds, hosts_mbit=hosts_mbit)  # fmt: skip
+                           lr=lr, kind=kind, seeds=seeds, hosts_mbit=hosts_mbit,
+                           families=families)  # fmt: skip
     stamp(out, git_state(), command=command, machine=machine)
     if isinstance(result, dict):
         result.setdefault("git", git_state())
@@ -182,6 +189,7 @@ def command_line(
     what: str, *, quick: bool = False, size: str | None = None, threads: int | None = None,
     generators: tuple[int, ...] = (), lr: float | None = None, kind: str | None = None,
     seeds: tuple[int, ...] | None = None, hosts_mbit: float | None = None,
+    families: tuple[str, ...] = (),
 ) -> str:  # fmt: skip
     """The ``tether bench`` command that runs ``what`` with these settings."""
     parts = ["tether bench", what]
@@ -197,7 +205,23 @@ def command_line(
     parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
     parts += [f"--kind {kind}"] if kind and what == "demos" else []
     parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what == "demos" else []
+    parts += [f"--families {','.join(families)}"] if families and what == "models" else []
     return " ".join(parts)
+
+
+def families_problem(what: str, families: tuple[str, ...]) -> str:
+    """Why ``--families`` cannot be run as given ("" when it can)."""
+    if not families:
+        return ""
+    if what != "models":
+        return f"--families picks the families of `tether bench models`, not of {what}; drop it"
+    from bench.real_models import family_names
+
+    known = family_names()
+    unknown = [f for f in families if f not in known]
+    if unknown:
+        return f"--families: no family {', '.join(unknown)}; choose from {', '.join(known)}"
+    return ""
 
 
 def _generators(text: str) -> tuple[int, ...]:
@@ -220,6 +244,10 @@ def run_bench(args: Any) -> int:
     what = args.what
     if what not in (*ORDER, "all"):
         raise ValueError(f"bench {what!r}: choose one of {', '.join(ORDER)} or all")
+    families = tuple(getattr(args, "families", None) or ())
+    if problem := families_problem(what, families):
+        print(f"tether bench {what}: {problem}", file=sys.stderr)
+        return 2
     out_dir = Path(getattr(args, "out", None) or "bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     quick = bool(getattr(args, "quick", False))
@@ -234,7 +262,8 @@ def run_bench(args: Any) -> int:
     try:
         with stop_on_signals():
             _run(what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-                 generators=generators, lr=lr, demos=demos, hosts_mbit=hosts_mbit)  # fmt: skip
+                 generators=generators, lr=lr, demos=demos, hosts_mbit=hosts_mbit,
+                 families=families)  # fmt: skip
     except Interrupted as exc:
         print(f"tether bench {what}: {exc}; what it had started is stopped", file=sys.stderr)
         return 128 + exc.signum
@@ -248,14 +277,16 @@ def run_bench(args: Any) -> int:
 
 def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int | None,
          size: str | None, generators: tuple[int, ...], lr: float | None,
-         demos: dict[str, Any] | None = None,
-         hosts_mbit: float | None = None) -> None:  # fmt: skip
+         demos: dict[str, Any] | None = None, hosts_mbit: float | None = None,
+         families: tuple[str, ...] = ()) -> None:  # fmt: skip
     """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout.
-    ``demos``: the demos benchmark's ``kind`` and ``seeds``."""
+    ``demos``: the demos benchmark's ``kind`` and ``seeds``; ``families``: the models
+    benchmark's (default every one)."""
     if what != "all":
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
-            generators=generators, lr=lr, hosts_mbit=hosts_mbit, **(demos or {}),
+            generators=generators, lr=lr, hosts_mbit=hosts_mbit, families=families,
+            **(demos or {}),
         )  # fmt: skip
         if result is None:
             raise LookupError("its module is not available in this checkout")

@@ -54,3 +54,39 @@ def test_the_training_reward_varies_between_responses() -> None:
     rewards = {share(prompt="p", response=r, ground_truth=None, metadata={}) for r in
                ("aaaa", "abab", "abcd", "")}  # fmt: skip
     assert rewards == {0.0, 0.25, 0.5, 1.0}
+
+
+def test_a_run_of_a_few_families_goes_to_a_file_of_its_own(monkeypatch, tmp_path) -> None:
+    """``--families`` never writes models.json (the full result would lose the other rows)."""
+    import json
+
+    from bench import runner
+
+    seen: dict = {}
+
+    def fake_bench(*, out_path, **kwargs):  # stands in for run_models_bench
+        seen.update(kwargs)
+        out_path.write_text(json.dumps({"bench": "models"}))
+        return {}
+
+    monkeypatch.setattr(runner, "_bench_fn", lambda what: fake_bench)
+    runner.run_one("models", out_dir=tmp_path, quick=False, work_dir=tmp_path / "w",
+                   families=("smollm2-135m",))  # fmt: skip
+    assert seen["families"] == ["smollm2-135m"]
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["models_smollm2-135m.json"]
+    written = json.loads((tmp_path / "models_smollm2-135m.json").read_text())
+    assert written["command"] == "tether bench models --families smollm2-135m"
+
+
+def test_families_that_do_not_exist_are_refused_with_exit_2(tmp_path, capsys) -> None:
+    from argparse import Namespace
+
+    from bench.runner import run_bench
+
+    out = tmp_path / "results"
+    assert run_bench(Namespace(what="models", families=("llama3", "gpt9"), out=str(out))) == 2
+    err = capsys.readouterr().err
+    assert "--families: no family gpt9; choose from llama3," in err and "smollm2-135m" in err
+    assert run_bench(Namespace(what="lora", families=("llama3",), out=str(out))) == 2
+    assert "not of lora; drop it" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything ran

@@ -35,6 +35,16 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
+def _families(text: str) -> tuple[str, ...]:
+    """``--families llama3,smollm2-135m``: distinct names (which exist, `tether bench` checks)."""
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give distinct family names separated by commas, e.g. smollm2-135m,llama3"
+        )
+    return names
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tether.demo.run import run_demo
 
@@ -210,6 +220,16 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         metavar="N,N,...",
         help="demos: the seeds to run (default: the kind's table's, e.g. 0,1,2,3,4,5 for tools); "
         "runs of other seeds at the same clean commit already in the file are kept",
+    )
+    bench.add_argument(
+        "--families",
+        type=_families,
+        default=None,
+        metavar="NAME,NAME,...",
+        help="models: only these families (default: every one, the fixture families of "
+        "fixtures/model_families.py and smollm2-135m, the real pretrained model; with --quick the "
+        "fixture families only); results go to <out>/models_NAME+NAME.json, so models.json keeps "
+        "every family's row",
     )
     bench.add_argument("--out", default="bench/results", help="directory for JSON results")
     bench.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
