@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--batch", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--unit-kib", type=int, default=64, help="the streamed publish's units")
     args = parser.parse_args()
 
     import torch
@@ -115,9 +116,9 @@ def main() -> None:
                 extra_state={"policy_version": 1},
             )
     weights = full_state_dict_cpu(model)
-    # The publish path: units of (at most) 64 KiB gathered in bf16, one at a time.
+    # The publish path: units of (at most) --unit-kib gathered in bf16, one at a time.
     items = publish_items(model)
-    layout = build_layout(publish_specs(items, torch.bfloat16), 1, 1 << 16)
+    layout = build_layout(publish_specs(items, torch.bfloat16), 1, args.unit_kib << 10)
     streamed_bf16 = {}
     for k, tensors in stream_units(items, layout, dtype=torch.bfloat16, rank0=rank == 0):
         _, _, first, last = layout["units"][k]

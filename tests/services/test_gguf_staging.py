@@ -22,12 +22,10 @@ import pytest
 
 from bench import family_checks as fc
 from common.data import gguf_models, staging
-from tests.conftest import TEST_CACHE
+from tests.real_model import CACHE, NAME, staged_smollm2
 
 pytestmark = pytest.mark.slow
 
-NAME = "smollm2-135m-instruct"
-CACHE = TEST_CACHE / "gguf"
 # fp32 on both sides, the same dequantized weights: what is left is kernel summation order.
 # The bar the project holds generator against learner log-probs to (README, model families).
 MEAN_TOLERANCE = fc.PARITY_MEAN_ABS
@@ -35,9 +33,7 @@ MEAN_TOLERANCE = fc.PARITY_MEAN_ABS
 
 @pytest.fixture(scope="module")
 def staged():
-    dest = CACHE / NAME
-    staging.stage_model(NAME, dest, cache=CACHE / "cache")
-    return dest
+    return staged_smollm2()
 
 
 @pytest.fixture(scope="module")

