@@ -90,3 +90,16 @@ def test_families_that_do_not_exist_are_refused_with_exit_2(tmp_path, capsys) ->
     assert run_bench(Namespace(what="lora", families=("llama3",), out=str(out))) == 2
     assert "not of lora; drop it" in capsys.readouterr().err
     assert not out.exists()  # refused before anything ran
+
+
+def test_the_real_model_is_in_a_full_run_not_in_a_quick_one_unless_named() -> None:
+    """Staging the real model downloads and converts it: the smoke run (``--quick``) keeps to the
+    fixture families, a full run ends with the real model, ``--families`` can name it either way."""
+    from bench.real_models import REAL_MODELS, family_names
+    from bench.runner import families_problem
+    from fixtures.model_families import FAMILIES
+
+    assert family_names() == [*FAMILIES, *REAL_MODELS] and "smollm2-135m" in REAL_MODELS
+    assert family_names(quick=True) == list(FAMILIES)
+    assert families_problem("models", ("smollm2-135m",)) == ""
+    assert "no family nope" in families_problem("models", ("nope",))
