@@ -21,11 +21,12 @@ import openai
 import pytest
 
 from common.config.load import load_config
-from common.engine import EngineSettings, GenerationEngine, SamplingSettings
+from common.engine import SamplingSettings
 from common.protocol import wire
 from services.generator.agent.gym import GymAgent
 from services.generator.agent.runner import AgentRunner
 from tests import agents_for_tests as agents
+from tests.engine_support import module_engine
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is 3+4?"
@@ -40,18 +41,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    loop = asyncio.new_event_loop()
-    eng = GenerationEngine(EngineSettings(model=str(model_dir), dtype="float32", max_model_len=768,
-                                          kv_cache_gib=1, gpu_memory_utilization=0.2,
-                                          max_num_seqs=32, seed=0))  # fmt: skip
-    loop.run_until_complete(eng.start())
-    eng.run = loop.run_until_complete  # the tests drive the engine's own loop
-    yield eng
-    eng.shutdown()
-    for task in asyncio.all_tasks(loop):
-        task.cancel()
-    loop.run_until_complete(asyncio.sleep(0.1))
-    loop.close()
+    yield from module_engine(model_dir, max_model_len=768, max_num_seqs=32)
 
 
 def _cfg(model_dir, *sets):

@@ -11,11 +11,12 @@ import math
 import pytest
 
 from common.data.prompts import encode_prompt
-from common.engine import EngineSettings, GenerationEngine, SamplingSettings
+from common.engine import SamplingSettings
 from common.protocol import wire
 from common.protocol.wire import PromptMsg, ScoredGroup
 from services.generator.trajectories import single_turn_trajectories, to_group
 from services.learner.cycle import samples_from_groups
+from tests.engine_support import module_engine
 
 pytestmark = pytest.mark.slow
 
@@ -52,26 +53,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    loop = asyncio.new_event_loop()
-    eng = GenerationEngine(
-        EngineSettings(
-            model=str(model_dir),
-            dtype="float32",
-            max_model_len=512,
-            kv_cache_gib=1,
-            gpu_memory_utilization=0.2,
-            max_num_seqs=64,
-            seed=0,
-        )
-    )
-    loop.run_until_complete(eng.start())
-    eng.run = loop.run_until_complete  # the tests drive the engine's own loop
-    yield eng
-    eng.shutdown()
-    for task in asyncio.all_tasks(loop):  # vLLM's output-handler tasks
-        task.cancel()
-    loop.run_until_complete(asyncio.sleep(0.1))
-    loop.close()
+    yield from module_engine(model_dir)
 
 
 def hf_logprobs(model_dir, prompt_ids, samples, temperature):

