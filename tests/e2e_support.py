@@ -116,10 +116,20 @@ def _status_docs(r: redis.Redis, name: str) -> list[dict[str, Any]]:
     return [json.loads(v) for v in r.hgetall(f"{name}:status").values()]
 
 
+def _killed(proc: Path) -> bool:
+    """``/proc/<pid>`` has SIGKILL pending (for the thread or the whole process)."""
+    for line in (proc / "status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << 8):
+            return True
+    return False
+
+
 def leftover_processes(redis_url: str, timeout_s: float = 10.0) -> list[str]:
     """Processes still running with this run's Redis URL in their environment (the launcher sets
     ``TETHER_RUN__REDIS_URL`` for every service; their children inherit it), after waiting up to
-    ``timeout_s`` for them to go. Zombies do not count."""
+    ``timeout_s`` for them to go. Zombies do not count, nor a process already sent SIGKILL (its
+    teardown under way: vLLM's shutdown force-kills a worker that did not exit, and on a loaded
+    machine the kernel took over 14 s to finish one; an orphan left running has none pending)."""
     needle = f"TETHER_RUN__REDIS_URL={redis_url}".encode()
     deadline = time.monotonic() + timeout_s
     while True:
@@ -130,7 +140,7 @@ def leftover_processes(redis_url: str, timeout_s: float = 10.0) -> list[str]:
             try:
                 if needle not in (entry / "environ").read_bytes().split(b"\0"):
                     continue
-                if pid_running(int(entry.name)):
+                if pid_running(int(entry.name)) and not _killed(entry):
                     found.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
             except OSError:  # gone meanwhile, or not ours to read
                 continue

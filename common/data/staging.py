@@ -100,16 +100,7 @@ def stage_model(model_id: str, dest: Path, *, revision: str = "", cache: Path | 
     ``setting``: what the caller calls ``model_id``, for the messages."""
     if is_staged(dest, model_id, revision):
         return False
-    with _one_stager(dest):
-        if is_staged(dest, model_id, revision):
-            return False
-        return _stage_model(model_id, dest, revision=revision, cache=cache, setting=setting,
-                            say=say)  # fmt: skip
-
-
-def _stage_model(model_id: str, dest: Path, *, revision: str, cache: Path | None, setting: str,
-                 say: Callable[[str], None]) -> bool:  # fmt: skip
-    try:
+    try:  # refused before anything is written beside dest (the fetch fills only the cache)
         gguf = gguf_models.parse_source(model_id, setting=setting)
         if gguf is not None and revision:
             raise gguf_models.GgufRefused(
@@ -122,6 +113,15 @@ def _stage_model(model_id: str, dest: Path, *, revision: str, cache: Path | None
                                      setting=setting, say=say)  # fmt: skip
     except gguf_models.GgufRefused as exc:
         raise StagingRefused(str(exc)) from None
+    with _one_stager(dest):
+        if is_staged(dest, model_id, revision):
+            return False
+        return _stage_model(model_id, dest, revision=revision, gguf=gguf, path=path, say=say)
+
+
+def _stage_model(model_id: str, dest: Path, *, revision: str,
+                 gguf: gguf_models.GgufSource | None, path: Path | None,
+                 say: Callable[[str], None]) -> bool:  # fmt: skip
     partial = _fresh(dest)
     about: dict[str, object] = {}
     if gguf is not None and path is not None:

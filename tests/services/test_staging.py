@@ -75,8 +75,7 @@ def test_a_second_stager_waits_for_the_first_and_stages_nothing(tmp_path, monkey
         assert checks[0].wait(30)  # the second found nothing staged
         # without the lock its second check (then its own staging) follows at once
         assert not checks[1].wait(1.0), "the second stager did not wait for the lock"
-        assert staging._stage_model(str(src), dest, revision="", cache=None, setting="modelId",
-                                    say=print)  # fmt: skip
+        assert staging._stage_model(str(src), dest, revision="", gguf=None, path=None, say=print)
     second.join(30)
     assert checks[1].is_set() and staged_again == [False]
     assert staging.marker(dest)["source"] == str(src)
