@@ -29,3 +29,27 @@ def module_engine(model_dir: Path | str, **settings: Any) -> Iterator[Any]:
             task.cancel()
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
+
+
+def module_agent_runner(
+    engine: Any, model_dir: Path | str, cfg: Any, *, version: int
+) -> Iterator[Any]:
+    """Yield the agent endpoint and the agents' loop (``AgentRunner``) on ``engine``'s loop, as a
+    generator builds them (Hermes-style calls, the tokenizer's end of turn); ``runner.tok`` is
+    its tokenizer. For a module-scoped fixture: ``yield from module_agent_runner(...)``."""
+    from transformers import AutoTokenizer
+
+    from common.chat.tool_calls import FORMATS
+    from services.generator.agent.runner import AgentRunner
+    from tests import agents_for_tests as agents
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    r = AgentRunner(cfg=cfg, engine=engine, tokenizer=tok, version=lambda: version,
+                    tool_format=FORMATS["hermes"], end_ids={tok.eos_token_id},
+                    agent=agents.one_turn)  # fmt: skip
+    engine.run(r.start())
+    r.tok = tok  # type: ignore[attr-defined]
+    try:
+        yield r
+    finally:
+        engine.run(r.close())

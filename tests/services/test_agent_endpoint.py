@@ -24,9 +24,8 @@ from common.config.load import load_config
 from common.engine import SamplingSettings
 from common.protocol import wire
 from services.generator.agent.gym import GymAgent
-from services.generator.agent.runner import AgentRunner
 from tests import agents_for_tests as agents
-from tests.engine_support import module_engine
+from tests.engine_support import module_agent_runner, module_engine
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is 3+4?"
@@ -58,18 +57,7 @@ def _cfg(model_dir, *sets):
 @pytest.fixture(scope="module")
 def runner(engine, model_dir):
     """The endpoint and the agents' loop, on the engine's event loop."""
-    from transformers import AutoTokenizer
-
-    from common.chat.tool_calls import FORMATS
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    r = AgentRunner(cfg=_cfg(model_dir), engine=engine, tokenizer=tok, version=lambda: 5,
-                    tool_format=FORMATS["hermes"], end_ids={tok.eos_token_id},
-                    agent=agents.one_turn)  # fmt: skip
-    engine.run(r.start())
-    r.tok = tok
-    yield r
-    engine.run(r.close())
+    yield from module_agent_runner(engine, model_dir, _cfg(model_dir), version=5)
 
 
 def _prompt(n: int = 1) -> wire.PromptMsg:

@@ -17,9 +17,7 @@ import pytest
 from common.config.load import load_config
 from common.engine import SamplingSettings
 from common.protocol import wire
-from services.generator.agent.runner import AgentRunner
-from tests import agents_for_tests as agents
-from tests.engine_support import module_engine
+from tests.engine_support import module_agent_runner, module_engine
 from tests.real_model import staged_smollm2
 
 pytestmark = pytest.mark.slow
@@ -40,10 +38,6 @@ def engine(model_dir):
 def runner(engine, model_dir):
     """The endpoint and the agents' loop on the engine's event loop, as a generator builds them
     for this model (Hermes-style calls, the tokenizer's end of turn)."""
-    from transformers import AutoTokenizer
-
-    from common.chat.tool_calls import FORMATS
-
     cfg = load_config(
         flags={"run.prompts_per_cycle": 1, "run.responses_per_prompt": 1,
                "run.train_steps_per_cycle": 1},
@@ -52,14 +46,7 @@ def runner(engine, model_dir):
                    "agent.timeout_s=60"],
         env={},
     ).config  # fmt: skip
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    r = AgentRunner(cfg=cfg, engine=engine, tokenizer=tok, version=lambda: 3,
-                    tool_format=FORMATS["hermes"], end_ids={tok.eos_token_id},
-                    agent=agents.one_turn)  # fmt: skip
-    engine.run(r.start())
-    r.tok = tok
-    yield r
-    engine.run(r.close())
+    yield from module_agent_runner(engine, model_dir, cfg, version=3)
 
 
 def test_two_turns_of_real_text_through_the_models_own_template(engine, runner):
