@@ -41,7 +41,9 @@ def breakdown(phases: dict[str, float]) -> dict[str, float]:
 
 
 def bottleneck(services: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The service kind with the largest busy fraction (mean over its replicas)."""
+    """The service kind with the largest busy fraction (mean over its replicas); None until some
+    service has been busy (at a run's start every busy fraction is 0, and naming one of them
+    the bottleneck would be a guess)."""
     by_kind: dict[str, list[float]] = {}
     for s in services:
         frac = breakdown(s.get("phases", {}))
@@ -49,6 +51,8 @@ def bottleneck(services: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not by_kind:
         return None
     kind, fracs = max(by_kind.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
+    if sum(fracs) <= 0.0:
+        return None
     return {"service": kind, "busy_fraction": sum(fracs) / len(fracs)}
 
 
