@@ -82,7 +82,9 @@ UNMEASURED = (
 )
 UNMEASURED_REAL = (
     "not measured at a recorded commit: `tether bench models --families {name}` measures it; "
-    "tests/services/test_gguf_staging.py runs staging, parity, an update and a learner step in CI"
+    "in CI, tests/services/test_gguf_staging.py runs staging, parity, an update and a learner "
+    "step, test_learner_fsdp.py two FSDP2 ranks and a DCP resume, test_lora_families.py LoRA "
+    "parity across an update, test_real_model_agent.py an agent's turns through the endpoint"
 )
 
 
