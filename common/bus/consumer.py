@@ -48,7 +48,10 @@ class Consumer:
     ``claims``: take over peers' entries idle for ``bus.claim_idle_s`` (off for a group with one
     consumer that holds entries on purpose: it would "claim" its own). ``track_strikes``: mark
     what it works on, so that a failure while holding an entry counts against the entry (off for
-    such a holder too: its restarts must never count against its data)."""
+    such a holder too: its restarts must never count against its data). ``lapsing``: set while
+    the holder lets the claims on what it holds lapse on purpose (a generator cut off from the
+    weights: ``services.generator.claims``); it then takes no idle entries at all, since its own
+    XAUTOCLAIM would claim back the very entries it lets lapse, before a peer could."""
 
     bus: Bus
     stream: str
@@ -56,6 +59,7 @@ class Consumer:
     name: str
     claims: bool = True
     track_strikes: bool = True
+    lapsing: bool = False
     _draining: bool = True
     _pending_cursor: str = "0"
     _claim_cursor: str = "0-0"
@@ -99,7 +103,7 @@ class Consumer:
                 self._pending_cursor = entries[-1][0]
                 return self._struck(self._with_counts(entries))
             self._draining = False
-        if self.claims and time.monotonic() >= self._next_claim_at:
+        if self.claims and not self.lapsing and time.monotonic() >= self._next_claim_at:
             # its own entries idle that long are in hand here (a slow batch): not taken twice
             entries = [e for e in self._autoclaim(count) if e[0] not in self._in_hand]
             if entries:

@@ -48,6 +48,7 @@ same batches, trains on it as on any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -369,33 +370,41 @@ class GeneratorService:
         not while it is cut off from the weights (``services.generator.claims``).
 
         Only entries the group still lists as ours are touched, and only when idle for half a
-        period at least: an entry a peer claimed a moment ago (idle ~0) is never taken back."""
+        period at least: an entry a peer claimed a moment ago (idle ~0) is never taken back.
+        While the claims lapse the generator takes no prompts (they would wait at the staleness
+        gate for a version it cannot get, until a peer took them over) and its consumer no idle
+        entries (``Consumer.lapsing``: its own XAUTOCLAIM would claim back what it lets lapse,
+        before a peer could); the first version it loads ends that."""
         assert self.weights is not None
         period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
         keeper = ClaimKeeper(period_s)
         lapsing = False
         while not self._stop.is_set():
-            await asyncio.sleep(period_s)
+            if lapsing:  # a version loaded ends it at once, not a period later
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.weights.changed.wait(), timeout=period_s)
+            else:
+                await asyncio.sleep(period_s)
             held = set(self._held)
-            if not held:
-                continue
             try:
                 learner = await asyncio.to_thread(self.bus.get, streams.LEARNER_VERSION)
                 keep = keeper.keep(time.monotonic(), self.weights.version,
                                    int(learner) if learner else None)  # fmt: skip
                 if keep != (not lapsing):
-                    lapsing = not keep
+                    lapsing = consumer.lapsing = not keep
                     if lapsing:
                         log.warning(
                             "behind the learner's v%s for %.0f s on v%s (cut off from its weight "
-                            "store?): letting the claims on %d prompts lapse, so that a peer "
-                            "takes them over after bus.claim_idle_s", learner,
+                            "store?): letting the claims on the %d prompt(s) it holds lapse, so that a "
+                            "peer takes them over after bus.claim_idle_s; taking no prompts "
+                            "until a version loads", learner,
                             time.monotonic() - (keeper.behind_since or 0), self.weights.version,
                             len(held),
                         )  # fmt: skip
                     else:
-                        log.info("caught up with the learner: keeping the claims again")
-                if keep:
+                        log.info("weights loaded (v%s): keeping the claims and taking prompts "
+                                 "again", self.weights.version)  # fmt: skip
+                if keep and held:
                     await asyncio.to_thread(
                         consumer.refresh_claims, held, min_idle_ms=int(period_s * 500)
                     )
@@ -452,6 +461,9 @@ class GeneratorService:
                     if t.exception() is not None:
                         raise t.exception()  # type: ignore[misc]
                 room = limit - len(tasks)
+                if consumer.lapsing:  # cut off from the weights (``_keep_claims``)
+                    await asyncio.sleep(self.cfg.bus.block_ms / 1000)
+                    continue
                 if room <= 0:
                     await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                     continue

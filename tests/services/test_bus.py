@@ -88,6 +88,25 @@ def test_commit_publishes_once_when_two_consumers_process_the_same_entries(redis
     assert bus.backlog("in", "w") == (0, 0)
 
 
+def test_a_consumer_letting_its_claims_lapse_does_not_claim_them_back(redis_server) -> None:
+    """A generator cut off from the weights lets the claims on what it holds lapse for a peer
+    (``services.generator.claims``); reading on meanwhile, its own XAUTOCLAIM took them back
+    every time before the peer could (the partitions run stalled for the whole cut)."""
+    bus = new_bus(redis_server, claim_idle_ms=50)
+    cut, peer = Consumer(bus, "in", "w", "cut"), Consumer(bus, "in", "w", "peer")
+    for i in range(3):
+        bus.publish("in", prompt(i))
+    taken = cut.read(3)
+    cut.lapsing = True
+    time.sleep(0.2)  # idle past claim_idle_ms
+    assert cut.read(3, block_ms=50) == []
+    rows = bus.redis.xpending_range(f"{bus.settings.run}:in", "w", "-", "+", 10)
+    assert {r["consumer"] for r in rows} == {b"cut"}
+    assert all(r["times_delivered"] == 1 for r in rows)
+    claimed = peer.read(3)
+    assert [d.entry_id for d in claimed] == [d.entry_id for d in taken]
+
+
 def test_the_generated_count_grows_in_the_commit_and_only_with_what_was_published(
     redis_server,
 ) -> None:

@@ -21,3 +21,12 @@ def test_behind_for_a_whole_period_lets_the_claims_lapse_until_caught_up():
     assert k.keep(30.0, own=7, learner=7)  # caught up: kept again, the clock starts over
     assert k.keep(35.0, own=7, learner=8) and k.keep(44.0, own=7, learner=8)
     assert not k.keep(45.0, own=7, learner=8)
+
+
+def test_a_generator_that_loads_versions_while_behind_is_not_cut_off():
+    """Slower than the learner publishes, or catching up version by version: it gets weights,
+    so its claims are kept; only a whole period with nothing loaded lets them lapse."""
+    k = ClaimKeeper(period_s=10.0)
+    assert all(k.keep(t, own=v, learner=v + 2) for t, v in ((0.0, 5), (8.0, 6), (16.0, 7)))
+    assert k.keep(24.0, own=7, learner=9)
+    assert not k.keep(26.0, own=7, learner=9)  # nothing loaded since 16.0
