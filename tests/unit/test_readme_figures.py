@@ -79,17 +79,18 @@ def test_the_redis_figures_are_what_tether_plan_prints(capsys):
     assert f"grows by {float(per_cycle):.1f} GB per 1,000 cycles" in said
 
 
-def test_the_packing_ratios_are_learner_packing_json():
-    r = json.loads((REPO / "bench/results/unstamped/learner_packing.json").read_text())
+def test_the_packing_ratios_are_learner_json():
+    r = json.loads((REPO / "bench/results/learner.json").read_text())
     budget = r["packing_token_budget"]["ratio_packed_over_padded"]
     rows = r["packing"]["ratio_packed_over_padded"]
     said = " ".join(README.split())
+    assert f"(`tether bench learner` at commit {r['git']['commit'][:7]}," in said
     assert f"packing trains **{budget:.2f}×** the tokens/s of padding with a token budget" in said
     assert (
         f"and **{rows:.2f}×** with micro-batches of {r['packing']['micro_batching']['micro_batch_size']} samples"
         in said
     )
-    assert "`bench/results/unstamped/learner_packing.json`" in said
+    assert "`bench/results/learner.json`" in said
 
 
 def test_the_lora_prose_figures_are_lora_json():
