@@ -28,9 +28,9 @@ from common.weights.layout import WeightSyncError
 logger = logging.getLogger(__name__)
 
 RELAY_WINDOW_OPS = 4  # collectives a relay keeps in flight to the member below
-PROGRESS_EVERY_S = 0.05
+PROGRESS_EVERY_S = 0.05  # a member reports progress at most this often (a store round trip)
 WATCH_SLICE_S = 0.02  # the learner reads the members' states at least this often in a round
-END_CHECK_S = 0.002  # and checks this often whether the last member has ended  # a member reports progress at most this often (a store round trip)
+END_CHECK_S = 0.002  # and checks this often whether the last member has ended
 
 
 @dataclass(frozen=True)

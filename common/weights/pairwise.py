@@ -1,7 +1,9 @@
 """The learner's pairwise round: one pass of an update read by a sender thread per member, each
-over the member's own pair group (a join, a catch-up, or ``fanout = "pairwise"``). A member the
-round has not finished with at the deadline is dropped as a timeout; the others are not held
-back by it."""
+over the member's own pair group (a join, a catch-up, or ``fanout = "pairwise"``). A member is
+"ok" once it reports its own end of the round (every unit received, verified and taken), not when
+the learner's sends return: those end when the last bytes left the learner, which may still be in
+a slow link's queue, where the next round's new route would call them off. A member the round has
+not finished with at the deadline is dropped as a timeout; the others are not held back by it."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import time
 
 from common.weights.chain import Route
 from common.weights.group import Stalled, use_device
+from common.weights.layout import WeightSyncError
 from common.weights.roster import Roster
 from common.weights.rounds import Member, RoundOutcome, Update
 from common.weights.stream import FeedReader, HeldFeed
 from common.weights.transfer import send_update
 
 Reader = FeedReader | HeldFeed
+END_CHECK_S = 0.01  # how often a sender checks whether its member reported the round's end
 
 
 def error_text(e: BaseException) -> str:
@@ -61,11 +65,15 @@ class PairwiseRound:
             try:
                 if m.version_sent >= update.version:
                     return "ok"
-                m.announce(update.version, Route(update.version))
+                route = Route(update.version)
+                m.announce(update.version, route)
                 use_device(self.device)  # this sender thread's GPU
                 send_update(m.pg, update.header, update.version, reader.units(deadline),
                             lambda k: update.wait_digest(k, deadline), deadline,
                             device=self.device)  # fmt: skip
+                end = _member_end(m, str(route), deadline)
+                if end != "ok":
+                    raise WeightSyncError(f"{m.member_id} failed it: {end.removeprefix('err|')}")
                 m.version_sent = update.version
                 return "ok"
             except Exception as e:
@@ -75,3 +83,15 @@ class PairwiseRound:
                 return f"error: {error_text(e)}"
             finally:
                 m.lock.release()
+
+
+def _member_end(m: Member, route: str, deadline: float) -> str:
+    """The member's outcome of its pairwise round (``end/<route>``, which it sets once it has
+    every unit verified and taken, or on failure): ``ok`` or ``err|<why>``. Raises ``Stalled``
+    when none came by ``deadline``."""
+    key = f"end/{route}"
+    while not m.store.check([key]):
+        if time.monotonic() >= deadline:
+            raise Stalled(f"{m.member_id} did not report the end of version {route} in time")
+        time.sleep(END_CHECK_S)
+    return m.store.get(key).decode().removeprefix(route + "|")

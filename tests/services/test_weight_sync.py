@@ -128,6 +128,34 @@ def test_hung_member_times_out_without_blocking_the_others(
         stop_all(procs, pub)
 
 
+@pytest.mark.slow
+def test_a_pairwise_publish_is_ok_once_the_member_has_the_update(tmp_path):
+    """The learner's sends return when its last bytes left it, while they may still be on their
+    way (a slow link's queue) or the member may still be verifying and loading: "ok" waits for the
+    member's own end of the round. Here the member holds its last (only) unit 3 s before taking
+    it; the sends alone return in milliseconds."""
+    stall_s = 3.0
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=20.0, bucket_bytes=1 << 20,
+                          fanout="pairwise")  # fmt: skip
+    procs = []
+    try:
+        a, log_a = start_receiver(tmp_path, pub.port, "a", "--stall-after-unit", "0",
+                                  "--stall-seconds", str(stall_s))  # fmt: skip
+        procs.append(a)
+        wait_for(lambda: set(pub.members()) == {"a"}, JOIN_S, "a")
+        w = weights(2, n=1, mb=0.25)  # one unit
+        t0 = time.monotonic()
+        report = pub.publish(w, 1)
+        took = time.monotonic() - t0
+        assert report.per_member == {"a": "ok"}, report.per_member
+        assert [e["event"] for e in events(log_a)][-1:] in (["stalled"], ["update"])
+        assert took >= stall_s, f"reported ok {took:.2f} s in, before the member took the update"
+        got = wait_for(lambda: [e for e in events(log_a) if e["event"] == "update"])
+        assert got[0]["version"] == 1 and got[0]["checksum"] == tensors_checksum(w)
+    finally:
+        stop_all(procs, pub)
+
+
 def _stream(pub: WeightPublisher, named, version: int):
     """A streamed publish of ``named`` as the learner's rank 0 makes one
     (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
