@@ -378,9 +378,8 @@ class GeneratorService:
         assert self.weights is not None
         period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
         keeper = ClaimKeeper(period_s)
-        lapsing = False
         while not self._stop.is_set():
-            if lapsing:  # a version loaded ends it at once, not a period later
+            if consumer.lapsing:  # a version loaded ends it at once, not a period later
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.weights.changed.wait(), timeout=period_s)
             else:
@@ -390,14 +389,14 @@ class GeneratorService:
                 learner = await asyncio.to_thread(self.bus.get, streams.LEARNER_VERSION)
                 keep = keeper.keep(time.monotonic(), self.weights.version,
                                    int(learner) if learner else None)  # fmt: skip
-                if keep != (not lapsing):
-                    lapsing = consumer.lapsing = not keep
-                    if lapsing:
+                if keep == consumer.lapsing:  # the state changes
+                    consumer.lapsing = not keep
+                    if consumer.lapsing:
                         log.warning(
                             "behind the learner's v%s for %.0f s on v%s (cut off from its weight "
-                            "store?): letting the claims on the %d prompt(s) it holds lapse, so that a "
-                            "peer takes them over after bus.claim_idle_s; taking no prompts "
-                            "until a version loads", learner,
+                            "store?): letting the claims on the %d prompt(s) it holds lapse, so "
+                            "that a peer takes them over after bus.claim_idle_s; taking no "
+                            "prompts until a version loads", learner,
                             time.monotonic() - (keeper.behind_since or 0), self.weights.version,
                             len(held),
                         )  # fmt: skip
