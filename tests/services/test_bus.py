@@ -98,9 +98,12 @@ def test_a_consumer_letting_its_claims_lapse_does_not_claim_them_back(redis_serv
         bus.publish("in", prompt(i))
     taken = cut.read(3)
     cut.lapsing = True
-    time.sleep(0.2)  # idle past claim_idle_ms
+    key = f"{bus.settings.run}:in"
+    wait_until(lambda: all(r["time_since_delivered"] > 100
+                           for r in bus.redis.xpending_range(key, "w", "-", "+", 10)),
+               what="the entries idle past claim_idle_ms")  # fmt: skip
     assert cut.read(3, block_ms=50) == []
-    rows = bus.redis.xpending_range(f"{bus.settings.run}:in", "w", "-", "+", 10)
+    rows = bus.redis.xpending_range(key, "w", "-", "+", 10)
     assert {r["consumer"] for r in rows} == {b"cut"}
     assert all(r["times_delivered"] == 1 for r in rows)
     claimed = peer.read(3)
