@@ -6,6 +6,10 @@ chain against pairwise, and what gloo's own broadcast sends from its root.
 The publish includes what the bare broadcast does not: the header, bucketing, the xxh3
 checksum on both sides (the receiver verifies every unit before it takes the next, as a
 generator does before loading it), the announcement through the store and the thread hand-off.
+The receiver takes the units through the generator's own ``LoadStream``, which lets go of each
+unit's tensors before the next is received, so that the one staging buffer is reused (a loop
+that kept the last unit's views, as this benchmark did before, made every unit wait out
+``transfer.RELEASE_WAIT_S`` and then fill a new buffer, which a generator never does).
 Timed on the learner side, a publish and a bare broadcast in turn (both see the same machine);
 each figure is the best of ``repeats`` after one warm-up.
 
@@ -30,6 +34,7 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 
     from common.weights.group import broadcast, make_pair_group
     from common.weights.receiver import WeightReceiver
+    from services.generator.update_stream import LoadStream
 
     rx = WeightReceiver("127.0.0.1", port, "bench", timeout_s=120.0)
     rx.join()
@@ -37,7 +42,8 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
     pg = make_pair_group(store, 1, backend="gloo", timeout_s=120.0)
     buf = torch.empty(total_bytes, dtype=torch.uint8)
     for _ in range(repeats + 1):  # alternating, as the learner side does
-        for _ in rx.begin(wait_s=120.0).units():  # as a generator takes it: a unit at a time
+        # as a generator takes it: a unit at a time, each let go before the next is received
+        for _ in LoadStream(rx.begin(wait_s=120.0).units()):
             pass
         broadcast(pg, buf).wait()
 
