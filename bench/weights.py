@@ -137,11 +137,13 @@ def _loopback_sent() -> int:
 
 def _member(port: int, name: str, count: int) -> None:
     from common.weights.receiver import WeightReceiver
+    from services.generator.update_stream import LoadStream
 
     rx = WeightReceiver("127.0.0.1", port, name, timeout_s=120.0)
     rx.join()
-    for _ in range(count):
-        rx.receive(wait_s=300.0)
+    for _ in range(count):  # as a generator takes it (see _receiver)
+        for _ in LoadStream(rx.begin(wait_s=300.0).units()):
+            pass
     rx.close()  # lets the relay to the member below finish
 
 
