@@ -69,7 +69,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         return {}
     presets: dict[str, dict[str, Any]] = {
         "bus": {"n_messages": 50, "repeats": 1},
-        "weights": {"total_mb": 64, "repeats": 2},
+        "weights": {"total_mb": 64, "repeats": 2, "pair_repeats": 2},
         "scorer": {"rule_items": 400, "answer_tokens": (0, 64)},
         "generator": {"max_tokens": 32, "rounds": 1, "hidden_size": 128, "num_layers": 2},
         "episodes": {"prompts": 8, "n": 4, "rounds": 1},

@@ -11,7 +11,9 @@ unit's tensors before the next is received, so that the one staging buffer is re
 that kept the last unit's views, as this benchmark did before, made every unit wait out
 ``transfer.RELEASE_WAIT_S`` and then fill a new buffer, which a generator never does).
 Timed on the learner side, a publish and a bare broadcast in turn (both see the same machine);
-each figure is the best of ``repeats`` after one warm-up.
+each figure is the best of ``pair_repeats`` after one warm-up, with the median of the rounds'
+ratios and their spread beside it (on two shared cores one round's time varies by tens of
+percent, so three rounds decide nothing).
 
 Bytes sent by the learner: the growth of ``wchar`` in ``/proc/self/io`` of this process (the
 learner) over a publish: every byte handed to a write-type system call, sockets included (the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -51,7 +54,7 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 def run_weights_bench(
     *, total_mb: int = 200, num_tensors: int = 16, repeats: int = 3, out_path: str | None = None,
     generators: tuple[int, ...] = (), hosts_mbit: float | None = None, work_dir: str = "bench/work",
-    quick: bool = False,
+    quick: bool = False, pair_repeats: int = 15,
 ) -> dict:  # fmt: skip
     """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio, and
     with ``generators`` the scaling section (see the module docstring). With ``hosts_mbit``: the
@@ -67,15 +70,15 @@ def run_weights_bench(
     from common.weights.group import broadcast, make_pair_group
     from common.weights.publisher import WeightPublisher
 
-    if total_mb <= 0 or num_tensors <= 0 or repeats <= 0:
-        raise ValueError("total_mb, num_tensors and repeats must be positive")
+    if total_mb <= 0 or num_tensors <= 0 or repeats <= 0 or pair_repeats <= 0:
+        raise ValueError("total_mb, num_tensors, repeats and pair_repeats must be positive")
     numel = total_mb * (1 << 20) // 4 // num_tensors
     named = [(f"w{i}", torch.randn(numel)) for i in range(num_tensors)]
     total_bytes = numel * 4 * num_tensors
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=120.0)
     bare_store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     proc = mp.get_context("spawn").Process(
-        target=_receiver, args=(pub.port, bare_store.port, total_bytes, repeats)
+        target=_receiver, args=(pub.port, bare_store.port, total_bytes, pair_repeats)
     )
     proc.start()
     try:
@@ -88,7 +91,7 @@ def run_weights_bench(
         flat = torch.cat([t for _, t in named]).view(torch.uint8)
         publish_s, bare_s = [], []
         load_before = os.getloadavg()
-        for v in range(repeats + 1):  # alternating, so that both see the same machine
+        for v in range(pair_repeats + 1):  # alternating, so that both see the same machine
             report = pub.publish(named, v)
             if report.per_member != {"bench": "ok"}:
                 raise RuntimeError(f"publish failed: {report.per_member}")
@@ -102,6 +105,7 @@ def run_weights_bench(
             proc.kill()
         pub.close()
     best_pub, best_bare = min(publish_s[1:]), min(bare_s[1:])
+    ratios = sorted(b / p for p, b in zip(publish_s[1:], bare_s[1:], strict=True))
     result = {
         "bench": "weights",
         "bytes": total_bytes,
@@ -111,6 +115,9 @@ def run_weights_bench(
         "publish_gb_per_s": total_bytes / best_pub / 1e9,
         "bare_broadcast_gb_per_s": total_bytes / best_bare / 1e9,
         "publish_vs_bare_ratio": best_bare / best_pub,
+        "rounds": pair_repeats,
+        "round_ratio_median": statistics.median(ratios),
+        "round_ratio_quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
         "all_publish_seconds": publish_s,
         "all_bare_seconds": bare_s,
         "publish_load_average": [load_before[0], os.getloadavg()[0]],
@@ -255,6 +262,12 @@ def readme_row(r: dict) -> str:
         f"{r['publish_seconds']:.3f} s vs a bare gloo broadcast {r['bare_broadcast_seconds']:.3f} s"
     )
     ratio = f"publish ÷ bare speed **{r['publish_vs_bare_ratio']:.2f}**"
+    if "round_ratio_median" in r:
+        lo, hi = r["round_ratio_quartiles"]
+        ratio += (
+            f" (best of {r['rounds']} rounds each; per round median "
+            f"{r['round_ratio_median']:.2f}, quartiles {lo:.2f}–{hi:.2f})"
+        )
     if r.get("generators"):
         hi = max(r["generators"])
         measured += (
