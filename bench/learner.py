@@ -131,8 +131,8 @@ def _service(
     """Pre-publish the groups, run LearnerService; seconds from the first collect to the end of
     training (start-up, the initial publish and the final checkpoint excluded)."""
     from common.bus.client import Bus
-    from common.bus.settings import bus_settings_for
     from common.protocol.streams import SCORED
+    from common.service.settings import bus_settings_for
     from services.learner.loop import LearnerService
 
     bus = Bus(bus_settings_for(cfg), service="bench")

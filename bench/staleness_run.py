@@ -222,7 +222,7 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, Any]) -> dic
     held_out_path, and optionally initial_accuracy (the model's, measured once)."""
     from transformers import AutoTokenizer
 
-    from common.data.datasets import prompt_sets_for
+    from common.service.settings import prompt_sets_for
     from services.generator.seeds import request_seed
     from tether.demo.tasks import read_jsonl
 

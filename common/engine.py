@@ -25,12 +25,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from common.config.generator import GeneratorConfig
-
-if TYPE_CHECKING:
-    from common.config.schema import TetherConfig
 
 __all__ = [
     "EngineSettings",
@@ -38,9 +35,7 @@ __all__ = [
     "Sample",
     "SamplingSettings",
     "load_tokenizer",
-    "policy_engine_settings",
     "sample_from_completion",
-    "solver_engine_settings",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,47 +91,6 @@ class EngineSettings:
             )
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib={self.kv_cache_gib} must be > 0 (GiB) or None.")
-
-
-def policy_engine_settings(cfg: TetherConfig, *, worker_extension_cls: str) -> EngineSettings:
-    """The generator's engine: the policy model, room for the longest prompt and response, the
-    ``[generator]`` engine settings (``dtype`` already settled at load), and the worker extension
-    that receives weight updates in place."""
-    from common.data.model_paths import policy_paths
-
-    g, run = cfg.generator, cfg.run
-    model_dir, tok_dir = policy_paths(cfg)
-    return EngineSettings(
-        model=model_dir,
-        tokenizer=tok_dir,
-        dtype=g.dtype,
-        max_model_len=run.max_prompt_tokens + run.max_response_tokens,
-        gpu_memory_utilization=g.gpu_memory_utilization,
-        kv_cache_gib=g.kv_cache_gib,
-        enforce_eager=g.enforce_eager,
-        max_num_seqs=g.max_num_seqs,
-        seed=run.seed,
-        tensor_parallel_size=g.tensor_parallel_size,
-        worker_extension_cls=worker_extension_cls,
-        max_lora_rank=g.max_lora_rank,
-        return_routed_experts=cfg.learner.router_replay != "off",
-    )
-
-
-def solver_engine_settings(cfg: TetherConfig) -> EngineSettings:
-    """The scorer's solver engine (solver mode): the frozen solver model with the ``[scorer]``
-    section's ``solver_*`` engine settings; its weights never change."""
-    from common.data.model_paths import solver_path
-
-    s = cfg.scorer
-    return EngineSettings(
-        model=solver_path(cfg),
-        dtype=s.solver_dtype,
-        max_model_len=s.solver_max_model_len,
-        gpu_memory_utilization=s.solver_gpu_memory_utilization,
-        kv_cache_gib=s.solver_kv_cache_gib,
-        seed=cfg.run.seed,
-    )
 
 
 @dataclass(frozen=True, kw_only=True)

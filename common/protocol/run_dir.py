@@ -22,9 +22,9 @@ class RunDir:
     root: Path
 
     @classmethod
-    def of(cls, cfg: Any) -> RunDir:
-        """The run directory a config names (``cfg.run.run_dir`` / ``cfg.run.name``)."""
-        return cls(Path(cfg.run.run_dir) / cfg.run.name)
+    def of(cls, run: Any) -> RunDir:
+        """The run directory a config's ``[run]`` section names (``run_dir`` / ``name``)."""
+        return cls(Path(run.run_dir) / run.name)
 
     @property
     def config(self) -> Path:

@@ -81,7 +81,8 @@ def preflight(cfg: TetherConfig, role: Role) -> Checked:
         _episodes(cfg, tokenizer)
     if not needs_data:
         return Checked()
-    from common.data.datasets import DatasetError, prompt_sets_for
+    from common.data.datasets import DatasetError
+    from common.service.settings import prompt_sets_for
 
     try:
         return Checked(datasets=prompt_sets_for(cfg, tokenizer))
@@ -90,7 +91,7 @@ def preflight(cfg: TetherConfig, role: Role) -> Checked:
 
 
 def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
-    from common.data.model_paths import policy_paths, solver_path
+    from common.service.settings import policy_paths, solver_path
 
     checks: list[Any] = []
     if role != "scorer" or cfg.scorer.mode == "solver":  # every role that loads a model
@@ -99,7 +100,7 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
         vllm = role in ("train", "generator", "scorer")  # the engines; the learner has none
         checks.append(lambda: check_stack(generator=vllm))
     if role in ("train", "learner"):
-        from common.telemetry.trackers import require_trackers
+        from common.service.settings import require_trackers
 
         checks.append(lambda: require_trackers(cfg))
     if role in ("train", "learner") and cfg.learner.lora_rank:
@@ -107,7 +108,7 @@ def _on_disk(cfg: TetherConfig, role: Role, *, needs_data: bool) -> list[str]:
     if role != "scorer":
         checks.append(lambda: policy_paths(cfg))
     if role != "scorer" and cfg.learner.router_replay != "off":
-        from common.data.model_paths import check_router_replay
+        from common.service.settings import check_router_replay
 
         engine = role in ("train", "generator")
         checks.append(lambda: check_router_replay(cfg, engine=engine))
@@ -140,7 +141,8 @@ def _data_paths(cfg: TetherConfig) -> None:
     """The cheap part of the data check, before the tokenizer loads (importing transformers
     takes 5-20 s on a busy 2-core machine): the paths exist and, unless bad rows are to be
     dropped, every row has the right shape (the same loader, without token counts)."""
-    from common.data.datasets import EMPTY_TRAIN_PATH, DatasetError, prompt_sets_for
+    from common.data.datasets import EMPTY_TRAIN_PATH, DatasetError
+    from common.service.settings import prompt_sets_for
 
     d = cfg.data
     if not d.train_path:
@@ -173,7 +175,8 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
     """One PING of the Redis URL the role would use, with a short timeout and no retry."""
     import redis
 
-    from common.bus.settings import bus_settings_for, ping_once, safe_url
+    from common.bus.settings import ping_once, safe_url
+    from common.service.settings import bus_settings_for
 
     if role == "train" and not cfg.run.redis_url:
         return []  # `tether train` starts an embedded server
@@ -257,7 +260,7 @@ def _tls_problem(error: str, *, tls: bool) -> str:
 
 def _tokenizer(cfg: TetherConfig) -> Any:
     """The policy tokenizer; refuses data.apply_chat_template without a chat template."""
-    from common.data.model_paths import policy_paths, policy_tokenizer
+    from common.service.settings import policy_paths, policy_tokenizer
 
     try:
         tokenizer = policy_tokenizer(cfg)
@@ -287,7 +290,7 @@ def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
     from common.chat.rehearsal import rehearse
     from common.chat.tool_calls import ToolFormatError, tool_format
     from common.chat.turns import TemplateDeltaError, TurnEncoder, end_of_turn_ids
-    from common.data.model_paths import policy_paths
+    from common.service.settings import policy_paths
     from common.tools.functions import ToolDefinitionError
     from common.tools.registry import tool_schemas
 

@@ -3,7 +3,7 @@ directory and Weights & Biases when configured (``learner.trackers``).
 
 Both are imported only when configured. A tracker the user asked for but that is not installed
 is a config error named at start-up (exit 2, before Redis or any model starts), not a silent
-no-op: ``require_trackers`` is one of the preflight checks (``common.service.preflight``) of `tether
+no-op: ``common.service.settings.require_trackers`` is one of the preflight checks (``common.service.preflight``) of `tether
 train` and `tether learner`. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
 ``WANDB_DIR``); ``learner.wandb_mode = "offline"`` writes the run under
 ``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
@@ -12,48 +12,37 @@ train` and `tether learner`. W&B honours its own environment (``WANDB_API_KEY``,
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from common.config.schema import TetherConfig
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-_INSTALL = {
+INSTALL_HINTS = {  # how to install each tracker's package
     "tensorboard": "pip install tensorboard",
     "wandb": "pip install wandb   (or: pip install 'tether-rl[tracking]')",
 }
 
 
-def missing_trackers(cfg: TetherConfig) -> list[str]:
-    """Configured trackers whose package is not importable, each with how to install it."""
-    import importlib.util
+@dataclass(frozen=True)
+class TrackerSettings:
+    """Which trackers to write to, and the W&B run's names (``common.service.settings``)."""
 
-    return [  # each tracker's package has the tracker's name
-        f"learner.trackers includes {name!r} but the {name!r} package is not installed: "
-        f"{_INSTALL[name]}, or remove {name!r} from learner.trackers."
-        for name in cfg.learner.trackers
-        if importlib.util.find_spec(name) is None
-    ]
-
-
-def require_trackers(cfg: TetherConfig) -> None:
-    """Raise ``ConfigError`` (exit 2) naming each configured tracker that is not installed."""
-    problems = missing_trackers(cfg)
-    if problems:
-        from common.config.errors import ConfigError
-
-        raise ConfigError("\n".join(problems))
+    names: tuple[str, ...] = ()  # "tensorboard", "wandb"
+    run_name: str = "tether"
+    wandb_project: str = "tether"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    config: dict[str, Any] = field(default_factory=dict)  # the run's config, shown in W&B
 
 
 class Trackers:
     """Fan-out of ``log(metrics, step)`` to every configured tracker."""
 
-    def __init__(self, cfg: TetherConfig, run_dir: Path) -> None:
+    def __init__(self, settings: TrackerSettings, run_dir: Path) -> None:
         self._tb: Any = None
         self._wandb: Any = None
-        names = set(cfg.learner.trackers)
+        names = set(settings.names)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,12 +52,12 @@ class Trackers:
 
             (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(
-                project=cfg.learner.wandb_project or cfg.run.name,
-                entity=cfg.learner.wandb_entity or None,
-                name=cfg.run.name,
-                mode=cfg.learner.wandb_mode,
+                project=settings.wandb_project,
+                entity=settings.wandb_entity,
+                name=settings.run_name,
+                mode=settings.wandb_mode,
                 dir=str(run_dir),
-                config=cfg.model_dump(mode="json"),
+                config=settings.config,
                 resume="allow",
                 id=_wandb_run_id(run_dir),
             )
@@ -76,7 +65,7 @@ class Trackers:
             # version instead of W&B's own (strictly increasing) step counter.
             self._wandb.define_metric("policy_version")
             self._wandb.define_metric("*", step_metric="policy_version")
-            log.info("W&B run %s (%s mode)", self._wandb.id, cfg.learner.wandb_mode)
+            log.info("W&B run %s (%s mode)", self._wandb.id, settings.wandb_mode)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self._tb is not None:

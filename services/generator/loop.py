@@ -54,10 +54,10 @@ import time
 from typing import Any
 
 from common.bus.consumer import Consumer, let_go
-from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
+from common.service.settings import bus_settings_for
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
 from services.generator.claims import ClaimKeeper
@@ -156,7 +156,8 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from common.engine import GenerationEngine, policy_engine_settings
+        from common.engine import GenerationEngine
+        from common.service.settings import policy_engine_settings
 
         settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
         if settings.return_routed_experts:
@@ -172,7 +173,7 @@ class GeneratorService:
             problem = (await self.engine.collective_rpc("tether_check_lora"))[0]
             if problem:
                 raise RuntimeError(f"generator.max_lora_rank = {settings.max_lora_rank}: {problem}")
-        from common.data.model_paths import policy_tokenizer
+        from common.service.settings import policy_tokenizer
 
         self.tokenizer = policy_tokenizer(self.cfg)
         if self.cfg.agent.enabled:  # your agent's code, through the OpenAI-compatible endpoint

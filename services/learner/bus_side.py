@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from common.bus.consumer import Consumer
 from common.bus.dead_letters import DeadLetters
-from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
 from common.service import run_end
+from common.service.settings import bus_settings_for, tracker_settings
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut
@@ -75,7 +75,9 @@ class BusSide:
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
         self.metrics_path = RunDir(run_dir).metrics
-        self.trackers = trackers if trackers is not None else Trackers(cfg, run_dir)
+        self.trackers = (
+            trackers if trackers is not None else Trackers(tracker_settings(cfg), run_dir)
+        )
         self.held_out = HeldOut(
             self.dispatcher,
             self.dead,

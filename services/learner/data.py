@@ -14,7 +14,6 @@ def load_datasets(cfg: TetherConfig) -> tuple[PromptSet, PromptSet | None]:
     prompts follow data.overlong_prompt_policy; ``DatasetError`` names the setting or the row.
     ``tether learner`` gets them from its preflight (``common.service.preflight``), which loads them the
     same way; this is for callers that build a learner without it."""
-    from common.data.datasets import prompt_sets_for
-    from common.data.model_paths import policy_tokenizer
+    from common.service.settings import policy_tokenizer, prompt_sets_for
 
     return prompt_sets_for(cfg, policy_tokenizer(cfg))

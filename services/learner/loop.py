@@ -149,7 +149,7 @@ class LearnerService:
     def setup(self) -> None:
         import torch
 
-        from common.data.model_paths import policy_paths
+        from common.service.settings import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
 

@@ -40,7 +40,7 @@ def main(cfg: TetherConfig, args) -> int:
     from services.learner.checkpoint_disk import DiskFull
     from services.learner.loop import LearnerService
 
-    run_dir = RunDir.of(cfg).root
+    run_dir = RunDir.of(cfg.run).root
     run_dir.mkdir(parents=True, exist_ok=True)
     svc = LearnerService(cfg, run_dir=run_dir, datasets=checked.datasets)
     for sig in (signal.SIGTERM, signal.SIGINT):

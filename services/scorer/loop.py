@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 from common.bus.consumer import Consumer, let_go
-from common.bus.settings import bus_settings_for
 from common.config.schema import TetherConfig
 from common.protocol import streams, wire
+from common.service.settings import bus_settings_for
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
 
@@ -149,7 +149,7 @@ class ScorerService:
         self.rewards = RewardScorer(spec, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.engine import solver_engine_settings
+        from common.service.settings import solver_engine_settings
         from services.scorer.solver import Solver, SolverSettings
 
         s = self.cfg.scorer

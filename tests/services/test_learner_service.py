@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from common.bus.client import Bus
-from common.bus.settings import bus_settings_for
 from common.config.load import load_config
 from common.data.datasets import load_prompts
 from common.protocol.staleness import min_policy_version
 from common.protocol.streams import PROMPTS
+from common.service.settings import bus_settings_for
 from services.learner.cycle import Sample, decode_samples, encode_samples, steps_of_cycle
 from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService

@@ -389,7 +389,7 @@ def test_auto_settings_and_derived_values_are_settled_at_load():
 
 
 def test_engine_settings_are_built_from_the_config_in_one_place(tmp_path):
-    from common.engine import policy_engine_settings, solver_engine_settings
+    from common.service.settings import policy_engine_settings, solver_engine_settings
 
     model = tmp_path / "model"
     model.mkdir()

@@ -109,3 +109,31 @@ def test_no_catch_all_names():
             if is_def and CATCH_ALL.search(node.name.strip("_").lower()):
                 found.append(f"{path}:{node.lineno} {node.name}")
     assert not found, f"catch-all names, name them by concern: {found}"
+
+
+# where the whole config may be read: the package that defines it, the service harness that
+# resolves it into each part's settings (common.service.settings) and checks it before start-up
+CONFIG_READERS = ("common/config/", "common/service/")
+
+
+def test_the_library_never_receives_the_whole_config():
+    """Below the services, the library takes settings of its own (``BusSettings``,
+    ``EngineSettings``, ``TrackerSettings``...), never ``TetherConfig``: no name of it (an
+    annotation included) and no ``cfg`` parameter in common/ outside ``CONFIG_READERS``. Import
+    contracts cannot see this: an annotation-only import is not a dependency for them."""
+    found = []
+    for path in _tracked_python():
+        if not path.startswith("common/") or path.startswith(CONFIG_READERS):
+            continue
+        tree = ast.parse((REPO / path).read_text(encoding="utf-8"), filename=path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name | ast.alias) and "TetherConfig" in (
+                getattr(node, "id", None),
+                getattr(node, "name", None),
+            ):
+                found.append(f"{path}:{node.lineno} TetherConfig")
+            if isinstance(node, ast.arg) and node.arg == "cfg":
+                found.append(f"{path}:{node.lineno} parameter cfg")
+    assert not found, (
+        f"the library receives the whole config (resolve it in common.service.settings): {found}"
+    )

@@ -242,7 +242,8 @@ def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
     import json
 
     from common.config.errors import ConfigError
-    from common.data.model_paths import check_router_replay, moe_routing_shape
+    from common.data.model_paths import moe_routing_shape
+    from common.service.settings import check_router_replay
 
     moe = tmp_path / "moe"
     moe.mkdir()
@@ -259,7 +260,7 @@ def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
         class learner:
             router_replay = "r3"
 
-    import common.data.model_paths as mp
+    import common.service.settings as mp
 
     orig = mp.policy_paths, mp.engine_returns_routed_experts
     mp.policy_paths = lambda cfg: (str(dense), str(dense))

@@ -27,7 +27,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Path]:
         if given and saved.config.exists():
             args.config = str(saved.config)
     cfg = load_from_args(args).config
-    return cfg, run_dir or RunDir.of(cfg).root
+    return cfg, run_dir or RunDir.of(cfg.run).root
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -56,7 +56,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _bus_inspect(args: argparse.Namespace) -> int:
     from common.bus.inspect import format_inspect, inspect_bus
-    from common.bus.settings import bus_settings_for
+    from common.service.settings import bus_settings_for
 
     cfg = load_from_args(args).config
     report = inspect_bus(bus_settings_for(cfg, redis_url=cfg.run.redis_url or None))
@@ -67,7 +67,7 @@ def _bus_inspect(args: argparse.Namespace) -> int:
 def _bus_redrive(args: argparse.Namespace) -> int:
     from common.bus.client import Bus
     from common.bus.redrive import RedriveRefused, format_redrive, redrive
-    from common.bus.settings import bus_settings_for
+    from common.service.settings import bus_settings_for
     from tether.runs.status_view import run_redis
 
     cfg, run_dir = _resolve(args)

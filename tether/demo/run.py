@@ -194,7 +194,7 @@ def run_demo(
     preset, default_config = TASKS[task]
     config_file = config_file or str(default_config)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config
-    paths = RunDir.of(cfg)
+    paths = RunDir.of(cfg.run)
     assets_dir = Path(assets) if assets else paths.assets
     made = prepare_assets(assets_dir, preset=preset, seed=cfg.run.seed)
     given = [

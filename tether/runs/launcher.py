@@ -72,7 +72,7 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
         preflight(cfg, "train")
         return cfg, run_dir.root
     preflight(cfg, "train")
-    run_dir = RunDir.of(cfg)
+    run_dir = RunDir.of(cfg.run)
     run_dir.root.mkdir(parents=True, exist_ok=True)
     run_dir.config.write_text(resolved_toml(cfg))
     return cfg, run_dir.root
@@ -158,7 +158,7 @@ def _finish(cfg: TetherConfig, run_dir: Path, url: str, progress: Any) -> None:
             bus = progress.bus
         else:
             from common.bus.client import Bus
-            from common.bus.settings import bus_settings_for
+            from common.service.settings import bus_settings_for
 
             bus = Bus(bus_settings_for(cfg, redis_url=url), service="launcher")
         report = finish_run(run_dir, bus)

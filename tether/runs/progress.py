@@ -14,12 +14,12 @@ log = logging.getLogger(__name__)
 class Progress:
     def __init__(self, cfg: TetherConfig, redis_url: str) -> None:
         from common.bus.client import Bus
-        from common.bus.settings import bus_settings_for
+        from common.service.settings import bus_settings_for
 
         self.cfg = cfg
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="launcher")
         self.started = time.monotonic()
-        self.metrics_path = RunDir.of(cfg).metrics
+        self.metrics_path = RunDir.of(cfg.run).metrics
         self._last_samples: tuple[float, int] | None = None
 
     def _last_eval(self) -> str:

@@ -72,7 +72,8 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     import redis
 
     from common.bus.client import Bus
-    from common.bus.settings import BusUnavailable, bus_settings_for
+    from common.bus.settings import BusUnavailable
+    from common.service.settings import bus_settings_for
     from tether.runs.status import collect_status
 
     if not _answers(url):  # a quick look first: the bus itself retries for reconnect_max_s

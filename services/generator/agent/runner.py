@@ -161,7 +161,7 @@ async def start_agents(cfg: Any, *, engine: Any, tokenizer: Any,
 
     from common.chat.tool_calls import ToolFormatError, tool_format
     from common.chat.turns import end_of_turn_ids
-    from common.data.model_paths import policy_paths
+    from common.service.settings import policy_paths
 
     model_dir = policy_paths(cfg)[0]
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")

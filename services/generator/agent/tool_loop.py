@@ -293,8 +293,8 @@ async def start_runner(
 
     from common.chat.tool_calls import tool_format
     from common.chat.turns import end_of_turn_ids
-    from common.data.model_paths import policy_paths
     from common.protocol.run_dir import RunDir
+    from common.service.settings import policy_paths
     from common.tools.registry import resolve_tools
     from common.tools.sandbox import SandboxLimits, ToolSandbox
 
@@ -309,7 +309,7 @@ async def start_runner(
             timeout_s=g.tool_timeout_s, cpu_s=g.tool_timeout_s, memory_mb=g.tool_memory_mb
         ),  # fmt: skip
         isolation=g.tool_sandbox,
-        scratch_dir=str(RunDir.of(cfg).tool_scratch(generator_id)),
+        scratch_dir=str(RunDir.of(cfg.run).tool_scratch(generator_id)),
     )
     await sandbox.start()
     log.info("tool sandbox: %d workers, isolation %s, tools %s", g.tool_workers,
