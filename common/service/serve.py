@@ -36,7 +36,7 @@ def serve_async(
     cleanup: Callable[[], None] | None = None,
 ) -> int:
     """Run an asyncio service (``svc.run()``, ``svc.stop()``, ``svc.ready``, ``svc.live``,
-    ``svc.status()``, ``svc.bus``, ``svc.timer``, ``svc.cfg``) with health/metrics endpoints
+    ``svc.status()``, ``svc.bus``, ``svc.timer``) with health/metrics endpoints
     (every series labelled run, kind and replica: ``exposition``), a status
     heartbeat, clean SIGTERM/SIGINT handling and the end of the run (``run_end``).
 
@@ -58,7 +58,7 @@ def serve_async(
             kind, sid, watch.record.get("version") if watch.record else None,
         )  # fmt: skip
         return 0
-    labels = identity(run=svc.cfg.run.name, kind=kind, replica=sid)
+    labels = identity(run=svc.bus.settings.run, kind=kind, replica=sid)
     health = HealthServer(port, ready=lambda: svc.ready, live=svc.live, identity=labels).start()
     status = StatusReporter(
         svc.bus, kind, sid, svc.timer, svc.status, metrics_port=health.port

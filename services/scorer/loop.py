@@ -26,11 +26,10 @@ import time
 from typing import Any
 
 from common.bus.consumer import Consumer, let_go
-from common.config.schema import TetherConfig
 from common.protocol import streams, wire
-from common.service.settings import bus_settings_for
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
+from services.scorer.settings import ScorerSettings
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +101,9 @@ class _Metrics:
 class ScorerService:
     def __init__(
         self,
-        cfg: TetherConfig,
+        settings: ScorerSettings,
         *,
         sid: str,
-        redis_url: str | None = None,
         batch_groups: int = 32,
         solver_engine: Any = None,
     ) -> None:
@@ -113,13 +111,13 @@ class ScorerService:
         instead of starting one (tests, benchmarks); the service does not shut it down."""
         from common.bus.client import Bus
 
-        self.cfg, self.sid = cfg, sid
-        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="scorer")
+        self.settings, self.sid = settings, sid
+        self.bus = Bus(settings.bus, service="scorer")
         self.timer = PhaseTimer("scorer")
         self.metrics = _Metrics()
         self.batch_groups = batch_groups
         self.ready = False
-        self.live = Liveness(cfg.scorer.liveness_s)  # a beat per read and per scored batch
+        self.live = Liveness(settings.liveness_s)  # a beat per read and per scored batch
         self._stop = asyncio.Event()
         self.groups_scored = 0
         self.solver: Any = None
@@ -127,46 +125,24 @@ class ScorerService:
 
     def _build(self) -> None:
         from services.scorer.grader_pool import GraderPool
-        from services.scorer.rewards import RewardScorer, RewardSpec
+        from services.scorer.rewards import RewardScorer
 
-        s, run = self.cfg.scorer, self.cfg.run
+        s = self.settings
         sleep_hook = os.environ.get(TEST_ONLY_SLEEP_ENV) == "1"
         if sleep_hook:
             log.warning("%s=1: test-only grading sleep hook is ON", TEST_ONLY_SLEEP_ENV)
         self.pool = GraderPool(
             s.grader_workers, s.grader_timeout_s, test_only_sleep_hook=sleep_hook
         )
-        spec = RewardSpec(
-            correct_weight=s.correct_weight,
-            format_weight=s.format_weight,
-            overlong_penalty=s.overlong_penalty if s.overlong_buffer_tokens > 0 else 0.0,
-            overlong_buffer_tokens=s.overlong_buffer_tokens,
-            max_response_tokens=run.max_response_tokens,
-            tool_error_penalty=s.tool_error_penalty,
-            custom=s.custom_reward or None,
-            fallbacks=tuple(s.answer_fallbacks),
-        )
-        self.rewards = RewardScorer(spec, pool=self.pool)
+        self.rewards = RewardScorer(s.rewards, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from common.service.settings import solver_engine_settings
-        from services.scorer.solver import Solver, SolverSettings
+        from services.scorer.solver import Solver
 
-        s = self.cfg.scorer
-        engine = solver_engine_settings(self.cfg)
+        s = self.settings
+        assert s.solver is not None and s.solver_engine is not None  # solver mode
         self.solver = Solver(
-            SolverSettings(
-                model=engine.model,
-                template=s.solver_template,
-                samples=s.solver_samples,
-                aggregation=s.solver_aggregation,
-                temperature=s.solver_temperature,
-                max_tokens=s.solver_max_tokens,
-                max_model_len=engine.max_model_len,
-            ),
-            pool=self.pool,
-            engine=self.solver_engine,
-            engine_settings=engine,
+            s.solver, pool=self.pool, engine=self.solver_engine, engine_settings=s.solver_engine
         )
         await self.solver.start()
 
@@ -224,7 +200,7 @@ class ScorerService:
             correctness = await self.solver.correctness(flat)
             self.metrics.solver_seconds.observe(time.monotonic() - t0)
             self.metrics.solver_tokens.inc(self.solver.solver_tokens - before)
-            self.metrics.solver_requests.observe(len(flat) * self.cfg.scorer.solver_samples)
+            self.metrics.solver_requests.observe(len(flat) * self.solver.s.samples)
             scored = await asyncio.to_thread(self.rewards.compose, flat, correctness)
         else:
             scored = await asyncio.to_thread(self.rewards.score_items, flat)
@@ -306,7 +282,7 @@ class ScorerService:
     async def run(self) -> None:
         self._build()
         await asyncio.to_thread(self.pool.wait_ready)
-        if self.cfg.scorer.mode == "solver":
+        if self.settings.mode == "solver":
             await self._start_solver()
         consumer = Consumer(self.bus, streams.GROUPS, streams.SCORERS, self.sid)
         # The learner's group, at id 0: scored groups published before the learner starts wait
@@ -316,15 +292,15 @@ class ScorerService:
         log.info(
             "scorer %s ready (mode %s, %d grading workers)",
             self.sid,
-            self.cfg.scorer.mode,
-            self.cfg.scorer.grader_workers,
+            self.settings.mode,
+            self.settings.grader_workers,
         )
         try:
             while not self._stop.is_set():
                 self.live.beat()
                 with self.timer.phase("waiting_input"):
                     deliveries = await asyncio.to_thread(
-                        consumer.read, self.batch_groups, self.cfg.bus.block_ms
+                        consumer.read, self.batch_groups, self.settings.bus.block_ms
                     )
                 if deliveries:
                     await self._process(consumer, deliveries)
@@ -339,4 +315,4 @@ class ScorerService:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        return {"groups": self.groups_scored, "ready": self.ready, "mode": self.cfg.scorer.mode}
+        return {"groups": self.groups_scored, "ready": self.ready, "mode": self.settings.mode}

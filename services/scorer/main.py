@@ -4,6 +4,50 @@ from __future__ import annotations
 
 from common.config.schema import TetherConfig
 from common.service.serve import serve_async, service_id
+from services.scorer.settings import ScorerSettings
+
+
+def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> ScorerSettings:
+    """The scorer's settings from the run's config (the cycle rules already applied): the bus,
+    the graders, the reward, and in solver mode the solver and its engine (its model directory
+    checked on disk)."""
+    from common.service.settings import bus_settings_for, solver_engine_settings
+    from services.scorer.rewards import RewardSpec
+    from services.scorer.solver import SolverSettings
+
+    s, run = cfg.scorer, cfg.run
+    rewards = RewardSpec(
+        correct_weight=s.correct_weight,
+        format_weight=s.format_weight,
+        overlong_penalty=s.overlong_penalty if s.overlong_buffer_tokens > 0 else 0.0,
+        overlong_buffer_tokens=s.overlong_buffer_tokens,
+        max_response_tokens=run.max_response_tokens,
+        tool_error_penalty=s.tool_error_penalty,
+        custom=s.custom_reward or None,
+        fallbacks=tuple(s.answer_fallbacks),
+    )
+    solver = engine = None
+    if s.mode == "solver":
+        engine = solver_engine_settings(cfg)
+        solver = SolverSettings(
+            model=engine.model,
+            template=s.solver_template,
+            samples=s.solver_samples,
+            aggregation=s.solver_aggregation,
+            temperature=s.solver_temperature,
+            max_tokens=s.solver_max_tokens,
+            max_model_len=engine.max_model_len,
+        )
+    return ScorerSettings(
+        bus=bus_settings_for(cfg, redis_url=redis_url),
+        mode=s.mode,
+        grader_workers=s.grader_workers,
+        grader_timeout_s=s.grader_timeout_s,
+        liveness_s=s.liveness_s,
+        rewards=rewards,
+        solver=solver,
+        solver_engine=engine,
+    )
 
 
 def main(cfg: TetherConfig, args) -> int:
@@ -13,6 +57,6 @@ def main(cfg: TetherConfig, args) -> int:
     from services.scorer.loop import ScorerService
 
     sid = service_id("scorer", getattr(args, "service_id", None))
-    svc = ScorerService(cfg, sid=sid)
+    svc = ScorerService(scorer_settings(cfg), sid=sid)
     check_server(svc.bus)  # an evicting maxmemory-policy: exit 2 before workers start
     return serve_async(svc, "scorer", sid, cfg.scorer.metrics_port, num_cycles=cfg.run.num_cycles)

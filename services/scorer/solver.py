@@ -30,7 +30,7 @@ _SCORER = ScorerConfig.model_fields
 @dataclass(frozen=True, kw_only=True)
 class SolverSettings:
     """How the solver asks and grades. The engine it runs on is ``common.engine``'s
-    ``solver_engine_settings``, or a shared engine."""
+    ``solver_engine_settings`` (``common.service.settings``), or a shared engine."""
 
     model: str  # the solver model's directory (its tokenizer)
     template: str  # uses {question} and {response}

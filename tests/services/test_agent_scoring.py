@@ -12,6 +12,7 @@ import numpy as np
 from common.config.load import load_config
 from common.protocol import wire
 from services.scorer.loop import ScorerService
+from services.scorer.main import scorer_settings
 
 
 def _traj(i: int, text: str, **agent) -> wire.Trajectory:
@@ -27,7 +28,7 @@ def _traj(i: int, text: str, **agent) -> wire.Trajectory:
 def test_agent_rewards_failures_and_answers_in_one_batch():
     cfg = load_config(overrides=["scorer.grader_workers=1"], env={}).config
     # its Redis is never contacted here: score() grades, and publishing is not tested here
-    svc = ScorerService(cfg, sid="scorer-test", redis_url="redis://127.0.0.1:1/0")
+    svc = ScorerService(scorer_settings(cfg, redis_url="redis://127.0.0.1:1/0"), sid="scorer-test")
     svc._build()
     try:
         svc.pool.wait_ready()

@@ -128,6 +128,7 @@ def _metric(name: str, labels: dict | None = None) -> float:
 @pytest.mark.parametrize("aggregation", ["mean", "majority"])
 def test_scorer_service_in_solver_mode(redis_server, solver_model, engine, loop, aggregation):
     from services.scorer.loop import ScorerService
+    from services.scorer.main import scorer_settings
 
     run = f"s{uuid.uuid4().hex[:10]}"
     cfg = load_config(overrides=[
@@ -149,7 +150,7 @@ def test_scorer_service_in_solver_mode(redis_server, solver_model, engine, loop,
     groups.append(make_group("nogold", ["so 42"], None, index=99))
     publish_all(bus, groups)
     tokens_before = _metric("tether_scorer_solver_tokens_total")
-    svc = ScorerService(cfg, sid="scorer-solver", solver_engine=engine)
+    svc = ScorerService(scorer_settings(cfg), sid="scorer-solver", solver_engine=engine)
 
     async def scenario() -> None:
         task = asyncio.create_task(svc.run())

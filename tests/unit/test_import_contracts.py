@@ -112,28 +112,40 @@ def test_no_catch_all_names():
 
 
 # where the whole config may be read: the package that defines it, the service harness that
-# resolves it into each part's settings (common.service.settings) and checks it before start-up
+# resolves it into each part's settings (common.service.settings) and checks it before start-up,
+# and a service's main, which builds that service's settings once
 CONFIG_READERS = ("common/config/", "common/service/")
+# the services whose loops take settings of their own (issue 42 item 1; the generator and the
+# learner still pass the config below their mains)
+ON_OWN_SETTINGS = ("common/", "services/scorer/")
 
 
-def test_the_library_never_receives_the_whole_config():
-    """Below the services, the library takes settings of its own (``BusSettings``,
-    ``EngineSettings``, ``TrackerSettings``...), never ``TetherConfig``: no name of it (an
-    annotation included) and no ``cfg`` parameter in common/ outside ``CONFIG_READERS``. Import
-    contracts cannot see this: an annotation-only import is not a dependency for them."""
+def _whole_config_readers(path: str) -> list[str]:
+    tree = ast.parse((REPO / path).read_text(encoding="utf-8"), filename=path)
     found = []
-    for path in _tracked_python():
-        if not path.startswith("common/") or path.startswith(CONFIG_READERS):
-            continue
-        tree = ast.parse((REPO / path).read_text(encoding="utf-8"), filename=path)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Name | ast.alias) and "TetherConfig" in (
-                getattr(node, "id", None),
-                getattr(node, "name", None),
-            ):
-                found.append(f"{path}:{node.lineno} TetherConfig")
-            if isinstance(node, ast.arg) and node.arg == "cfg":
-                found.append(f"{path}:{node.lineno} parameter cfg")
-    assert not found, (
-        f"the library receives the whole config (resolve it in common.service.settings): {found}"
-    )
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name | ast.alias) and "TetherConfig" in (
+            getattr(node, "id", None),
+            getattr(node, "name", None),
+        ):
+            found.append(f"{path}:{node.lineno} TetherConfig")
+        if isinstance(node, ast.arg) and node.arg == "cfg":
+            found.append(f"{path}:{node.lineno} parameter cfg")
+    return found
+
+
+def test_the_library_and_the_scorer_never_receive_the_whole_config():
+    """Below the services' mains, the library and the scorer take settings of their own
+    (``BusSettings``, ``EngineSettings``, ``TrackerSettings``, ``ScorerSettings``...), never
+    ``TetherConfig``: no name of it (an annotation included) and no ``cfg`` parameter outside
+    ``CONFIG_READERS`` and the mains. Import contracts cannot see this: an annotation-only
+    import is not a dependency for them."""
+    found = [
+        hit
+        for path in _tracked_python()
+        if path.startswith(ON_OWN_SETTINGS)
+        and not path.startswith(CONFIG_READERS)
+        and not path.endswith("/main.py")
+        for hit in _whole_config_readers(path)
+    ]
+    assert not found, f"the whole config below a main (resolve it into settings): {found}"
