@@ -31,6 +31,26 @@ def module_engine(model_dir: Path | str, **settings: Any) -> Iterator[Any]:
         loop.close()
 
 
+def generator_without_engine(cfg: Any, sid: str = "g0") -> Any:
+    """A ``GeneratorService`` with ``cfg``'s sampling and prompt settings and no model behind it
+    (its engine, tokenizer and Redis are never reached: its bus connects at the first command),
+    for tests of what it does around the engine."""
+    from common.bus.settings import BusSettings
+    from common.engine import EngineSettings
+    from services.generator.loop import GeneratorService
+    from services.generator.main import sampling_plan
+    from services.generator.settings import GeneratorSettings
+
+    settings = GeneratorSettings(
+        bus=BusSettings(url="redis://127.0.0.1:1/0", run=cfg.run.name),
+        engine=EngineSettings(model="(no model)"), tokenizer="(no tokenizer)",
+        liveness_s=cfg.generator.liveness_s,
+        apply_chat_template=cfg.data.apply_chat_template, sampling=sampling_plan(cfg),
+        weights=cfg.weights, max_prompts_in_flight=cfg.generator.max_prompts_in_flight,
+    )  # fmt: skip
+    return GeneratorService(settings, sid=sid)
+
+
 def module_agent_runner(
     engine: Any, model_dir: Path | str, cfg: Any, *, version: int
 ) -> Iterator[Any]:
@@ -41,10 +61,11 @@ def module_agent_runner(
 
     from common.chat.tool_calls import FORMATS
     from services.generator.agent.runner import AgentRunner
+    from services.generator.main import agent_settings
     from tests import agents_for_tests as agents
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    r = AgentRunner(cfg=cfg, engine=engine, tokenizer=tok, version=lambda: version,
+    r = AgentRunner(settings=agent_settings(cfg, model_dir), engine=engine, tokenizer=tok, version=lambda: version,
                     tool_format=FORMATS["hermes"], end_ids={tok.eos_token_id},
                     agent=agents.one_turn)  # fmt: skip
     engine.run(r.start())

@@ -54,13 +54,12 @@ import time
 from typing import Any
 
 from common.bus.consumer import Consumer, let_go
-from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.staleness import usable
-from common.service.settings import bus_settings_for
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
 from services.generator.claims import ClaimKeeper
+from services.generator.settings import GeneratorSettings
 from services.generator.trajectories import (
     RolledBack,
     check_episodes_order,
@@ -73,7 +72,6 @@ from services.generator.weights import WeightFollower
 
 log = logging.getLogger(__name__)
 
-WORKER_EXT = "services.generator.worker_ext.TetherWorkerExtension"
 ENGINE_PING_EVERY_S = 2.0  # how often the engine-core process is asked a cheap question
 ENGINE_PING_TIMEOUT_S = 10.0  # an answer later than this is no answer
 MAX_REGENERATIONS = 3  # a prompt whose versions went back is generated again at most this often
@@ -130,15 +128,15 @@ class _Metrics:
 
 
 class GeneratorService:
-    def __init__(self, cfg: TetherConfig, *, sid: str, redis_url: str | None = None) -> None:
+    def __init__(self, settings: GeneratorSettings, *, sid: str) -> None:
         from common.bus.client import Bus
 
-        self.cfg, self.sid = cfg, sid
-        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="generator")
+        self.settings, self.sid = settings, sid
+        self.bus = Bus(settings.bus, service="generator")
         self.timer = PhaseTimer("generator")
         self.metrics = _Metrics()
         self.ready = False
-        self.live = Liveness(cfg.generator.liveness_s)
+        self.live = Liveness(settings.liveness_s)
         self._stop = asyncio.Event()
         self.weights: WeightFollower | None = None  # once the engine runs
         self._waiting_staleness = 0
@@ -157,9 +155,8 @@ class GeneratorService:
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
         from common.engine import GenerationEngine
-        from common.service.settings import policy_engine_settings
 
-        settings = policy_engine_settings(self.cfg, worker_extension_cls=WORKER_EXT)
+        settings = self.settings.engine
         if settings.return_routed_experts:
             from common.data.model_paths import moe_routing_shape
             from common.protocol.routing import RoutingShape
@@ -173,26 +170,27 @@ class GeneratorService:
             problem = (await self.engine.collective_rpc("tether_check_lora"))[0]
             if problem:
                 raise RuntimeError(f"generator.max_lora_rank = {settings.max_lora_rank}: {problem}")
-        from common.service.settings import policy_tokenizer
+        from transformers import AutoTokenizer
 
-        self.tokenizer = policy_tokenizer(self.cfg)
-        if self.cfg.agent.enabled:  # your agent's code, through the OpenAI-compatible endpoint
+        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer)
+        if self.settings.agent is not None:  # your agent's code, through the endpoint
             from services.generator.agent.runner import start_agents
 
             self.episodes = await start_agents(
-                self.cfg, engine=self.engine, tokenizer=self.tokenizer,
+                self.settings.agent, engine=self.engine, tokenizer=self.tokenizer,
                 version=lambda: int(self.version or 0),
             )  # fmt: skip
-        elif self.cfg.generator.max_turns > 1:
+        elif self.settings.tool_loop is not None:  # generator.max_turns > 1
             from services.generator.agent.tool_loop import start_runner
 
             self.episodes = await start_runner(
-                self.cfg, engine=self.engine, tokenizer=self.tokenizer, generator_id=self.sid
-            )
+                self.settings.tool_loop, engine=self.engine, tokenizer=self.tokenizer,
+                generator_id=self.sid,
+            )  # fmt: skip
             self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
         self.weights = WeightFollower(
             self.engine,
-            settings=self.cfg.weights,
+            settings=self.settings.weights,
             bus=self.bus,
             sid=self.sid,
             timer=self.timer,
@@ -214,35 +212,13 @@ class GeneratorService:
         return encode_prompt(
             self.tokenizer,
             prompt_of(msg),
-            apply_chat_template=self.cfg.data.apply_chat_template,
+            apply_chat_template=self.settings.apply_chat_template,
             tools=self.tool_schemas,
         )
 
     def _sampling(self, msg: wire.PromptMsg):
-        """The prompt's sampling settings, with its own seed (``seeds.request_seed``)."""
-        from common.engine import SamplingSettings
-        from services.generator.seeds import request_seed
-
-        g, run = self.cfg.generator, self.cfg.run
-        seed = request_seed(run_seed=run.seed, split=msg.split, cycle=msg.cycle, index=msg.index)
-        if msg.split == "eval":
-            return SamplingSettings(
-                n=1,
-                temperature=g.eval_temperature,
-                max_tokens=run.max_response_tokens,
-                stop=tuple(g.stop),
-                seed=seed,
-            )
-        return SamplingSettings(
-            n=run.responses_per_prompt,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=max(g.top_k, 0),
-            max_tokens=run.max_response_tokens,
-            stop=tuple(g.stop),
-            ignore_eos=g.ignore_eos,
-            seed=seed,
-        )
+        """The prompt's sampling settings, with its own seed (``SamplingPlan.for_prompt``)."""
+        return self.settings.sampling.for_prompt(msg)
 
     async def _gate(self, need: int) -> None:
         """The staleness gate: wait until the engine runs weights >= ``need``."""
@@ -377,7 +353,7 @@ class GeneratorService:
         entries (``Consumer.lapsing``: its own XAUTOCLAIM would claim back what it lets lapse,
         before a peer could); the first version it loads ends that."""
         assert self.weights is not None
-        period_s = max(0.5, self.cfg.bus.claim_idle_s / 3)
+        period_s = max(0.5, self.settings.bus.claim_idle_ms / 3000)
         keeper = ClaimKeeper(period_s)
         while not self._stop.is_set():
             if consumer.lapsing:  # a version loaded ends it at once, not a period later
@@ -417,7 +393,7 @@ class GeneratorService:
         deadline (``weights.timeout_s`` plus a margin); a transfer stuck past it, or a stopped or
         wedged engine core, stops the beats."""
         assert self.weights is not None
-        deadline_s = self.cfg.weights.timeout_s + 30.0
+        deadline_s = self.settings.weights.timeout_s + 30.0
         while not self._stop.is_set():
             since = self.weights.updating_since
             if since is not None:
@@ -448,7 +424,7 @@ class GeneratorService:
                 self._watch_engine(),
             )
         ]
-        limit = self.cfg.generator.max_prompts_in_flight
+        limit = self.settings.max_prompts_in_flight
         log.info("generator %s ready on version %s; taking prompts", self.sid, self.version)
         try:
             while not self._stop.is_set():
@@ -462,12 +438,12 @@ class GeneratorService:
                         raise t.exception()  # type: ignore[misc]
                 room = limit - len(tasks)
                 if consumer.lapsing:  # cut off from the weights (``_keep_claims``)
-                    await asyncio.sleep(self.cfg.bus.block_ms / 1000)
+                    await asyncio.sleep(self.settings.bus.block_ms / 1000)
                     continue
                 if room <= 0:
                     await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                block = 50 if tasks else self.cfg.bus.block_ms
+                block = 50 if tasks else self.settings.bus.block_ms
                 deliveries = await asyncio.to_thread(consumer.read, room, block)
                 for d in deliveries:
                     tasks.add(asyncio.create_task(self._handle(consumer, d)))

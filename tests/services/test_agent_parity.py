@@ -29,6 +29,7 @@ from common.tools.registry import resolve_tools
 from common.tools.sandbox import ToolSandbox
 from services.generator.agent.runner import AgentRunner
 from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
+from services.generator.main import agent_settings
 from tests.fake_engine import FakeEngine
 from tether.demo import tool_agent
 from tether.demo.tiny_model import build_tokenizer
@@ -109,7 +110,7 @@ def _through_the_endpoint(tok, engine, max_response):
     ).config  # fmt: skip
 
     async def go():
-        runner = AgentRunner(cfg=cfg, engine=engine, tokenizer=tok, version=lambda: 7,
+        runner = AgentRunner(settings=agent_settings(cfg, "(unused)"), engine=engine, tokenizer=tok, version=lambda: 7,
                              tool_format=FORMATS["hermes"], end_ids={engine.eos})  # fmt: skip
         await runner.start()
         try:

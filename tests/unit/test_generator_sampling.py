@@ -12,12 +12,12 @@ from common.engine import Sample
 from common.protocol import wire
 from services.generator.loop import GeneratorService
 from services.generator.seeds import request_seed
+from tests.engine_support import generator_without_engine
 
 
 def _service(*sets: str) -> GeneratorService:
     cfg = load_config(overrides=["run.seed=7", *sets], env={}).config
-    # no connection is made before the first command: nothing here talks to Redis
-    return GeneratorService(cfg, sid="g0", redis_url="redis://127.0.0.1:1/0")
+    return generator_without_engine(cfg)  # nothing here reaches Redis or a model
 
 
 def _prompt(cycle: int, index: int, split: str = "train") -> wire.PromptMsg:

@@ -115,9 +115,9 @@ def test_no_catch_all_names():
 # resolves it into each part's settings (common.service.settings) and checks it before start-up,
 # and a service's main, which builds that service's settings once
 CONFIG_READERS = ("common/config/", "common/service/")
-# the services whose loops take settings of their own (issue 42 item 1; the generator and the
-# learner still pass the config below their mains)
-ON_OWN_SETTINGS = ("common/", "services/scorer/")
+# the parts that take settings of their own (issue 42 item 1; the learner still passes the
+# config below its main)
+ON_OWN_SETTINGS = ("common/", "services/scorer/", "services/generator/")
 
 
 def _whole_config_readers(path: str) -> list[str]:
@@ -134,9 +134,9 @@ def _whole_config_readers(path: str) -> list[str]:
     return found
 
 
-def test_the_library_and_the_scorer_never_receive_the_whole_config():
-    """Below the services' mains, the library and the scorer take settings of their own
-    (``BusSettings``, ``EngineSettings``, ``TrackerSettings``, ``ScorerSettings``...), never
+def test_below_the_mains_the_library_scorer_and_generator_never_receive_the_whole_config():
+    """Below the services' mains, the library, the scorer and the generator take settings of
+    their own (``BusSettings``, ``EngineSettings``, ``ScorerSettings``, ``GeneratorSettings``...), never
     ``TetherConfig``: no name of it (an annotation included) and no ``cfg`` parameter outside
     ``CONFIG_READERS`` and the mains. Import contracts cannot see this: an annotation-only
     import is not a dependency for them."""

@@ -13,8 +13,8 @@ from common.config.load import load_config
 from common.data.datasets import DatasetError, load_prompts
 from common.data.prompts import encode_prompt
 from common.protocol import wire
-from services.generator.loop import GeneratorService
 from services.learner.dispatch import Dispatcher
+from tests.engine_support import generator_without_engine
 from tether.demo.tiny_model import BOS_TOKEN, build_tokenizer
 
 
@@ -45,7 +45,7 @@ def generator_ids(tokenizer, apply_chat_template: bool, records) -> list:
     PromptMsg, it crosses the wire, the generator service encodes it (or refuses: None)."""
     cfg = load_config(overrides=[f"data.apply_chat_template={str(apply_chat_template).lower()}"],
                       env={}).config  # fmt: skip
-    svc = GeneratorService(cfg, sid="gen-test", redis_url="redis://127.0.0.1:1/0")  # no I/O
+    svc = generator_without_engine(cfg, "gen-test")  # no I/O
     svc.tokenizer = tokenizer  # what _start_engine loads from the model directory
     dispatcher = Dispatcher(cfg, bus=None, train=records, eval_set=None)  # type: ignore[arg-type]
     out = []

@@ -51,32 +51,32 @@ class AgentCodeError(ValueError):
     """The agent named in ``[agent]`` cannot be used (the message names the setting)."""
 
 
-def load_agent(cfg: Any) -> AgentFn:
-    """The coroutine function ``[agent]`` names (``cfg``: the ``AgentConfig``)."""
-    if cfg.gym_env:
+def load_agent(agent: Any) -> AgentFn:
+    """The coroutine function ``[agent]`` names (``agent``: the ``AgentConfig`` section)."""
+    if agent.gym_env:
         from services.generator.agent.gym import GymAgent
 
-        factory = _imported(cfg.gym_env, "agent.gym_env")
-        return GymAgent(factory, max_requests=cfg.max_requests).run
-    obj = _imported(cfg.run, "agent.run")
+        factory = _imported(agent.gym_env, "agent.gym_env")
+        return GymAgent(factory, max_requests=agent.max_requests).run
+    obj = _imported(agent.run, "agent.run")
     if inspect.isclass(obj):
         try:
             obj = obj()
         except Exception as exc:
-            raise AgentCodeError(f"agent.run = {cfg.run!r}: making the class with no arguments "
+            raise AgentCodeError(f"agent.run = {agent.run!r}: making the class with no arguments "
                                  f"failed: {exc!r}") from exc  # fmt: skip
         fn = getattr(obj, "run", None)
     else:
         fn = obj
     if not inspect.iscoroutinefunction(fn):
         raise AgentCodeError(
-            f"agent.run = {cfg.run!r} must be an `async def run(client, task)` function, or a "
+            f"agent.run = {agent.run!r} must be an `async def run(client, task)` function, or a "
             "class with such a `run` method"
         )
     try:
         inspect.signature(fn).bind(None, {})
     except TypeError as exc:
-        raise AgentCodeError(f"agent.run = {cfg.run!r} must take (client, task): {exc}") from exc
+        raise AgentCodeError(f"agent.run = {agent.run!r} must take (client, task): {exc}") from exc
     return fn
 
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.protocol import wire
 from services.generator.agent.code import AgentLoop, load_agent, reward_of
@@ -25,25 +25,28 @@ from services.generator.agent.gym import MaxRequestsReached
 from services.generator.agent.openai_api import Sampling
 from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 
+if TYPE_CHECKING:
+    from services.generator.settings import AgentSettings
+
 log = logging.getLogger(__name__)
 LOGGED_TRACEBACKS = 5  # agent errors logged with their traceback; later ones in one line
 
 
 class AgentRunner:
     def __init__(
-        self, *, cfg: Any, engine: Any, tokenizer: Any, version: Callable[[], int],
+        self, *, settings: AgentSettings, engine: Any, tokenizer: Any, version: Callable[[], int],
         tool_format: Any, end_ids: set[int], agent: Any = None,
     ) -> None:  # fmt: skip
-        a, run = cfg.agent, cfg.run
-        self.cfg, self.timeout_s = cfg, a.timeout_s
+        a = settings.agent
+        self.settings, self.timeout_s = settings, a.timeout_s
         self.metrics = AgentMetrics()
         self.table = EpisodeTable()
         self.turns = AgentTurns(
             engine=engine, tokenizer=tokenizer, tool_format=tool_format, end_ids=end_ids,
             limits=TurnLimits(
                 max_requests=a.max_requests, max_tokens_per_request=a.max_tokens_per_request,
-                max_response_tokens=run.max_response_tokens,
-                max_model_len=run.max_prompt_tokens + run.max_response_tokens,
+                max_response_tokens=settings.max_response_tokens,
+                max_model_len=settings.max_prompt_tokens + settings.max_response_tokens,
                 max_messages=a.max_messages,
             ),
             version=version, metrics=self.metrics,
@@ -105,7 +108,7 @@ class AgentRunner:
         if finish == "stop":
             last = ep.segments[-1].last_finish
             if last == "tool_calls":  # its calls never answered: cut if out of requests
-                last = "max_turns" if ep.turns >= self.cfg.agent.max_requests else "stop"
+                last = "max_turns" if ep.turns >= self.settings.agent.max_requests else "stop"
             finish = ep.cut or last
         self.metrics.episodes.labels(finish).inc()
         text = answer if answer is not None else ep.last_text()
@@ -151,9 +154,9 @@ class AgentRunner:
             await client.close()
 
 
-async def start_agents(cfg: Any, *, engine: Any, tokenizer: Any,
+async def start_agents(settings: AgentSettings, *, engine: Any, tokenizer: Any,
                        version: Callable[[], int]) -> AgentRunner:  # fmt: skip
-    """The runner for ``cfg``'s agent, its endpoint started. The tool-call format comes from
+    """The runner of the agent ``settings`` names, its endpoint started. The tool-call format comes from
     the model's family (``generator.tool_format``); a model without one answers requests that
     offer tools with a 400."""
     import json
@@ -161,17 +164,16 @@ async def start_agents(cfg: Any, *, engine: Any, tokenizer: Any,
 
     from common.chat.tool_calls import ToolFormatError, tool_format
     from common.chat.turns import end_of_turn_ids
-    from common.service.settings import policy_paths
 
-    model_dir = policy_paths(cfg)[0]
+    model_dir = settings.model_dir
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
     try:
-        fmt = tool_format(cfg.generator.tool_format, model_type=model_type,
+        fmt = tool_format(settings.tool_format, model_type=model_type,
                           vocab=tokenizer.get_vocab())  # fmt: skip
     except ToolFormatError as exc:
         log.warning("agent endpoint: no tool calls for this model (%s)", exc)
         fmt = None
-    runner = AgentRunner(cfg=cfg, engine=engine, tokenizer=tokenizer, version=version,
+    runner = AgentRunner(settings=settings, engine=engine, tokenizer=tokenizer, version=version,
                          tool_format=fmt, end_ids=end_of_turn_ids(tokenizer, model_dir))  # fmt: skip
     await runner.start()
     return runner

@@ -29,13 +29,16 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
 from common.chat.turns import TemplateDeltaError, TurnEncoder, first_mismatch, mismatch_kind
 from common.telemetry.metrics import metric
 from services.generator.agent.recorder import EpisodeRecorder
 from services.generator.seeds import episode_seed
+
+if TYPE_CHECKING:
+    from services.generator.settings import ToolLoopSettings
 
 log = logging.getLogger(__name__)
 
@@ -283,49 +286,41 @@ class EpisodeRunner:
 
 
 async def start_runner(
-    cfg: Any, *, engine: Any, tokenizer: Any, generator_id: str
+    settings: ToolLoopSettings, *, engine: Any, tokenizer: Any, generator_id: str
 ) -> EpisodeRunner:
-    """The runner for ``cfg``'s episodes, its sandbox started (``runner.sandbox.close()`` at the
-    end). Preflight has checked the tools, the format and the template, so errors here are
-    the environment's (a sandbox that cannot start)."""
+    """The runner of the tool episodes ``settings`` describe, its sandbox started
+    (``runner.sandbox.close()`` at the end). Preflight has checked the tools, the format and the
+    template, so errors here are the environment's (a sandbox that cannot start)."""
     import json
     from pathlib import Path
 
     from common.chat.tool_calls import tool_format
     from common.chat.turns import end_of_turn_ids
     from common.protocol.run_dir import RunDir
-    from common.service.settings import policy_paths
     from common.tools.registry import resolve_tools
     from common.tools.sandbox import SandboxLimits, ToolSandbox
 
-    g, run = cfg.generator, cfg.run
-    specs = resolve_tools(g.tools)
-    model_dir = policy_paths(cfg)[0]
+    s = settings
+    specs = resolve_tools(list(s.tools))
+    model_dir = s.model_dir
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
     sandbox = ToolSandbox(
         specs,
-        workers=g.tool_workers,
-        limits=SandboxLimits(
-            timeout_s=g.tool_timeout_s, cpu_s=g.tool_timeout_s, memory_mb=g.tool_memory_mb
-        ),  # fmt: skip
-        isolation=g.tool_sandbox,
-        scratch_dir=str(RunDir.of(cfg.run).tool_scratch(generator_id)),
+        workers=s.workers,
+        limits=SandboxLimits(timeout_s=s.timeout_s, cpu_s=s.timeout_s, memory_mb=s.memory_mb),
+        isolation=s.isolation,
+        scratch_dir=str(RunDir(Path(s.run_dir)).tool_scratch(generator_id)),
     )
     await sandbox.start()
-    log.info("tool sandbox: %d workers, isolation %s, tools %s", g.tool_workers,
-             sandbox.isolation, [s.name for s in specs])  # fmt: skip
+    log.info("tool sandbox: %d workers, isolation %s, tools %s", s.workers,
+             sandbox.isolation, [t.name for t in specs])  # fmt: skip
     encoder = TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, model_dir),
-                          tools=[s.schema() for s in specs])  # fmt: skip
+                          tools=[t.schema() for t in specs])  # fmt: skip
     return EpisodeRunner(
         engine=engine,
         tokenizer=tokenizer,
         encoder=encoder,
-        tool_format=tool_format(g.tool_format, model_type=model_type, vocab=tokenizer.get_vocab()),
+        tool_format=tool_format(s.tool_format, model_type=model_type, vocab=tokenizer.get_vocab()),
         sandbox=sandbox,
-        settings=EpisodeSettings(
-            max_turns=g.max_turns,
-            max_tokens=run.max_response_tokens,
-            tool_output_max_chars=g.tool_output_max_chars,
-            template_check=g.template_check,
-        ),  # fmt: skip
+        settings=s.episode,
     )
