@@ -65,7 +65,8 @@ def module_agent_runner(
     from tests import agents_for_tests as agents
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    r = AgentRunner(settings=agent_settings(cfg, model_dir), engine=engine, tokenizer=tok, version=lambda: version,
+    r = AgentRunner(settings=agent_settings(cfg, model_dir), engine=engine, tokenizer=tok,
+                    version=lambda: version,
                     tool_format=FORMATS["hermes"], end_ids={tok.eos_token_id},
                     agent=agents.one_turn)  # fmt: skip
     engine.run(r.start())

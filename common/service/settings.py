@@ -6,7 +6,8 @@ has settings of its own (``BusSettings``, ``EngineSettings``, ``TrackerSettings`
 loader's arguments), and this module is where a config becomes them, once, after the cycle rules
 are applied (``common.config.load``). It also checks, as it resolves them, what the settings
 name on disk (model and tokenizer directories) so that a wrong path is refused at once, with the
-setting named (``ConfigError``, exit 2). ``tests/unit/test_import_contracts.py`` holds the library to it.
+setting named (``ConfigError``, exit 2). ``tests/unit/test_import_contracts.py`` holds the
+library to it.
 """
 
 from __future__ import annotations
@@ -193,8 +194,6 @@ def require_trackers(cfg: TetherConfig) -> None:
     """Raise ``ConfigError`` (exit 2) naming each configured tracker that is not installed."""
     problems = missing_trackers(cfg)
     if problems:
-        from common.config.errors import ConfigError
-
         raise ConfigError("\n".join(problems))
 
 

@@ -3,10 +3,10 @@ directory and Weights & Biases when configured (``learner.trackers``).
 
 Both are imported only when configured. A tracker the user asked for but that is not installed
 is a config error named at start-up (exit 2, before Redis or any model starts), not a silent
-no-op: ``common.service.settings.require_trackers`` is one of the preflight checks (``common.service.preflight``) of `tether
-train` and `tether learner`. W&B honours its own environment (``WANDB_API_KEY``, ``WANDB_MODE``,
-``WANDB_DIR``); ``learner.wandb_mode = "offline"`` writes the run under
-``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
+no-op: ``common.service.settings.require_trackers`` is one of the preflight checks
+(``common.service.preflight``) of `tether train` and `tether learner`. W&B honours its own
+environment (``WANDB_API_KEY``, ``WANDB_MODE``, ``WANDB_DIR``); ``learner.wandb_mode =
+"offline"`` writes the run under ``<run dir>/wandb/`` for a later ``wandb sync``, with no network.
 """
 
 from __future__ import annotations

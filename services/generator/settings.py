@@ -27,12 +27,12 @@ class SamplingPlan:
     run_seed: int
     responses_per_prompt: int
     max_response_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    eval_temperature: float = 0.0
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    eval_temperature: float
 
     def for_prompt(self, msg: wire.PromptMsg) -> SamplingSettings:
         """The prompt's sampling settings, with its own seed (``seeds.request_seed``): a training

@@ -140,10 +140,9 @@ class ScorerService:
         from services.scorer.solver import Solver
 
         s = self.settings
-        assert s.solver is not None and s.solver_engine is not None  # solver mode
-        self.solver = Solver(
-            s.solver, pool=self.pool, engine=self.solver_engine, engine_settings=s.solver_engine
-        )
+        assert s.solver is not None and s.solver_engine_settings is not None  # solver mode
+        self.solver = Solver(s.solver, pool=self.pool, engine=self.solver_engine,
+                             engine_settings=s.solver_engine_settings)  # fmt: skip
         await self.solver.start()
 
     # ------------------------------------------------------------------ scoring

@@ -46,7 +46,7 @@ def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Score
         liveness_s=s.liveness_s,
         rewards=rewards,
         solver=solver,
-        solver_engine=engine,
+        solver_engine_settings=engine,
     )
 
 

@@ -22,4 +22,4 @@ class ScorerSettings:
     liveness_s: float  # /healthz fails after this long without a read or a scored batch
     rewards: RewardSpec
     solver: SolverSettings | None = None  # solver mode: how the solver asks and grades
-    solver_engine: EngineSettings | None = None  # solver mode: the engine it starts
+    solver_engine_settings: EngineSettings | None = None  # solver mode: the engine it starts

@@ -110,7 +110,8 @@ def _through_the_endpoint(tok, engine, max_response):
     ).config  # fmt: skip
 
     async def go():
-        runner = AgentRunner(settings=agent_settings(cfg, "(unused)"), engine=engine, tokenizer=tok, version=lambda: 7,
+        runner = AgentRunner(settings=agent_settings(cfg, "(unused)"), engine=engine,
+                             tokenizer=tok, version=lambda: 7,
                              tool_format=FORMATS["hermes"], end_ids={engine.eos})  # fmt: skip
         await runner.start()
         try:

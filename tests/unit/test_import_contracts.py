@@ -136,8 +136,8 @@ def _whole_config_readers(path: str) -> list[str]:
 
 def test_below_the_mains_the_library_scorer_and_generator_never_receive_the_whole_config():
     """Below the services' mains, the library, the scorer and the generator take settings of
-    their own (``BusSettings``, ``EngineSettings``, ``ScorerSettings``, ``GeneratorSettings``...), never
-    ``TetherConfig``: no name of it (an annotation included) and no ``cfg`` parameter outside
+    their own (``BusSettings``, ``EngineSettings``, ``ScorerSettings``, ``GeneratorSettings``...),
+    never ``TetherConfig``: no name of it (an annotation included) and no ``cfg`` parameter outside
     ``CONFIG_READERS`` and the mains. Import contracts cannot see this: an annotation-only
     import is not a dependency for them."""
     found = [

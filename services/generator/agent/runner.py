@@ -156,9 +156,9 @@ class AgentRunner:
 
 async def start_agents(settings: AgentSettings, *, engine: Any, tokenizer: Any,
                        version: Callable[[], int]) -> AgentRunner:  # fmt: skip
-    """The runner of the agent ``settings`` names, its endpoint started. The tool-call format comes from
-    the model's family (``generator.tool_format``); a model without one answers requests that
-    offer tools with a 400."""
+    """The runner of the agent ``settings`` names, its endpoint started. The tool-call format
+    comes from the model's family (``generator.tool_format``); a model without one answers
+    requests that offer tools with a 400."""
     import json
     from pathlib import Path
 
