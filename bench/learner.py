@@ -79,11 +79,12 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
 
     from services.learner import logprobs, objective, optim
     from services.learner.cycle import assign_advantages, samples_from_groups, steps_of_cycle
+    from services.learner.main import training_settings
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
 
     _, _, device = setup_distributed()
-    ln = cfg.learner
+    ln, ts = cfg.learner, training_settings(cfg)
     model = load_policy(  # as LearnerService.setup loads it
         model_dir,
         device=device,
@@ -100,12 +101,12 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
         if c == 1:
             t0 = time.perf_counter()  # cycle 0 warms the allocator and kernels: not timed
         samples = samples_from_groups(groups[c * per_cycle : (c + 1) * per_cycle])
-        assign_advantages(samples, cfg)
-        if cfg.learner.off_policy != "none" and not logprobs.proximal_is_current(cfg):
+        assign_advantages(samples, cfg.learner)
+        if cfg.learner.off_policy != "none" and not logprobs.proximal_is_current(ts):
             # as LearnerService._prepare
             for s, lp in zip(
                 samples,
-                logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=device),
+                logprobs.recompute_logprobs(model, ts, samples, pad_id=0, device=device),
                 strict=True,
             ):
                 s.old_logp = lp
@@ -116,9 +117,9 @@ def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
             seed=cfg.run.seed,
             cycle=c,
         ):
-            mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
+            mbs = objective.rank_micro_batches(ln, samples, idx, pad_id=0, device=device)
             loss_fn = objective.make_loss_fn(
-                cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
+                ts, denominator=objective.step_denominator(ln, samples, idx), stats_out=[]
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=cfg.learner.grad_clip or None)
     del torch
@@ -132,13 +133,14 @@ def _service(
     training (start-up, the initial publish and the final checkpoint excluded)."""
     from common.bus.client import Bus
     from common.protocol.streams import SCORED
-    from common.service.settings import bus_settings_for
+    from common.service.settings import bus_settings_for, policy_prompt_sets
     from services.learner.loop import LearnerService
+    from services.learner.main import learner_settings
 
     bus = Bus(bus_settings_for(cfg), service="bench")
     for g in groups:
         bus.publish(SCORED, g)
-    svc = LearnerService(cfg, run_dir=run_dir)
+    svc = LearnerService(learner_settings(cfg), run_dir=run_dir, datasets=policy_prompt_sets(cfg))
     svc.setup_io_first()
     svc.setup()
     svc.publish()

@@ -36,7 +36,7 @@ def _samples(cfg: Any, *, n: int, max_tokens: int, prompt_share: float, seed: in
                 reward=float(rng.integers(0, 2)), policy_version=0,
             )
         )  # fmt: skip
-    assign_advantages(out, cfg)
+    assign_advantages(out, cfg.learner)
     return out
 
 
@@ -45,6 +45,7 @@ def _steps(cfg: Any, model_dir: str, samples: list[Any], steps: int) -> tuple[fl
     import torch
 
     from services.learner import objective, optim
+    from services.learner.main import training_settings
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
 
@@ -59,11 +60,13 @@ def _steps(cfg: Any, model_dir: str, samples: list[Any], steps: int) -> tuple[fl
     for step in range(steps + 1):
         if step == 1:
             t0 = time.perf_counter()
-        mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
+        mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=device)
         key = "packed_input_ids" if ln.pack_sequences else "input_ids"
         slots = sum(int(mb[key].numel()) for mb in mbs)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
+            training_settings(cfg),
+            denominator=objective.step_denominator(cfg.learner, samples, idx),
+            stats_out=[],
         )
         train_step(model, opt, sched, mbs, loss_fn, grad_clip=ln.grad_clip or None)
     seconds = time.perf_counter() - t0

@@ -86,7 +86,7 @@ class _Policies:
         self.policy = load_policy(
             model_dir, device=torch.device("cpu"), fsdp=False, pack_sequences=ln.pack_sequences
         )
-        self.optimizer, self.scheduler = optim.for_run(cfg, self.policy)
+        self.optimizer, self.scheduler = optim.for_run(cfg.learner, cfg.run, self.policy)
         self.behaviour = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.behaviour.eval()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -296,33 +296,36 @@ def _train_cycle(
     from services.learner import logprobs, objective
     from services.learner.cycle import assign_advantages, steps_of_cycle
     from services.learner.losses import merge_stats
+    from services.learner.main import training_settings
     from services.learner.train_step import train_step
 
-    run, ln = cfg.run, cfg.learner
+    run, ln, ts = cfg.run, cfg.learner, training_settings(cfg)
     device = torch.device("cpu")
     policy = models.policy
     steps = steps_of_cycle(
         len(samples), steps=run.train_steps_per_cycle, passes=run.passes_per_cycle,
         seed=run.seed, cycle=cycle,
     )  # fmt: skip
-    if ln.off_policy != "none" and not logprobs.proximal_is_current(cfg):  # as _prepare
-        lps = logprobs.recompute_logprobs(policy, cfg, samples, pad_id=pad_id, device=device)
+    if ln.off_policy != "none" and not logprobs.proximal_is_current(ts):  # as _prepare
+        lps = logprobs.recompute_logprobs(policy, ts, samples, pad_id=pad_id, device=device)
         for smp, lp in zip(samples, lps, strict=True):
             smp.old_logp = lp
         prox = dict(enumerate(lps))
     else:  # the learner needs none: for the diagnostics, DIAGNOSED responses of each step
         some = sorted({i for idx in steps for i in idx[:DIAGNOSED]})
         lps = logprobs.recompute_logprobs(
-            policy, cfg, [samples[i] for i in some], pad_id=pad_id, device=device
+            policy, ts, [samples[i] for i in some], pad_id=pad_id, device=device
         )
         prox = dict(zip(some, lps, strict=True))
-    assign_advantages(samples, cfg)
+    assign_advantages(samples, cfg.learner)
     records = []
     for idx in steps:
         stats: list[dict[str, float]] = []
-        mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=pad_id, device=device)
+        mbs = objective.rank_micro_batches(ln, samples, idx, pad_id=pad_id, device=device)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=stats
+            training_settings(cfg),
+            denominator=objective.step_denominator(cfg.learner, samples, idx),
+            stats_out=stats,
         )
         st = train_step(policy, models.optimizer, models.scheduler, mbs, loss_fn,
                         grad_clip=ln.grad_clip or None)  # fmt: skip

@@ -120,6 +120,13 @@ def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, Promp
     return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
 
 
+def policy_prompt_sets(cfg: TetherConfig) -> tuple[PromptSet, PromptSet | None]:
+    """``prompt_sets_for`` with the policy's tokenizer: the learner's (train, eval) prompt sets
+    for callers that build a learner without `tether learner`'s preflight (which loads them the
+    same way)."""
+    return prompt_sets_for(cfg, policy_tokenizer(cfg))
+
+
 def policy_paths(cfg: TetherConfig) -> tuple[str, str]:
     """(model directory, tokenizer directory), both checked on disk."""
     model = cfg.run.model

@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from common.bus.consumer import Consumer
 from common.bus.dead_letters import DeadLetters
-from common.config.schema import TetherConfig
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
 from common.service import run_end
-from common.service.settings import bus_settings_for, tracker_settings
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
 from services.learner.evaluation import HeldOut
@@ -31,6 +29,7 @@ from services.learner.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
+    from services.learner.settings import LearnerSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +40,25 @@ class BusSide:
 
     def __init__(
         self,
-        cfg: TetherConfig,
+        settings: LearnerSettings,
         *,
         run_dir: Path,
-        redis_url: str | None,
         timer: PhaseTimer,
-        datasets: tuple[PromptSet, PromptSet | None] | None = None,
+        datasets: tuple[PromptSet, PromptSet | None],
         trackers: Trackers | None = None,
     ) -> None:
         from common.bus.client import Bus
-        from services.learner.data import load_datasets
         from services.learner.dispatch import Dispatcher
 
-        self.cfg, self.run_dir, self.timer = cfg, run_dir, timer
+        self.settings, self.run_dir, self.timer = settings, run_dir, timer
+        run = settings.run
         self.metrics = LearnerMetrics()
-        self.metrics.generators_configured.set(cfg.generator.replicas)
-        steps = cfg.run.train_steps_per_cycle
+        self.metrics.generators_configured.set(settings.generators)
+        steps = run.train_steps_per_cycle
         assert steps is not None  # derived at load
-        self.metrics.final_version.set(cfg.run.num_cycles * steps)
-        train, eval_set = datasets if datasets is not None else load_datasets(cfg)
-        self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="learner")
+        self.metrics.final_version.set(run.num_cycles * steps)
+        train, eval_set = datasets
+        self.bus = Bus(settings.bus, service="learner")
         # the learner holds scored entries pending until a checkpoint covers their training: it
         # neither claims (it would take its own entries back and ack them as duplicates) nor
         # counts strikes (its restarts must never dead-letter its own data; common.bus.strikes)
@@ -70,14 +68,12 @@ class BusSide:
         )  # fmt: skip
         self.bus.ensure_group(streams.PROMPTS, streams.GENERATORS)
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)
-        self.dispatcher = Dispatcher(cfg, self.bus, train, eval_set)
+        self.dispatcher = Dispatcher(settings, self.bus, train, eval_set)
         self.dead = DeadLetters(self.bus)  # positions whose prompt or group was dead-lettered
         self.buffer: dict[int, dict[str, Any]] = defaultdict(dict)  # cycle -> group id -> delivery
         self.trained_deliveries: list[Any] = []
         self.metrics_path = RunDir(run_dir).metrics
-        self.trackers = (
-            trackers if trackers is not None else Trackers(tracker_settings(cfg), run_dir)
-        )
+        self.trackers = trackers if trackers is not None else Trackers(settings.trackers, run_dir)
         self.held_out = HeldOut(
             self.dispatcher,
             self.dead,
@@ -86,7 +82,9 @@ class BusSide:
             trackers=self.trackers,
         )
         self._last_housekeeping = 0.0
-        self.watchdog = Watchdog(self.bus, self.metrics, no_progress_s=cfg.learner.no_progress_s)
+        self.watchdog = Watchdog(
+            self.bus, self.metrics, no_progress_s=settings.learner.no_progress_s
+        )
         self.selection_counts: dict[str, int] = {}  # of the last collect (dynamic sampling)
 
     # ------------------------------------------------------------------ state
@@ -171,7 +169,7 @@ class BusSide:
         holds the responses filtered and surplus among the groups not returned."""
         if self.dispatcher.dynamic:
             return self._collect_dynamic(cycle, stop=stop, idle=idle)
-        need = self.cfg.run.prompts_per_cycle
+        need = self.settings.run.prompts_per_cycle
         positions = set(range(cycle * need, cycle * need + need))
         with self.watchdog.waiting(), self.timer.phase("waiting_input"):
             while awaited := self._awaited(cycle, positions):
@@ -186,7 +184,7 @@ class BusSide:
         return [d.msg for d in deliveries]
 
     def _read(self, cycle: int) -> None:
-        for d in self.consumer.read(64, self.cfg.bus.block_ms):
+        for d in self.consumer.read(64, self.settings.bus.block_ms):
             self._take(d, cycle)
         if self.dead.poll():
             self.watchdog.progressed()
@@ -224,8 +222,8 @@ class BusSide:
             sorted(lost)[:8],
             reasons,
         )
-        steps = self.cfg.run.train_steps_per_cycle
-        if groups * self.cfg.run.responses_per_prompt < steps:
+        steps = self.settings.run.train_steps_per_cycle
+        if groups * self.settings.run.responses_per_prompt < steps:
             raise LostCycle(
                 f"cycle {cycle}: {len(lost)} of its prompts or groups were dead-lettered "
                 f"({reasons}), which leaves {groups} group(s), too few for its {steps} "
@@ -240,7 +238,7 @@ class BusSide:
     ) -> list[wire.ScoredGroup] | None:
         from services.learner import sampling
 
-        need, n = self.cfg.run.prompts_per_cycle, self.cfg.run.responses_per_prompt
+        need, n = self.settings.run.prompts_per_cycle, self.settings.run.responses_per_prompt
         with self.watchdog.waiting(), self.timer.phase("waiting_input"):
             while True:
                 expected = self.dispatcher.positions(cycle)
@@ -293,7 +291,7 @@ class BusSide:
         """Held-out accuracy before training (or at resume), then dispatch from
         ``next_cycle``. A run resumed below its end voids an earlier end (``num_cycles`` raised
         under the same run name)."""
-        if next_cycle < self.cfg.run.num_cycles:
+        if next_cycle < self.settings.run.num_cycles:
             run_end.clear(self.bus)
         elif self._ended_before():
             return  # nothing to evaluate or dispatch: finish_run says so
@@ -317,10 +315,10 @@ class BusSide:
         else:
             self.start_eval(version)
             self.finish_evals(timeout_s=300.0, stop=stop, idle=idle)
-        run_end.mark_finished(self.bus, num_cycles=self.cfg.run.num_cycles, version=version)
+        run_end.mark_finished(self.bus, num_cycles=self.settings.run.num_cycles, version=version)
 
     def _ended_before(self) -> dict[str, Any] | None:
-        return run_end.finished(self.bus, num_cycles=self.cfg.run.num_cycles)
+        return run_end.finished(self.bus, num_cycles=self.settings.run.num_cycles)
 
     # ------------------------------------------------------------------ evaluation
     @property

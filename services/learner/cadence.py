@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 
 class CheckpointCadence:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    def __init__(self, ln: LearnerConfig) -> None:
         self.every_steps, self.every_minutes = (
-            cfg.checkpoint_every_steps,
-            cfg.checkpoint_every_minutes,
+            ln.checkpoint_every_steps,
+            ln.checkpoint_every_minutes,
         )
         self.last = time.monotonic()
 

@@ -23,7 +23,7 @@ from services.learner.dist import broadcast_bytes, rank_world
 if TYPE_CHECKING:
     import torch
 
-    from common.config.schema import TetherConfig
+    from common.config.learner import LearnerConfig
     from common.protocol import wire
 
 
@@ -268,7 +268,7 @@ def as_batch_fields(s: Sample) -> dict[str, Any]:
     }
 
 
-def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
+def assign_advantages(samples: list[Sample], ln: LearnerConfig) -> int:
     """Every response token's advantage; zero-weight the groups filtered out. Returns how many
     samples the equal-reward filter took out.
 
@@ -281,7 +281,6 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
     """
     import torch
 
-    ln = cfg.learner
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = torch.tensor([s.group for s in samples], dtype=torch.long)
     rows = episode_rows(samples)
@@ -289,7 +288,7 @@ def assign_advantages(samples: list[Sample], cfg: TetherConfig) -> int:
     episode_of = torch.tensor(rows, dtype=torch.long) if segmented else None
     unbiased = ln.std_estimator == "unbiased"
     if ln.kl_in_reward:
-        kl, mask = reward_kl(samples, cfg)
+        kl, mask = reward_kl(samples, ln)
         adv = adv_mod.kl_reward_advantages(
             rewards,
             groups,
@@ -340,13 +339,13 @@ def extra_segments(samples: list[Sample]) -> int:
     return sum(1 for s in samples if s.segment > 0)
 
 
-def mask_overlong(samples: list[Sample], cfg: TetherConfig) -> int:
+def mask_overlong(samples: list[Sample], ln: LearnerConfig) -> int:
     """DAPO's over-long filtering (``learner.overlong_filter``): a response cut off at
     ``run.max_response_tokens`` (or an episode cut at ``generator.max_turns``) gets weight 0, so
     it carries no loss, while its reward still counts in its group's advantages (the others are
     judged against it, as in DAPO). Returns how many responses it masked (those already at
     weight 0 are not counted again)."""
-    if not cfg.learner.overlong_filter:
+    if not ln.overlong_filter:
         return 0
     masked = 0
     for s in samples:
@@ -368,7 +367,7 @@ def mask_refused(samples: list[Sample]) -> int:
     return masked
 
 
-def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def reward_kl(samples: list[Sample], ln: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The KL penalty's per-token estimate [N, T] and the loss mask [N, T] (float64): 1 on the
     ids the policy sampled, so tool and environment ids carry no penalty.
 
@@ -382,7 +381,6 @@ def reward_kl(samples: list[Sample], cfg: TetherConfig) -> tuple[torch.Tensor, t
     """
     import torch
 
-    ln = cfg.learner
     width = max((len(s.response_ids) for s in samples), default=0)
     behaviour = torch.zeros(len(samples), width, dtype=torch.float64)
     ref = torch.zeros_like(behaviour)

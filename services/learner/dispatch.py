@@ -34,19 +34,19 @@ from services.learner import sampling
 
 if TYPE_CHECKING:
     from common.bus.client import Bus
-    from common.config.schema import TetherConfig
     from common.data.datasets import PromptSet
+    from services.learner.settings import LearnerSettings
 
 log = logging.getLogger(__name__)
 
 
 class Dispatcher:
     def __init__(
-        self, cfg: TetherConfig, bus: Bus, train: PromptSet, eval_set: PromptSet | None
+        self, settings: LearnerSettings, bus: Bus, train: PromptSet, eval_set: PromptSet | None
     ) -> None:
-        self.cfg, self.bus, self.train, self.eval_set = cfg, bus, train, eval_set
+        self.settings, self.bus, self.train, self.eval_set = settings, bus, train, eval_set
         self.dispatched_through = -1  # highest cycle dispatched by this process
-        self.dynamic = cfg.learner.dynamic_sampling
+        self.dynamic = settings.learner.dynamic_sampling
         self.cursor = 0  # next sampler position (dynamic sampling)
         self.rounds: dict[int, list[tuple[int, int]]] = {}  # cycle -> [(first position, count)]
         self.filter_rate: float | None = None  # smoothed share of equal-reward groups
@@ -65,7 +65,7 @@ class Dispatcher:
         )
 
     def records_of(self, cycle: int) -> list[tuple[int, Any]]:
-        p = self.cfg.run.prompts_per_cycle
+        p = self.settings.run.prompts_per_cycle
         return self.records_at(cycle * p, p)
 
     def records_at(self, start: int, count: int) -> list[tuple[int, Any]]:
@@ -75,8 +75,8 @@ class Dispatcher:
         for g in range(start, start + count):
             epoch, offset = divmod(g, n)
             order = (
-                self.train.order(self.cfg.run.seed, epoch)
-                if self.cfg.data.shuffle
+                self.train.order(self.settings.run.seed, epoch)
+                if self.settings.shuffle
                 else list(range(n))
             )
             out.append((g, self.train[order[offset]]))
@@ -90,13 +90,13 @@ class Dispatcher:
         }
 
     def extra_used(self, cycle: int) -> int:
-        return sum(c for _, c in self.rounds.get(cycle, [])) - self.cfg.run.prompts_per_cycle
+        return sum(c for _, c in self.rounds.get(cycle, [])) - self.settings.run.prompts_per_cycle
 
     def top_up(self, cycle: int, missing: int, *, filtered: int, examined: int) -> int:
         """Dispatch a top-up round for ``missing`` informative groups, sized by the filter rate
         including this cycle's groups so far (``filtered`` of ``examined``); returns its size
         (0 when the cycle's cap on extra prompts is spent)."""
-        cap = self.cfg.learner.max_extra_prompts_per_cycle or 0
+        cap = self.settings.learner.max_extra_prompts_per_cycle or 0
         rate = sampling.next_filter_rate(self.filter_rate, filtered=filtered, examined=examined)
         count = sampling.top_up_size(missing, rate or 0.0, cap_left=cap - self.extra_used(cycle))
         if count:
@@ -132,7 +132,7 @@ class Dispatcher:
 
     def _min_version(self, cycle: int) -> int:
         """The oldest weights ``cycle``'s prompts may be generated with (the staleness rule)."""
-        run = self.cfg.run
+        run = self.settings.run
         assert run.train_steps_per_cycle is not None and run.max_staleness is not None
         return min_policy_version(
             cycle, steps_per_cycle=run.train_steps_per_cycle, max_staleness=run.max_staleness
@@ -161,7 +161,7 @@ class Dispatcher:
         self.prompts_dispatched.labels(split).inc(len(prompts))
 
     def _dispatch_round(self, cycle: int, count: int) -> None:
-        start = self.cursor if self.dynamic else cycle * self.cfg.run.prompts_per_cycle
+        start = self.cursor if self.dynamic else cycle * self.settings.run.prompts_per_cycle
         self._publish_train(cycle, self.records_at(start, count), suffix="")
         if self.dynamic:
             self.cursor = start + count
@@ -191,7 +191,7 @@ class Dispatcher:
 
     def dispatch_ready(self, version: int, *, first_cycle: int) -> list[int]:
         """Dispatch every not-yet-dispatched cycle whose weights exist; returns those cycles."""
-        run = self.cfg.run
+        run = self.settings.run
         done = []
         c = max(self.dispatched_through + 1, first_cycle)
         while c < run.num_cycles:
@@ -201,7 +201,7 @@ class Dispatcher:
             p = run.prompts_per_cycle
             extra = 0
             if self.dynamic:
-                cap = self.cfg.learner.max_extra_prompts_per_cycle or 0
+                cap = self.settings.learner.max_extra_prompts_per_cycle or 0
                 extra = sampling.extra_prompts(p, self.filter_rate or 0.0, cap)
             self._dispatch_round(c, p + extra)
             self.dispatched_through = c

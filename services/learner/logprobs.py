@@ -15,13 +15,13 @@ from services.learner.dist import all_reduce, rank_world
 if TYPE_CHECKING:
     import torch
 
-    from common.config.schema import TetherConfig
+    from common.config.learner import LearnerConfig
+    from services.learner.settings import TrainingSettings
 
 
-def micro_batches(cfg: TetherConfig, lengths: Sequence[int]) -> list[list[int]]:
+def micro_batches(ln: LearnerConfig, lengths: Sequence[int]) -> list[list[int]]:
     """The learner's micro-batches (by count or by token budget, ``[learner]``) of samples of
     these lengths: one rule for the training step and the recompute passes."""
-    ln = cfg.learner
     if not lengths:
         return []
     return batching.split_micro_batches(
@@ -32,16 +32,16 @@ def micro_batches(cfg: TetherConfig, lengths: Sequence[int]) -> list[list[int]]:
 
 
 def collate(
-    cfg: TetherConfig, fields: Sequence[Any], indices: Sequence[int], *, pad_id: int, **kw: Any
+    ln: LearnerConfig, fields: Sequence[Any], indices: Sequence[int], *, pad_id: int, **kw: Any
 ) -> dict[str, torch.Tensor]:
     """``batching.collate``, plus the packed forward's inputs with ``learner.pack_sequences``:
     one rule for the training step and the recompute passes."""
     batch = batching.collate(fields, indices, pad_id=pad_id, routing_field="routing", **kw)
-    return packing.add_packed(batch, pad_id=pad_id) if cfg.learner.pack_sequences else batch
+    return packing.add_packed(batch, pad_id=pad_id) if ln.pack_sequences else batch
 
 
 def recompute_logprobs(
-    model: Any, cfg: TetherConfig, samples: list[Sample], *, pad_id: int, device: torch.device
+    model: Any, ts: TrainingSettings, samples: list[Sample], *, pad_id: int, device: torch.device
 ) -> list[list[float]]:
     """Log-probs of every response token under ``model`` (no grad), for the whole cycle.
 
@@ -59,7 +59,7 @@ def recompute_logprobs(
         offsets.append(total)
         total += len(s.response_ids)
     mine = batching.balance_across_ranks(lengths, world)[rank]
-    local = [[mine[j] for j in mb] for mb in micro_batches(cfg, [lengths[i] for i in mine])]
+    local = [[mine[j] for j in mb] for mb in micro_batches(ts.learner, [lengths[i] for i in mine])]
     count = int(all_reduce(torch.tensor([len(local)], device=device), "max").item())
     flat = torch.zeros(max(total, 1), dtype=torch.float64, device=device)
     fields = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "routing": s.routing}
@@ -68,14 +68,16 @@ def recompute_logprobs(
     model.eval()
     with torch.no_grad():
         for mb in batching.pad_micro_batches(local, max(count, 1)):
-            batch = {k: v.to(device) for k, v in collate(cfg, fields, mb, pad_id=pad_id).items()}
+            batch = {
+                k: v.to(device) for k, v in collate(ts.learner, fields, mb, pad_id=pad_id).items()
+            }
             logp, _ = token_logprobs_and_entropy(
                 model,
                 batch["input_ids"],
                 batch["attention_mask"],
                 batch["loss_mask"],
                 position_ids=batch["position_ids"],
-                temperature=cfg.behaviour_temperature,
+                temperature=ts.behaviour_temperature,
                 packed=packing.packed_of(batch),
                 routing=batch.get("routing"),
             )
@@ -91,7 +93,7 @@ def recompute_logprobs(
     return [values[o : o + len(s.response_ids)] for o, s in zip(offsets, samples, strict=True)]
 
 
-def proximal_is_current(cfg: TetherConfig) -> bool:
+def proximal_is_current(ts: TrainingSettings) -> bool:
     """True when the proximal policy of decoupled PPO / TIS is the very policy being trained.
 
     The proximal log-probs are the learner's, recomputed with the weights a cycle starts with.
@@ -101,7 +103,7 @@ def proximal_is_current(cfg: TetherConfig) -> bool:
     quarter of a step's compute) is skipped. This is what TRL does with ``num_iterations = 1``.
     """
     return (
-        cfg.learner.off_policy != "none"
-        and cfg.run.train_steps_per_cycle == 1
-        and cfg.run.passes_per_cycle == 1
+        ts.learner.off_policy != "none"
+        and ts.train_steps_per_cycle == 1
+        and ts.passes_per_cycle == 1
     )

@@ -50,7 +50,6 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config.schema import TetherConfig
 from common.protocol.books import LearnerBooks
 from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
@@ -77,6 +76,7 @@ from services.learner.step_log import NoStepLog, StepLog, step_record
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
+    from services.learner.settings import LearnerSettings
 
 log = logging.getLogger(__name__)
 
@@ -95,28 +95,27 @@ def _test_only_step_delay() -> None:
 class LearnerService:
     def __init__(
         self,
-        cfg: TetherConfig,
+        settings: LearnerSettings,
         *,
         run_dir: Path,
-        redis_url: str | None = None,
-        datasets: tuple[PromptSet, PromptSet | None] | None = None,
+        datasets: tuple[PromptSet, PromptSet | None] | None,
     ) -> None:
-        """``datasets``: the (train, eval) prompt sets when the caller loaded them already (the
-        preflight of `tether learner`); else rank 0 loads them."""
-        self.cfg, self.run_dir, self.redis_url = cfg, run_dir, redis_url
+        """``datasets``: the (train, eval) prompt sets, loaded and checked before (the preflight of
+        `tether learner`); rank 0 dispatches them, the other ranks may pass ``None``."""
+        self.settings, self.run_dir = settings, run_dir
         self.datasets = datasets
         self.timer = PhaseTimer("learner")
         self.version = 0
         self.next_cycle = 0
         self.books = LearnerBooks()  # what became of the responses received (rank 0's count)
         self.ready = False
-        self.live = Liveness(cfg.learner.liveness_s)
+        self.live = Liveness(settings.learner.liveness_s)
         self._stop = False
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
-        self.cadence = CheckpointCadence(cfg.learner)
+        self.cadence = CheckpointCadence(settings.learner)
         self.last_step: dict[str, Any] = {}
-        self.lora = LoraSettings.of(cfg.learner)  # None: full fine-tuning
+        self.lora = LoraSettings.of(settings.learner)  # None: full fine-tuning
         self._pending: Any = None  # a checkpoint being written (learner.async_checkpoint)
         self._pending_cycle, self._pending_acked = 0, True
         # rank 0's duties; setup_io_first gives rank 0 the real ones
@@ -130,39 +129,36 @@ class LearnerService:
         that can fail on bad input, before the model is loaded."""
         from services.learner import model as model_mod
 
-        ln = self.cfg.learner
+        ln = self.settings.learner
         self.rank, self.world, self.device = model_mod.setup_distributed(
             timeout_s=ln.collective_timeout_s, offload=ln.cpu_offload or ln.reference_cpu_offload
         )
-        set_cpu_threads(self.device, self.cfg.learner.cpu_threads)
+        set_cpu_threads(self.device, ln.cpu_threads)
         if self.rank == 0:
+            if self.datasets is None:
+                raise ValueError("the learner's rank 0 dispatches the prompts: pass its datasets")
             self.bus_side = BusSide(
-                self.cfg,
-                run_dir=self.run_dir,
-                redis_url=self.redis_url,
-                timer=self.timer,
-                datasets=self.datasets,
+                self.settings, run_dir=self.run_dir, timer=self.timer, datasets=self.datasets
             )
-            self.publishing = WeightPublishing(self.cfg, bus=self.bus_side.bus)
+            self.publishing = WeightPublishing(self.settings.weights, bus=self.bus_side.bus)
             self.step_log = StepLog(self.run_dir, trackers=self.bus_side.trackers)
 
     def setup(self) -> None:
         import torch
 
-        from common.service.settings import policy_paths
         from services.learner import model as model_mod
         from services.learner import optim
 
         if not hasattr(self, "rank"):
             self.setup_io_first()
-        model_dir, tok_dir = policy_paths(self.cfg)
-        ln = self.cfg.learner
+        model_dir, tok_dir = self.settings.model_dir, self.settings.tokenizer_dir
+        ln = self.settings.learner
         dtype = None if ln.dtype == "auto" else getattr(torch, ln.dtype)
         compute = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        wd = self.cfg.weights.dtype
+        wd = self.settings.weights.dtype
         # generators run in the compute dtype: fp32 masters would double the bytes of a publish
         self.publish_dtype = compute if wd == "auto" else getattr(torch, wd)
-        if logprobs.proximal_is_current(self.cfg):
+        if logprobs.proximal_is_current(self.settings.training):
             log.info(
                 "%s: proximal log-probs come from each step's own forward pass (one optimizer "
                 "step per cycle, one pass): no recompute pass",
@@ -176,7 +172,7 @@ class LearnerService:
             pack_sequences=ln.pack_sequences,
             offload=ln.cpu_offload,
             lora=self.lora,
-            seed=self.cfg.run.seed,
+            seed=self.settings.run.seed,
         )
         self.ref_model = None
         if ln.kl_coef > 0 and self.lora is not None:
@@ -200,7 +196,9 @@ class LearnerService:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer, self.scheduler = optim.for_run(self.cfg, self.model)
+        self.optimizer, self.scheduler = optim.for_run(
+            self.settings.learner, self.settings.run, self.model
+        )
 
     def _log_lora(self, settings: LoraSettings) -> None:
         from services.learner import lora
@@ -250,7 +248,7 @@ class LearnerService:
             items = gather.publish_items(self.model)
             specs = gather.publish_specs(items, self.publish_dtype)
             session = self.publishing.begin(specs, self.version, catch_up=catch_up)
-            bucket = int(self.cfg.weights.bucket_mb * 2**20)
+            bucket = int(self.settings.weights.bucket_mb * 2**20)
             layout = session.layout if session else build_layout(specs, self.version, bucket)
             gather.stream_publish(
                 items, layout=layout, dtype=self.publish_dtype, session=session,
@@ -280,11 +278,11 @@ class LearnerService:
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
                 extra_state=extra,
-                keep_last=self.cfg.learner.keep_checkpoints,
-                async_save=self.cfg.learner.async_checkpoint,
+                keep_last=self.settings.learner.keep_checkpoints,
+                async_save=self.settings.learner.async_checkpoint,
             )
             self._pending_cycle, self._pending_acked = self.next_cycle, False
-            if wait or not self.cfg.learner.async_checkpoint:
+            if wait or not self.settings.learner.async_checkpoint:
                 self.finish_checkpoint()
         self.cadence.saved()
         self.live.beat()
@@ -313,12 +311,16 @@ class LearnerService:
     def _prepare(self, samples: list[Sample]) -> None:
         """The cycle's reference and proximal log-probs, then its advantages (a KL reward needs
         the reference log-probs)."""
-        ln = self.cfg.learner
-        if ln.off_policy != "none" and not logprobs.proximal_is_current(self.cfg):
+        ln = self.settings.learner
+        if ln.off_policy != "none" and not logprobs.proximal_is_current(self.settings.training):
             for s, lp in zip(
                 samples,
                 logprobs.recompute_logprobs(
-                    self.model, self.cfg, samples, pad_id=self.pad_id, device=self.device
+                    self.model,
+                    self.settings.training,
+                    samples,
+                    pad_id=self.pad_id,
+                    device=self.device,
                 ),
                 strict=True,
             ):
@@ -326,13 +328,17 @@ class LearnerService:
         if self.ref_model is not None:
             with self._reference_mode():
                 ref_logp = logprobs.recompute_logprobs(
-                    self.ref_model, self.cfg, samples, pad_id=self.pad_id, device=self.device
+                    self.ref_model,
+                    self.settings.training,
+                    samples,
+                    pad_id=self.pad_id,
+                    device=self.device,
                 )
             for s, lp in zip(samples, ref_logp, strict=True):
                 s.ref_logp = lp
-        filtered = assign_advantages(samples, self.cfg)
+        filtered = assign_advantages(samples, self.settings.learner)
         failed, segments = mask_failed(samples), extra_segments(samples)
-        overlong = mask_overlong(samples, self.cfg)
+        overlong = mask_overlong(samples, self.settings.learner)
         refused = mask_refused(samples)
         self.books.add(
             agent_failed_samples=failed,
@@ -352,7 +358,7 @@ class LearnerService:
         return adapter_disabled(self.model) if self.lora is not None else nullcontext()
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
-        oldest = oldest_usable(self.version, max_staleness=self.cfg.run.max_staleness)
+        oldest = oldest_usable(self.version, max_staleness=self.settings.run.max_staleness)
         dropped = 0
         for i in idx:
             self.step_log.observe_staleness(self.version - samples[i].policy_version)
@@ -365,7 +371,7 @@ class LearnerService:
     def train_cycle(self, cycle: int, samples: list[Sample]) -> None:
         from services.learner.train_step import train_step
 
-        run, ln = self.cfg.run, self.cfg.learner
+        run, ln = self.settings.run, self.settings.learner
         with self.timer.phase("working"):
             self._prepare(samples)
         for idx in steps_of_cycle(
@@ -379,12 +385,12 @@ class LearnerService:
             with self.timer.phase("working"):
                 dropped = self._apply_staleness(samples, idx)
                 mbs = objective.rank_micro_batches(
-                    self.cfg, samples, idx, pad_id=self.pad_id, device=self.device
+                    ln, samples, idx, pad_id=self.pad_id, device=self.device
                 )
                 stats_out: list[dict[str, float]] = []
                 loss_fn = objective.make_loss_fn(
-                    self.cfg,
-                    denominator=objective.step_denominator(self.cfg, samples, idx),
+                    self.settings.training,
+                    denominator=objective.step_denominator(ln, samples, idx),
                     stats_out=stats_out,
                 )
                 st = train_step(
@@ -426,7 +432,7 @@ class LearnerService:
         it the current weights (a streamed publish gathers from every rank)."""
         self.live.beat()
         due = self.publishing.catch_up_due()
-        if due or time.monotonic() - self._last_word >= self.cfg.learner.keepalive_s:
+        if due or time.monotonic() - self._last_word >= self.settings.learner.keepalive_s:
             self._last_word = time.monotonic()
             _, others_stopping = control(CATCH_UP if due else WAITING, self._stop, self.device)
             self._stop = self._stop or others_stopping
@@ -498,7 +504,7 @@ class LearnerService:
         self.setup()
         self.resume()
         self.publish()
-        run = self.cfg.run
+        run = self.settings.run
         self._wait_for_generators(run.start_with_generators)
         self.bus_side.begin(self.version, self.next_cycle)  # held-out round, dispatch
         self.ready = True

@@ -25,8 +25,39 @@ from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
 from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
+from services.learner.settings import LearnerSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
+
+
+def learner_settings(cfg: TetherConfig) -> LearnerSettings:
+    """The learner's settings from the run's config (the cycle rules already applied): its
+    sections, the bus, the trackers, and the policy's directories (checked on disk)."""
+    from common.service.settings import bus_settings_for, policy_paths, tracker_settings
+
+    model_dir, tokenizer_dir = policy_paths(cfg)
+    return LearnerSettings(
+        run=cfg.run,
+        weights=cfg.weights,
+        bus=bus_settings_for(cfg),
+        trackers=tracker_settings(cfg),
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        training=training_settings(cfg),
+        generators=cfg.generator.replicas,
+        shuffle=cfg.data.shuffle,
+    )
+
+
+def training_settings(cfg: TetherConfig) -> TrainingSettings:
+    """What a cycle's math reads, from the run's config (no path or server is checked: the
+    learner's unit tests and the learner benchmarks build it without a bus)."""
+    return TrainingSettings(
+        learner=cfg.learner,
+        train_steps_per_cycle=cfg.run.train_steps_per_cycle,
+        passes_per_cycle=cfg.run.passes_per_cycle,
+        behaviour_temperature=cfg.behaviour_temperature,
+    )
 
 
 def main(cfg: TetherConfig, args) -> int:
@@ -42,7 +73,7 @@ def main(cfg: TetherConfig, args) -> int:
 
     run_dir = RunDir.of(cfg.run).root
     run_dir.mkdir(parents=True, exist_ok=True)
-    svc = LearnerService(cfg, run_dir=run_dir, datasets=checked.datasets)
+    svc = LearnerService(learner_settings(cfg), run_dir=run_dir, datasets=checked.datasets)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: svc.stop())
     rank = int(os.environ.get("RANK", "0"))

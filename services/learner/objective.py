@@ -21,14 +21,15 @@ from services.learner.logprobs import collate, micro_batches, proximal_is_curren
 if TYPE_CHECKING:
     import torch
 
-    from common.config.schema import TetherConfig
+    from common.config.learner import LearnerConfig
+    from services.learner.settings import TrainingSettings
 
 TOKEN_FIELDS = ("behaviour_logp", "old_logp", "ref_logp", "advantage")
 SEQ_FIELDS = ("weight",)
 
 
 def rank_micro_batches(
-    cfg: TetherConfig,
+    ln: LearnerConfig,
     samples: list[Sample],
     step_indices: list[int],
     *,
@@ -42,7 +43,7 @@ def rank_micro_batches(
     lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in step_indices]
     mine = [step_indices[j] for j in batching.balance_across_ranks(lengths, world)[rank]]
     local = micro_batches(
-        cfg, [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
+        ln, [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
     )
     count = int(all_reduce(torch.tensor([len(local)], device=device), "max").item())
     padded = batching.pad_micro_batches([[mine[j] for j in mb] for mb in local], max(count, 1))
@@ -51,7 +52,7 @@ def rank_micro_batches(
         {
             k: v.to(device)
             for k, v in collate(
-                cfg,
+                ln,
                 fields,
                 mb,
                 pad_id=pad_id,
@@ -64,17 +65,17 @@ def rank_micro_batches(
     ]
 
 
-def step_denominator(cfg: TetherConfig, samples: list[Sample], step_indices: list[int]) -> float:
+def step_denominator(ln: LearnerConfig, samples: list[Sample], step_indices: list[int]) -> float:
     """The whole step's loss denominator (all ranks): sampled tokens (an episode's tool and
     environment tokens are not counted) or sequences with weight > 0."""
     # Every rank holds the whole step's samples, so this is already the global value: no
     # collective.
     lengths = [sampled_tokens(samples[i]) for i in step_indices if samples[i].weight > 0]
-    return float(max(losses.step_denominator(lengths, mode=cfg.learner.loss_agg), 1))
+    return float(max(losses.step_denominator(lengths, mode=ln.loss_agg), 1))
 
 
 def make_loss_fn(
-    cfg: TetherConfig,
+    ts: TrainingSettings,
     *,
     denominator: float,
     stats_out: list[dict[str, float]],
@@ -84,19 +85,19 @@ def make_loss_fn(
     bonus) over the tokens the mismatch mask keeps, aggregated over the WHOLE step's
     ``denominator`` so micro-batch losses simply add up (masked tokens stay in it).
 
-    ``proximal_from_forward`` (default: ``proximal_is_current(cfg)``): anchor the ratio to this
+    ``proximal_from_forward`` (default: ``proximal_is_current(ts)``): anchor the ratio to this
     forward pass's own log-probs, detached, instead of the micro-batch's recomputed ``old_logp``."""
 
     from services.learner.model import token_logprobs_and_entropy
 
-    ln = cfg.learner
+    ln = ts.learner
     want_entropy = ln.entropy_coef != 0
     masking = any(
         b is not None
         for b in (ln.mismatch_mask_token, ln.mismatch_mask_sequence, ln.mismatch_mask_geometric)
     )
     if proximal_from_forward is None:
-        proximal_from_forward = proximal_is_current(cfg)
+        proximal_from_forward = proximal_is_current(ts)
 
     def loss_fn(model: Any, mb: dict[str, torch.Tensor]):
         mask = mb["loss_mask"] * mb["weight"].unsqueeze(-1)
@@ -107,7 +108,7 @@ def make_loss_fn(
             mb["loss_mask"],
             position_ids=mb["position_ids"],
             with_entropy=want_entropy,
-            temperature=cfg.behaviour_temperature,
+            temperature=ts.behaviour_temperature,
             packed=packing.packed_of(mb),
             routing=mb.get("routing"),
         )

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from common.config.schema import TetherConfig
+    from common.config.learner import LearnerConfig
+    from common.config.shared import RunConfig
 
 DECAY_KINDS = ("constant", "cosine")
 
@@ -144,11 +145,10 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=schedule)
 
 
-def for_run(cfg: TetherConfig, model: Any) -> tuple[Any, Any]:
+def for_run(ln: LearnerConfig, run: RunConfig, model: Any) -> tuple[Any, Any]:
     """The run's (AdamW, LR scheduler) from ``[learner]``: the schedule spans every optimizer
     step of the run (``num_cycles × train_steps_per_cycle``); ``warmup_steps`` wins over
     ``warmup_ratio``."""
-    ln, run = cfg.learner, cfg.run
     schedule = build_schedule(
         warmup_steps=ln.warmup_steps or None,
         warmup_ratio=ln.warmup_ratio if not ln.warmup_steps and ln.warmup_ratio else None,

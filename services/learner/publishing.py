@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from common.config.schema import TetherConfig
+from common.config.shared import WeightsConfig
 from common.ports import free_port
 from common.protocol import streams
 from services.learner.metrics import LearnerMetrics
@@ -25,11 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class WeightPublishing:
-    def __init__(self, cfg: TetherConfig, *, bus: Bus) -> None:
+    def __init__(self, w: WeightsConfig, *, bus: Bus) -> None:
         from common.weights.handshake import secret_from_env
         from common.weights.publisher import WeightPublisher
 
-        w = cfg.weights
         self.bus, self.metrics = bus, LearnerMetrics()
         self.publisher = WeightPublisher(
             w.host,

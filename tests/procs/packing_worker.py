@@ -20,6 +20,7 @@ def main() -> None:
     from services.learner import objective, optim
     from services.learner.checkpoint_state import optimizer_state
     from services.learner.cycle import Sample, assign_advantages
+    from services.learner.main import training_settings
     from services.learner.model import load_policy, setup_distributed
     from services.learner.train_step import train_step
 
@@ -44,11 +45,13 @@ def main() -> None:
                    behaviour_logp=[-1.0] * (2 + 3 * k), reward=float(k % 2), policy_version=0)
             for k in range(8)
         ]  # fmt: skip
-        assign_advantages(samples, cfg)
+        assign_advantages(samples, cfg.learner)
         idx = list(range(len(samples)))
-        mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=device)
+        mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=device)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=[]
+            training_settings(cfg),
+            denominator=objective.step_denominator(cfg.learner, samples, idx),
+            stats_out=[],
         )
         opt = optim.build_optimizer(model, lr=1e-3)
         sched = optim.build_scheduler(opt, optim.build_schedule())

@@ -11,6 +11,7 @@ from common.protocol import wire
 from common.protocol.streams import PAYLOAD_FIELD, PROMPTS, SCORED
 from common.telemetry.metrics import PhaseTimer
 from services.learner.bus_side import BusSide
+from tests.learner_support import learner_settings_without_model
 from tests.services.test_learner_service import _prompts, _scored, cfg
 
 # Rewards of the two responses at each sampler position of cycle 0: positions 0-3 are the base
@@ -41,8 +42,8 @@ def test_dynamic_sampling_tops_up_selects_in_order_and_resumes_the_same(redis_se
         train_steps_per_cycle=1,
         num_cycles=3,
     )
-    data = (_prompts(tmp_path), None)
-    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    data, settings = (_prompts(tmp_path), None), learner_settings_without_model(c)
+    io = BusSide(settings, run_dir=tmp_path, timer=PhaseTimer("learner"), datasets=data)
     try:
         io.dispatch(0, first_cycle=0)  # cycles 0 and 1: no filter rate yet, no extra prompts
         assert io.dispatcher.rounds == {0: [(0, 4)], 1: [(4, 4)]}
@@ -64,7 +65,7 @@ def test_dynamic_sampling_tops_up_selects_in_order_and_resumes_the_same(redis_se
         io.close()
 
     # A restart from the saved state sees the same (redelivered) groups and decides the same.
-    again = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    again = BusSide(settings, run_dir=tmp_path, timer=PhaseTimer("learner"), datasets=data)
     try:
         again.restore(saved)
         assert again.dispatcher.cursor == 8

@@ -187,6 +187,7 @@ def test_a_learner_step_on_responses_the_engine_sampled(engine, tokenizer, polic
     from common.config.load import load_config
     from services.learner import objective, optim
     from services.learner.cycle import Sample, assign_advantages
+    from services.learner.main import training_settings
     from services.learner.train_step import train_step
 
     n = 2  # two prompts' groups of two responses: the step's cost is the model, not the batch
@@ -199,14 +200,16 @@ def test_a_learner_step_on_responses_the_engine_sampled(engine, tokenizer, polic
                behaviour_logp=s.logprobs, reward=float(i % n), policy_version=0)
         for i, s in enumerate(sampled)
     ]  # fmt: skip
-    assign_advantages(samples, cfg)
+    assign_advantages(samples, cfg.learner)
     device = next(policy.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     idx = list(range(len(samples)))
     stats: list[dict[str, float]] = []
-    mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=pad_id, device=device)
+    mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=pad_id, device=device)
     loss_fn = objective.make_loss_fn(
-        cfg, denominator=objective.step_denominator(cfg, samples, idx), stats_out=stats
+        training_settings(cfg),
+        denominator=objective.step_denominator(cfg.learner, samples, idx),
+        stats_out=stats,
     )
     before = _local_shard(policy, "model.norm.weight")
     opt = optim.build_optimizer(policy, lr=1e-5)

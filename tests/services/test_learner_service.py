@@ -18,6 +18,7 @@ from common.service.settings import bus_settings_for
 from services.learner.cycle import Sample, decode_samples, encode_samples, steps_of_cycle
 from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService
+from tests.learner_support import learner_settings_without_model
 
 
 def cfg(*sets: str, **run):
@@ -45,7 +46,8 @@ def test_staleness_boundary_in_optimizer_steps(steps, max_staleness, tmp_path):
         train_steps_per_cycle=steps,
         max_staleness=max_staleness,
     )
-    svc = LearnerService(c, run_dir=tmp_path)  # no set-up: the rank-0 duties do nothing
+    # no set-up: the rank-0 duties do nothing
+    svc = LearnerService(learner_settings_without_model(c), run_dir=tmp_path, datasets=None)
     svc.version = 10  # the step that turns version 10 into 11
     fresh = sample(10 - max_staleness, 0)  # t − v = max_staleness: allowed
     stale = sample(10 - max_staleness - 1, 1)  # one step more: dropped
@@ -118,10 +120,10 @@ def test_dispatch_positions_are_a_function_of_the_cycle(redis_server, tmp_path):
     )
     bus = Bus(bus_settings_for(c), service="test")
     train = _prompts(tmp_path)
-    d = Dispatcher(c, bus, train, None)
+    d = Dispatcher(learner_settings_without_model(c), bus, train, None)
     # cycle 1 across the epoch boundary of a 10-prompt set: positions 4..7; cycle 2: 8..11
     assert [g for g, _ in d.records_of(2)] == [8, 9, 10, 11]
-    again = Dispatcher(c, bus, train, None)
+    again = Dispatcher(learner_settings_without_model(c), bus, train, None)
     assert [r.prompt_id for _, r in d.records_of(2)] == [
         r.prompt_id for _, r in again.records_of(2)
     ]
@@ -170,8 +172,8 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
         train_steps_per_cycle=1,
         num_cycles=4,
     )
-    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
-                   datasets=(_prompts(tmp_path), None))  # fmt: skip
+    io = BusSide(learner_settings_without_model(c), run_dir=tmp_path, timer=PhaseTimer("learner"),
+                 datasets=(_prompts(tmp_path), None))  # fmt: skip
     try:
         for cycle in (0, 1):
             for index in range(2):
@@ -210,8 +212,8 @@ def test_no_scored_entry_is_acked_before_a_checkpoint_whatever_claim_idle_s(redi
         train_steps_per_cycle=1,
         num_cycles=4,
     )
-    io = BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"),
-               datasets=(_prompts(tmp_path), None))  # fmt: skip
+    io = BusSide(learner_settings_without_model(c), run_dir=tmp_path, timer=PhaseTimer("learner"),
+                 datasets=(_prompts(tmp_path), None))  # fmt: skip
 
     def pending() -> int:
         return int(io.bus.redis.xpending(io.bus.key(SCORED), "learner")["pending"])

@@ -17,6 +17,7 @@ from common.protocol import wire
 from common.protocol.streams import DEAD, GENERATORS, GROUPS, PROMPTS, SCORED, SCORERS
 from common.telemetry.metrics import PhaseTimer
 from services.learner.bus_side import BusSide, LostCycle
+from tests.learner_support import learner_settings_without_model
 from tests.services.test_learner_service import _prompts, _scored, cfg
 
 WAIT_S = 20.0  # a collect that would hang gives up here, and the test fails
@@ -31,7 +32,8 @@ def _bus_side(tmp_path, name: str, url: str, *sets: str, **run) -> BusSide:
         **{"prompts_per_cycle": 4, "responses_per_prompt": 2, "train_steps_per_cycle": 2} | run,
     )
     data = (_prompts(tmp_path), _prompts(tmp_path, 3))
-    return BusSide(c, run_dir=tmp_path, redis_url=None, timer=PhaseTimer("learner"), datasets=data)
+    settings = learner_settings_without_model(c)
+    return BusSide(settings, run_dir=tmp_path, timer=PhaseTimer("learner"), datasets=data)
 
 
 def _collect(io: BusSide, cycle: int):
@@ -201,7 +203,7 @@ def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_p
     io = _bus_side(
         tmp_path, "lost_loop", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1
     )
-    svc = LearnerService(io.cfg, run_dir=tmp_path)
+    svc = LearnerService(io.settings, run_dir=tmp_path, datasets=None)
     svc.bus_side, svc.device = io, torch.device("cpu")  # no model: this is the control path
     try:
         io.dispatch(0, first_cycle=0)

@@ -229,7 +229,7 @@ def _kl_samples():
 def _token_advantages(*sets):
     cfg = load_config(overrides=["learner.kl_coef=0.5", *sets], env={}).config
     samples = _kl_samples()
-    assign_advantages(samples, cfg)
+    assign_advantages(samples, cfg.learner)
     return [as_batch_fields(s)["advantage"] for s in samples]
 
 
@@ -262,7 +262,7 @@ def test_learner_std_estimator_scales_grpo_and_reinforce_pp():
                    behaviour_logp=[-1.0], reward=float(i == 0), policy_version=0)
             for i in range(8)
         ]  # fmt: skip
-        assign_advantages(samples, cfg)
+        assign_advantages(samples, cfg.learner)
         return torch.tensor([as_batch_fields(s)["advantage"][0] for s in samples])
 
     # one group of 8: the unbiased std is sqrt(8/7) times the population std

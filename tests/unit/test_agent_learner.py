@@ -99,7 +99,7 @@ def test_segments_share_their_episodes_reward_and_failed_episodes_are_not_traine
         (s.episode_index, s.segment, s.failed) for s in samples]  # fmt: skip
     cfg = load_config(flags={"run.prompts_per_cycle": 1, "run.responses_per_prompt": 3,
                              "run.train_steps_per_cycle": 1}, env={}).config  # fmt: skip
-    assert assign_advantages(samples, cfg) == 0
+    assert assign_advantages(samples, cfg.learner) == 0
     a = [s.advantages[0] for s in samples]
     assert a[0] == a[1] > 0 > a[2] and a[3] == 0.0
     assert [s.weight for s in samples] == [1.0, 1.0, 1.0, 0.0]

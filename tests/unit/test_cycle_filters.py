@@ -33,13 +33,13 @@ def _cfg(*sets: str):
 def test_overlong_filter_masks_cut_off_responses_and_counts_each_once():
     samples = _samples()
     cfg = _cfg("learner.overlong_filter=true", "learner.filter_equal_reward_groups=true")
-    assert assign_advantages(samples, cfg) == 2  # group 1 (2 samples) is filtered first
+    assert assign_advantages(samples, cfg.learner) == 2  # group 1 (2 samples) is filtered first
     # s0 is cut off and informative: masked. s3 is cut off but already filtered: not recounted.
-    assert mask_overlong(samples, cfg) == 1
+    assert mask_overlong(samples, cfg.learner) == 1
     assert [s.weight for s in samples] == [0.0, 1.0, 0.0, 0.0]
     # its reward still counts in its group's advantage: s1 = (0 - 0.5) / (0.5 + 1e-6) ≈ -1
     assert samples[1].advantages == [pytest.approx(-1.0, abs=1e-5)] * 3
-    assert mask_overlong(samples, _cfg()) == 0  # the filter is off by default
+    assert mask_overlong(samples, _cfg().learner) == 0  # the filter is off by default
 
 
 def test_the_truncation_flag_survives_the_broadcast_encoding():

@@ -24,6 +24,7 @@ from services.learner.cycle import (
     reward_kl,
     samples_from_groups,
 )
+from services.learner.main import training_settings
 
 CPU = torch.device("cpu")
 # prompt 5 ids; response: assistant 3 | tool 4 | assistant 2
@@ -76,8 +77,8 @@ def _loss_and_grads(model_dir, cfg, samples):
     model = load_policy(model_dir, device=CPU, fsdp=False)
     stats: list[dict[str, float]] = []
     idx = list(range(len(samples)))
-    mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=CPU)
-    loss_fn = objective.make_loss_fn(cfg, denominator=objective.step_denominator(cfg, samples, idx),
+    mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=CPU)
+    loss_fn = objective.make_loss_fn(training_settings(cfg), denominator=objective.step_denominator(cfg.learner, samples, idx),
                                      stats_out=stats, proximal_from_forward=False)  # fmt: skip
     total = sum(loss_fn(model, mb) for mb in mbs)
     total.backward()
@@ -103,8 +104,8 @@ def test_tool_ids_carry_no_loss_gradient_kl_entropy_or_mismatch(model_dir, pack,
 
 def test_the_loss_denominator_counts_sampled_ids_only():
     samples = _episodes(garbage=False)
-    assert objective.step_denominator(_cfg(), samples, [0, 1]) == 2 * sum(MASK)
-    assert objective.step_denominator(_cfg('learner.loss_agg="seq-mean-token-sum"'),
+    assert objective.step_denominator(_cfg().learner, samples, [0, 1]) == 2 * sum(MASK)
+    assert objective.step_denominator(_cfg('learner.loss_agg="seq-mean-token-sum"').learner,
                                       samples, [0, 1]) == 2  # fmt: skip
 
 
@@ -120,7 +121,7 @@ def test_collate_puts_the_mask_on_the_response_positions():
 
 def test_the_kl_penalty_in_the_reward_skips_tool_ids():
     samples = _episodes(garbage=True)
-    kl, mask = reward_kl(samples, _cfg("learner.kl_coef=0.1", "learner.kl_in_reward=true"))
+    kl, mask = reward_kl(samples, _cfg("learner.kl_coef=0.1", "learner.kl_in_reward=true").learner)
     assert mask[0].tolist() == [float(m) for m in MASK]
     assert (kl[:, 3:7] == 0).all() and (kl[:, :3] != 0).any()
 
@@ -164,5 +165,5 @@ def test_cut_short_and_refused_episodes_carry_no_loss():
         *samples_from_groups([_scored("stop")]),
     ]
     assert [s.truncated for s in samples] == [True, True, False, False]
-    assert mask_overlong(samples, cfg) == 2 and mask_refused(samples) == 1
+    assert mask_overlong(samples, cfg.learner) == 2 and mask_refused(samples) == 1
     assert [s.weight for s in samples] == [0.0, 0.0, 0.0, 1.0]

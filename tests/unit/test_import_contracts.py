@@ -117,7 +117,7 @@ def test_no_catch_all_names():
 CONFIG_READERS = ("common/config/", "common/service/")
 # the parts that take settings of their own (issue 42 item 1; the learner still passes the
 # config below its main)
-ON_OWN_SETTINGS = ("common/", "services/scorer/", "services/generator/")
+ON_OWN_SETTINGS = ("common/", "services/")
 
 
 def _whole_config_readers(path: str) -> list[str]:
@@ -134,11 +134,11 @@ def _whole_config_readers(path: str) -> list[str]:
     return found
 
 
-def test_below_the_mains_the_library_scorer_and_generator_never_receive_the_whole_config():
-    """Below the services' mains, the library, the scorer and the generator take settings of
-    their own (``BusSettings``, ``EngineSettings``, ``ScorerSettings``, ``GeneratorSettings``...),
-    never ``TetherConfig``: no name of it (an annotation included) and no ``cfg`` parameter outside
-    ``CONFIG_READERS`` and the mains. Import contracts cannot see this: an annotation-only
+def test_below_the_mains_the_library_and_the_services_never_receive_the_whole_config():
+    """Below the services' mains, the library and every service take settings of their own
+    (``BusSettings``, ``EngineSettings``, ``ScorerSettings``, ``GeneratorSettings``,
+    ``LearnerSettings``...), never ``TetherConfig``: no name of it (an annotation included) and
+    no ``cfg`` parameter outside ``CONFIG_READERS`` and the mains. Import contracts cannot see this: an annotation-only
     import is not a dependency for them."""
     found = [
         hit

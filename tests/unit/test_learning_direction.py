@@ -9,6 +9,7 @@ import pytest
 from common.config.load import load_config
 from services.learner import logprobs, objective, optim
 from services.learner.cycle import Sample, assign_advantages, steps_of_cycle
+from services.learner.main import training_settings
 from services.learner.train_step import train_step
 
 
@@ -65,13 +66,17 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
             )
 
     def seq_logp() -> list[float]:
-        lps = logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu"))
+        lps = logprobs.recompute_logprobs(
+            model, training_settings(cfg), samples, pad_id=0, device=torch.device("cpu")
+        )
         return [sum(lp) for lp in lps]
 
     before = seq_logp()
     for s, lp in zip(
         samples,
-        logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
+        logprobs.recompute_logprobs(
+            model, training_settings(cfg), samples, pad_id=0, device=torch.device("cpu")
+        ),
         strict=True,
     ):
         s.behaviour_logp = lp  # as if the generator sampled them with these weights
@@ -81,10 +86,12 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
     stats: list[dict[str, float]] = []
     sched = optim.build_scheduler(opt, optim.build_schedule())
     for cycle in range(3):
-        assign_advantages(samples, cfg)
+        assign_advantages(samples, cfg.learner)
         for s, lp in zip(
             samples,
-            logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=torch.device("cpu")),
+            logprobs.recompute_logprobs(
+                model, training_settings(cfg), samples, pad_id=0, device=torch.device("cpu")
+            ),
             strict=True,
         ):
             s.old_logp = lp
@@ -92,11 +99,11 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
             len(samples), steps=cfg.run.train_steps_per_cycle, passes=1, seed=0, cycle=cycle
         ):
             mbs = objective.rank_micro_batches(
-                cfg, samples, idx, pad_id=0, device=torch.device("cpu")
+                cfg.learner, samples, idx, pad_id=0, device=torch.device("cpu")
             )
             loss_fn = objective.make_loss_fn(
-                cfg,
-                denominator=objective.step_denominator(cfg, samples, idx),
+                training_settings(cfg),
+                denominator=objective.step_denominator(cfg.learner, samples, idx),
                 stats_out=stats,
             )
             train_step(model, opt, sched, mbs, loss_fn, grad_clip=1.0)
@@ -121,12 +128,14 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
         ).config
 
     cfg = config("run.train_steps_per_cycle=1")
-    assert logprobs.proximal_is_current(cfg)
-    assert not logprobs.proximal_is_current(config("run.train_steps_per_cycle=2"))
+    assert logprobs.proximal_is_current(training_settings(cfg))
     assert not logprobs.proximal_is_current(
-        config("run.passes_per_cycle=2", "run.train_batch_size=8")
+        training_settings(config("run.train_steps_per_cycle=2"))
     )
-    assert not logprobs.proximal_is_current(config('learner.off_policy="none"'))
+    assert not logprobs.proximal_is_current(
+        training_settings(config("run.passes_per_cycle=2", "run.train_batch_size=8"))
+    )
+    assert not logprobs.proximal_is_current(training_settings(config('learner.off_policy="none"')))
 
     torch.manual_seed(0)
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
@@ -141,16 +150,16 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
                reward=float(k % 2), policy_version=0)
         for k in range(8)
     ]  # fmt: skip
-    assign_advantages(samples, cfg)
+    assign_advantages(samples, cfg.learner)
     for s, lp in zip(
         samples,
-        logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=cpu),
+        logprobs.recompute_logprobs(model, training_settings(cfg), samples, pad_id=0, device=cpu),
         strict=True,
     ):
         s.old_logp = lp
     idx = list(range(len(samples)))
-    mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
-    denominator = objective.step_denominator(cfg, samples, idx)
+    mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=cpu)
+    denominator = objective.step_denominator(cfg.learner, samples, idx)
 
     # the skipped pass's field holds garbage: a loss that still read it would change
     garbage = [{**mb, "old_logp": torch.full_like(mb["old_logp"], -5.0)} for mb in mbs]
@@ -158,7 +167,10 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
     def loss_and_grads(from_forward: bool, batches):
         model.zero_grad(set_to_none=True)
         loss_fn = objective.make_loss_fn(
-            cfg, denominator=denominator, stats_out=[], proximal_from_forward=from_forward
+            training_settings(cfg),
+            denominator=denominator,
+            stats_out=[],
+            proximal_from_forward=from_forward,
         )
         total = sum(loss_fn(model, mb) for mb in batches)
         total.backward()
@@ -200,6 +212,7 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
 
     from services.learner.loop import LearnerService
     from services.learner.model import load_policy, load_reference
+    from tests.learner_support import learner_settings_without_model
     from tether.demo.tiny_model import build_tiny_model
 
     cpu = torch.device("cpu")
@@ -218,7 +231,8 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
             ],
             env={},
         ).config
-        svc = LearnerService(cfg, run_dir=tmp_path / "run")
+        svc = LearnerService(learner_settings_without_model(cfg), run_dir=tmp_path / "run",
+                             datasets=None)  # fmt: skip
         svc.pad_id, svc.device = 0, cpu
         svc.model = load_policy(model_dir, device=cpu, fsdp=False)
         svc.ref_model = load_reference(model_dir, device=cpu, fsdp=False)
@@ -238,7 +252,9 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
         for cycle in range(6):
             for s, lp in zip(
                 samples,
-                logprobs.recompute_logprobs(svc.model, cfg, samples, pad_id=0, device=cpu),
+                logprobs.recompute_logprobs(
+                    svc.model, training_settings(cfg), samples, pad_id=0, device=cpu
+                ),
                 strict=True,
             ):
                 s.behaviour_logp = lp  # sampled by the current weights
@@ -246,10 +262,10 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
             for idx in steps_of_cycle(
                 len(samples), steps=len(samples) // 4, passes=1, seed=0, cycle=cycle
             ):
-                mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
+                mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=cpu)
                 loss_fn = objective.make_loss_fn(
-                    cfg,
-                    denominator=objective.step_denominator(cfg, samples, idx),
+                    training_settings(cfg),
+                    denominator=objective.step_denominator(cfg.learner, samples, idx),
                     stats_out=stats,
                 )
                 train_step(svc.model, opt, sched, mbs, loss_fn, grad_clip=1.0)
@@ -288,10 +304,10 @@ def test_kl_clamp_bounds_the_kl_loss_term(tmp_path):
             overrides=['learner.off_policy="none"', 'learner.kl_type="k1"', *sets],
             env={},
         ).config
-        assign_advantages(samples, cfg)
-        mbs = objective.rank_micro_batches(cfg, samples, [0, 1], pad_id=0, device=cpu)
+        assign_advantages(samples, cfg.learner)
+        mbs = objective.rank_micro_batches(cfg.learner, samples, [0, 1], pad_id=0, device=cpu)
         stats: list[dict[str, float]] = []
-        loss_fn = objective.make_loss_fn(cfg, denominator=6.0, stats_out=stats)
+        loss_fn = objective.make_loss_fn(training_settings(cfg), denominator=6.0, stats_out=stats)
         model.zero_grad(set_to_none=True)
         loss = sum(loss_fn(model, mb) for mb in mbs)
         loss.backward()

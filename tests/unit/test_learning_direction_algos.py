@@ -100,7 +100,7 @@ def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):
         from common.config.load import load_config
 
         cfg = load_config(overrides=["learner.overlong_filter=true"], env={}).config
-        masked_counts.append(mask_overlong(samples, cfg))
+        masked_counts.append(mask_overlong(samples, cfg.learner))
 
     _, free, _ = train_three_cycles(tmp_path / "a", edit=cut_off)
     samples, masked, stats = train_three_cycles(tmp_path / "b", edit=cut_off_and_mask)

@@ -9,6 +9,7 @@ import pytest
 from common.config.load import load_config
 from services.learner import logprobs, objective, packing
 from services.learner.cycle import Sample, assign_advantages
+from services.learner.main import training_settings
 
 
 def test_rows_are_first_fit_decreasing():
@@ -119,21 +120,21 @@ def test_packed_loss_and_gradients_match_padded(family, attn, agg):
     results = {}
     for pack in (False, True):
         cfg = _config(pack, f'learner.loss_agg="{agg}"')
-        assign_advantages(samples, cfg)
+        assign_advantages(samples, cfg.learner)
         for s, lp in zip(
-            samples, logprobs.recompute_logprobs(model, cfg, samples, pad_id=0, device=cpu),
+            samples, logprobs.recompute_logprobs(model, training_settings(cfg), samples, pad_id=0, device=cpu),
             strict=True,
         ):  # fmt: skip
             s.old_logp = lp
         idx = list(range(len(samples)))
-        mbs = objective.rank_micro_batches(cfg, samples, idx, pad_id=0, device=cpu)
+        mbs = objective.rank_micro_batches(cfg.learner, samples, idx, pad_id=0, device=cpu)
         assert all(("packed_index" in mb) == pack for mb in mbs)
         if pack:  # the point of packing: fewer token slots through the model
             slots = sum(mb["packed_input_ids"].numel() for mb in mbs)
             assert slots < 0.9 * sum(mb["input_ids"].numel() for mb in mbs)
         loss_fn = objective.make_loss_fn(
-            cfg,
-            denominator=objective.step_denominator(cfg, samples, idx),
+            training_settings(cfg),
+            denominator=objective.step_denominator(cfg.learner, samples, idx),
             stats_out=[],
             proximal_from_forward=False,
         )

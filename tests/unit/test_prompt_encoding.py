@@ -15,6 +15,7 @@ from common.data.prompts import encode_prompt
 from common.protocol import wire
 from services.learner.dispatch import Dispatcher
 from tests.engine_support import generator_without_engine
+from tests.learner_support import learner_settings_without_model
 from tether.demo.tiny_model import BOS_TOKEN, build_tokenizer
 
 
@@ -47,7 +48,9 @@ def generator_ids(tokenizer, apply_chat_template: bool, records) -> list:
                       env={}).config  # fmt: skip
     svc = generator_without_engine(cfg, "gen-test")  # no I/O
     svc.tokenizer = tokenizer  # what _start_engine loads from the model directory
-    dispatcher = Dispatcher(cfg, bus=None, train=records, eval_set=None)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        learner_settings_without_model(cfg), bus=None, train=records, eval_set=None
+    )  # type: ignore[arg-type]
     out = []
     for i, rec in enumerate(records):
         msg = dispatcher._prompt(rec, prompt_id=f"p{i}", cycle=0, index=i, split="train",

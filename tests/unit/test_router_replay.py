@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config.load import load_config
 from common.protocol import wire
 from services.learner import batching, packing
 from services.learner.router_replay import NOT_RECORDED, RouterReplay, flat_routing
@@ -215,11 +216,8 @@ def test_a_groups_routing_reaches_the_learners_forward(tmp_path):
     assert samples[0].routing.shape == (19, LAYERS, TOP_K)
     assert (samples[1].routing[13:15] == -1).all() and (samples[1].routing[15:] >= 0).all()
 
-    class Cfg:  # the one setting collate reads
-        class learner:
-            pack_sequences = True
-
-    mb = learner_collate(Cfg, [cycle.as_batch_fields(s) for s in samples], [0, 1], pad_id=0)
+    ln = load_config(overrides=["learner.pack_sequences=true"], env={}).config.learner
+    mb = learner_collate(ln, [cycle.as_batch_fields(s) for s in samples], [0, 1], pad_id=0)
     assert mb["routing"].shape == (2, 19, LAYERS, TOP_K)
     seen = {}
     hook = model.model.layers[2].mlp.experts.register_forward_hook(
