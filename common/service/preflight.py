@@ -9,7 +9,7 @@ check                                 train    learner     generator  scorer
 transformers, vLLM versions (stack)   yes      yes (**)    yes        solver mode
 learner.trackers installed            yes      yes         -          -
 peft installed (learner.lora_rank)    yes      yes         -          -
-router_replay: MoE; vLLM returns it  yes      MoE only    yes        -
+router_replay: MoE; routing recorded  yes      MoE only    yes        -
 policy model + tokenizer directories  yes      yes         yes        solver mode
 solver model directory                solver   -           -          solver mode
 data.train_path / eval_path exist     yes      rank 0      -          -

