@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 NOT_RECORDED = -1
-# records of requests nobody took (aborted, or an engine that went away mid-request) are
+# records of requests nobody took (aborted, or episodes whose turns carry no routing yet) are
 # dropped oldest first past this many
-MAX_KEPT = 4096
+MAX_KEPT = 1024
 
 
 class _Record:
@@ -55,16 +55,26 @@ class _Record:
             a, b = int(starts[i]), int(starts[i + 1])
             if b <= a:
                 continue
-            buf = self.requests.get(rid)
-            if buf is None:
-                if len(self.requests) >= MAX_KEPT:
-                    oldest = next(iter(self.requests))
-                    self.requests.pop(oldest)
-                    self.lengths.pop(oldest, None)
-                buf = np.full((self.max_len, self.layers, self.top_k), NOT_RECORDED, np.int16)
-                self.requests[rid] = buf
+            buf = self._room(rid, int(pos[a:b].max()) + 1)
             buf[pos[a:b]] = rows[a:b]
             self.lengths[rid] = max(self.lengths.get(rid, 0), int(pos[b - 1]) + 1)
+
+    def _room(self, rid: str, length: int) -> np.ndarray:
+        """``rid``'s record, grown (doubling, up to the model's length) to hold ``length``
+        positions: a request holds what it ran, not the longest it could run."""
+        buf = self.requests.get(rid)
+        if buf is not None and len(buf) >= length:
+            return buf
+        if buf is None and len(self.requests) >= MAX_KEPT:
+            oldest = next(iter(self.requests))
+            self.requests.pop(oldest)
+            self.lengths.pop(oldest, None)
+        size = min(self.max_len, max(length, 2 * (0 if buf is None else len(buf)), 64))
+        grown = np.full((size, self.layers, self.top_k), NOT_RECORDED, np.int16)
+        if buf is not None:
+            grown[: len(buf)] = buf
+        self.requests[rid] = grown
+        return grown
 
     def take(self, request_id: str) -> dict[int, np.ndarray]:
         """The records of ``request_id``'s completions by index (vLLM names a request
