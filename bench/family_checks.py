@@ -40,15 +40,25 @@ class Sampled:
     logprobs: list[float]  # the generator's behaviour log-probs
 
 
-def start_engine(model_dir: str | Path, *, max_model_len: int = 512, seed: int = 0) -> Any:
-    """A vLLM engine (fp32, eager, Tether's worker extension) on ``model_dir``."""
+def start_engine(
+    model_dir: str | Path, *, max_model_len: int = 512, seed: int = 0, dtype: str = "float32",
+    record_routing: bool = False,
+) -> Any:  # fmt: skip
+    """A vLLM engine (fp32 unless ``dtype``, eager, Tether's worker extension) on ``model_dir``;
+    ``record_routing``: its workers record each token's experts (``common.engine_routing``, as
+    the generator does with ``learner.router_replay``: no prefix cache)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(
-        model=str(model_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+    llm = LLM(
+        model=str(model_dir), dtype=dtype,  # type: ignore[arg-type]  # validated by vLLM
+        enforce_eager=True, gpu_memory_utilization=0.2,
         max_model_len=max_model_len, seed=seed, worker_extension_cls=EXT,
+        enable_prefix_caching=not record_routing,
     )  # fmt: skip
+    if record_routing:
+        rpc(llm, "tether_record_routing")
+    return llm
 
 
 def stop_engine(llm: Any) -> None:

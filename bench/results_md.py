@@ -226,6 +226,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         from bench.weights import readme_row as row_weights
 
         return [row_weights(r)]
+    if kind == "replay":
+        from bench.replay import readme_row as row_replay
+
+        return [row_replay(r)]
     if kind == "weights_hosts":
         from bench.weights_hosts import readme_row as row_weights_hosts
 

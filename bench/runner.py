@@ -60,7 +60,7 @@ def readme_for(out_dir: Path) -> Path:
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora", "demos",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay",
 )  # fmt: skip
 
 
@@ -90,6 +90,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "memory": {"quick": True},
         "lora": {"quick": True, "steps": 2, "repeats": 2},
         "demos": {"quick": True},
+        "replay": {"quick": True},
     }
     return presets[what]
 
@@ -154,7 +155,7 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner", "episodes", "memory", "lora", "demos"):
+    if what in ("models", "learner", "episodes", "memory", "lora", "demos", "replay"):
         kwargs["work_dir"] = work_dir
     if what == "memory" and size:
         kwargs["mode"] = size

@@ -33,7 +33,7 @@ LIMITS = {
     "pipeline": 1200, "peer": 1200, "quality": 1500, "staleness": 1200, "reproducibility": 1200,
     "models": 1800,
     # not yet timed by a smoke run: the 1200 s default until one is
-    "memory": 1200, "lora": 1200, "demos": 1200,
+    "memory": 1200, "lora": 1200, "demos": 1200, "replay": 1200,
 }  # fmt: skip
 DEFAULT_LIMIT_S = 1200  # a benchmark added to the runner before it is given its own limit
 

@@ -11,7 +11,7 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora", "demos",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay",
 )  # fmt: skip
 DEMO_KINDS = ("arithmetic", "arithmetic-lora", "tools", "tools-agent")  # bench.demos.KINDS
 NOT_IN_A_CLONE = (

