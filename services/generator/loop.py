@@ -188,6 +188,7 @@ class GeneratorService:
                 generator_id=self.sid,
             )  # fmt: skip
             self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
+            self.episodes.routing = self.routing  # each episode's routing (replay on)
         self.weights = WeightFollower(
             self.engine,
             settings=self.settings.weights,
@@ -251,6 +252,9 @@ class GeneratorService:
                 started=started,
             )  # fmt: skip
             check_episodes_order(episodes)
+            taken = getattr(self.episodes, "prompt_routing", {}).pop(request_id, None)
+            if taken is not None:  # the tool loop's (your agent's episodes carry none yet)
+                self._prompt_routing[request_id] = taken
             return episodes
         samples = await self.engine.generate_group(ids, sampling, request_id=request_id)
         check_samples_order(samples)

@@ -6,6 +6,8 @@ forward, and check that the learner then computes the behaviour log-probs vLLM s
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -75,26 +77,55 @@ def test_the_engine_records_every_token_it_ran(recording_engine, moe_model):
     assert again == [[]]
 
 
-def test_the_learner_replaying_the_record_computes_the_behaviour_log_probs(
-    recording_engine, moe_model
-):
-    """The generator's path (trajectories, group, wire) into the learner's (samples, collate,
-    forward with ``RouterReplay``): with the recorded routing every replayed token's log-prob is
-    the one vLLM sampled with, to fp32 noise; the learner counts one token per response it could
-    not replay (the last, which vLLM never ran)."""
+def _replayed(moe_model: str, group) -> tuple[Any, Any]:
+    """``group`` through the wire and the learner's path (samples, collate, the forward with
+    ``RouterReplay``): |learner − behaviour| of every sampled id, and the replay's counts."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from common.config.load import load_config
-    from common.data.model_paths import moe_routing_shape
-    from common.engine import SamplingSettings
     from common.protocol import wire
-    from common.protocol.routing import RoutingShape
-    from services.generator.trajectories import single_turn_trajectories, to_group
     from services.learner import cycle, packing
     from services.learner.logprobs import collate
     from services.learner.model import token_logprobs_and_entropy
     from services.learner.router_replay import RouterReplay
+
+    n = len(group.samples)
+    scored = wire.ScoredGroup(group=wire.decode(wire.encode(group)), rewards=[1.0] * n,
+                              components=[{}] * n, reasons=[""] * n, scorer_id="s",
+                              score_seconds=0.1)  # fmt: skip
+    samples = cycle.samples_from_groups([scored])
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    model.router_replay = RouterReplay(model)
+    ln = load_config(overrides=["learner.pack_sequences=false"], env={}).config.learner
+    mb = collate(ln, [cycle.as_batch_fields(s) for s in samples], list(range(n)), pad_id=0)
+    with torch.no_grad():
+        lp, _ = token_logprobs_and_entropy(
+            model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"].long(),
+            position_ids=mb["position_ids"], packed=packing.packed_of(mb), routing=mb["routing"],
+        )  # fmt: skip
+    deltas = []
+    for row, s in enumerate(samples):
+        p, mask = len(s.prompt_ids), s.loss_mask or [1] * len(s.response_ids)
+        sampled = [k for k, m in enumerate(mask) if m]
+        learner = lp[row, [p + k for k in sampled]].double()
+        behaviour = torch.tensor([s.behaviour_logp[k] for k in sampled], dtype=torch.float64)
+        deltas.append((learner - behaviour).abs())
+    return torch.cat(deltas), model.router_replay.take_counts()
+
+
+def test_the_learner_replaying_the_record_computes_the_behaviour_log_probs(
+    recording_engine, moe_model
+):
+    """The generator's path (trajectories, group, wire) into the learner's: with the recorded
+    routing every replayed token's log-prob is the one vLLM sampled with, to fp32 noise; the
+    learner counts one token per response it could not replay (the last, which vLLM never
+    ran)."""
+    from common.data.model_paths import moe_routing_shape
+    from common.engine import SamplingSettings
+    from common.protocol import wire
+    from common.protocol.routing import RoutingShape
+    from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
 
     shape = RoutingShape(*moe_routing_shape(moe_model))
     sampling = SamplingSettings(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=9)
@@ -103,38 +134,47 @@ def test_the_learner_replaying_the_record_computes_the_behaviour_log_probs(
     msg = wire.PromptMsg(prompt_id="c0/1/r-2", cycle=0, index=1, text="(ids)")
     trajectories = single_turn_trajectories(msg, samples, started=0.0, version=0,
                                             prompt_len=len(PROMPT), routing=shape)  # fmt: skip
-    from services.generator.trajectories import split_routing
-
     prompt_routing = split_routing(shape, samples[0].routed_experts, len(PROMPT), 0)[0]
     group = to_group(msg, PROMPT, trajectories, generator_id="g0", routing=shape,
                      prompt_routing=prompt_routing)  # fmt: skip
-    scored = wire.ScoredGroup(group=wire.decode(wire.encode(group)), rewards=[1.0] * N,
-                              components=[{}] * N, reasons=[""] * N, scorer_id="s",
-                              score_seconds=0.1)  # fmt: skip
-    learner_samples = cycle.samples_from_groups([scored])
-
-    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
-    model.router_replay = RouterReplay(model)
-    ln = load_config(overrides=["learner.pack_sequences=false"], env={}).config.learner
-    mb = collate(ln, [cycle.as_batch_fields(s) for s in learner_samples], list(range(N)), pad_id=0)
-
-    def logprobs(routing):
-        with torch.no_grad():
-            lp, _ = token_logprobs_and_entropy(
-                model, mb["input_ids"], mb["attention_mask"], mb["loss_mask"].long(),
-                position_ids=mb["position_ids"], packed=packing.packed_of(mb), routing=routing,
-            )  # fmt: skip
-        return lp
-
-    replayed = logprobs(mb["routing"])
-    counts = model.router_replay.take_counts()
-    replay_delta = torch.cat([
-        (replayed[row, len(PROMPT) : len(PROMPT) + len(s.token_ids)].double()
-         - torch.tensor(s.logprobs, dtype=torch.float64)).abs()
-        for row, s in enumerate(samples)
-    ])  # fmt: skip
-    assert replay_delta.mean() <= 1e-3, replay_delta
+    delta, counts = _replayed(moe_model, group)
+    assert delta.mean() <= 1e-3, delta
     assert counts.fallback_tokens == N  # each response's last token: vLLM never ran it
+
+
+def test_an_episode_carries_the_routing_of_every_turn(recording_engine, moe_model):
+    """Two assistant turns with the environment's ids between them, recorded as the tool loop
+    records them (``EpisodeRecorder.add_routing`` after each turn): every position but the
+    episode's last id is recorded (the environment's ids from the second turn's prefill), and
+    the learner replaying it computes both turns' behaviour log-probs."""
+    import numpy as np
+
+    from common.data.model_paths import moe_routing_shape
+    from common.engine import SamplingSettings
+    from common.protocol import wire
+    from common.protocol.routing import RoutingShape
+    from services.generator.agent.recorder import EpisodeRecorder
+    from services.generator.trajectories import split_routing, to_group
+
+    shape = RoutingShape(*moe_routing_shape(moe_model))
+    rec = EpisodeRecorder(PROMPT, [])
+    for turn in range(2):
+        if turn:
+            rec.add_context([21, 22, 23, 24], role="tool")
+        sampling = SamplingSettings(n=1, max_tokens=6, temperature=1.0, seed=turn)
+        (s,) = recording_engine.run(recording_engine.generate_group(
+            rec.context, sampling, request_id=f"c0/2/r-3@g0@1/s0/t{turn}"))  # fmt: skip
+        rec.add_routing(s.routed_experts)
+        rec.add_sampled(list(s.token_ids), list(s.logprobs), [0] * len(s.token_ids), s.seconds)
+    assert len(rec.routed) == len(rec.context) - 1  # the episode's last id never ran
+    t = rec.to_trajectory(sample_id="c0/2/r-3/0", sample_index=0, timings={})
+    prompt, t.routed_experts = split_routing(shape, rec.routed, len(PROMPT), len(rec.ids))
+    assert (shape.replay(t.routed_experts)[:-1] >= 0).all()
+    msg = wire.PromptMsg(prompt_id="c0/2/r-3", cycle=0, index=2, text="(ids)")
+    group = to_group(msg, PROMPT, [t], generator_id="g0", routing=shape, prompt_routing=prompt)
+    delta, counts = _replayed(moe_model, group)
+    assert delta.mean() <= 1e-3, delta
+    assert counts.fallback_tokens == 1 and np.isfinite(delta.numpy()).all()
 
 
 def test_replay_on_the_sharded_learner_over_two_gloo_ranks(tmp_path):

@@ -117,3 +117,24 @@ def test_the_lora_memory_figures_are_memory_lora_json():
         f"({step[1] / step[0]:.2f}×" in said
     )
     assert f"rank {r['lora_rank']}, 1 vs 2 gloo ranks" in said
+
+
+def test_the_routing_replay_figures_are_replay_json():
+    r = json.loads((REPO / "bench" / "results" / "replay.json").read_text())
+    moe, dense = r["arms"]["qwen3-moe/bfloat16"], r["arms"]["qwen3/bfloat16"]
+    b, a = moe["before_update"], moe["after_update"]
+    text = " ".join(README.split())
+    for figure in (
+        f"{b['differing_frac']:.2%} of the MoE fixture's routing decisions differ",
+        f"({a['differing_frac']:.2%} after an update)",
+        f"the mean |Δ| from {b['own_mean_abs']:.4f} to {b['replay_mean_abs']:.4f}",
+        f"the k3 KL from {b['own_k3']:.5f} to {b['replay_k3']:.5f}",
+        f"from {b['own_max_abs']:.3f} to {b['replay_max_abs']:.3f}, lower on every seed",
+        f"(after: {a['own_mean_abs']:.4f} to {a['replay_mean_abs']:.4f})",
+        f"level in bf16 ({dense['before_update']['own_mean_abs']:.4f})",
+        f"costs {r['wire']['qwen3-30b-a3b']['bytes_per_token']:.0f} B per token",
+    ):
+        assert figure in text, figure
+    for phase in (b, a):  # "lower on every seed"
+        assert all(s["replay"]["mean_abs"] < s["own"]["mean_abs"] for s in phase["seeds"])
+    assert r["control"]["equal"] and r["settings"]["seeds"] == [0, 1, 2]

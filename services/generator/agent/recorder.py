@@ -37,6 +37,9 @@ class EpisodeRecorder:
         self.template_mismatch = -1
         self.error = ""  # why an episode that could not go on ended (finish "episode_error")
         self.seconds = {"generate_s": 0.0, "tool_s": 0.0}
+        # routing replay: the experts of every position of ``context`` recorded so far
+        # ([positions, L, K], the prompt's first), see ``add_routing``
+        self.routed: np.ndarray | None = None
 
     @property
     def context(self) -> list[int]:
@@ -66,6 +69,21 @@ class EpisodeRecorder:
         self.versions += [int(v) for v in versions]
         self.turns.append(("assistant", start, len(self.ids)))
         self.seconds["generate_s"] += seconds
+
+    def add_routing(self, routed: Any) -> None:
+        """The experts of an engine request over this episode's context (``Sample.routed_experts``:
+        the request's positions from 0, as far as it ran). Each position keeps its first record:
+        a sampled id's, from the pass of its own turn; the environment's ids (and a turn's last
+        id, which its turn never ran), from the next turn's prefill, the pass whose sampling
+        read them. Positions no request ran stay unrecorded (the learner routes them itself)."""
+        if routed is None:
+            return
+        rows = np.asarray(routed)
+        have = 0 if self.routed is None else len(self.routed)
+        if len(rows) > have:
+            self.routed = (
+                rows if self.routed is None else np.concatenate([self.routed, rows[have:]])
+            )
 
     def add_context(self, token_ids: list[int], *, role: str) -> None:
         """Ids the environment appends (role ``tool`` or ``env``): loss mask 0, version -1."""

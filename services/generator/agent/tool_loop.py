@@ -36,6 +36,7 @@ from common.chat.turns import TemplateDeltaError, TurnEncoder, first_mismatch, m
 from common.telemetry.metrics import metric
 from services.generator.agent.recorder import EpisodeRecorder
 from services.generator.seeds import episode_seed
+from services.generator.trajectories import split_routing
 
 if TYPE_CHECKING:
     from services.generator.settings import ToolLoopSettings
@@ -119,6 +120,11 @@ class EpisodeRunner:
         self.engine, self.tokenizer, self.encoder = engine, tokenizer, encoder
         self.format, self.sandbox, self.s = tool_format, sandbox, settings
         self.metrics = metrics or EpisodeMetrics()
+        # routing replay (the model's RoutingShape, set by the generator): each episode carries
+        # its ids' experts, and each prompt's (the first episode's) waits in ``prompt_routing``
+        # for its group
+        self.routing: Any = None
+        self.prompt_routing: dict[str, Any] = {}
 
     def _text(self, ids: list[int]) -> str:
         body = ids[:-1] if ids and ids[-1] in self.encoder.end_ids else ids
@@ -151,6 +157,7 @@ class EpisodeRunner:
         (sample,) = await self.engine.generate_group(rec.context, params, request_id=request_id)
         ids = list(sample.token_ids)
         versions = versions_of(sample, len(ids), version)
+        rec.add_routing(sample.routed_experts)
         rec.add_sampled(ids, list(sample.logprobs), versions, sample.seconds)
         return sample, ids
 
@@ -254,10 +261,16 @@ class EpisodeRunner:
             for i in range(sampling.n)
         ))  # fmt: skip
         queued = {"queued_s": started - msg.created_at}
-        return [
+        out = [
             rec.to_trajectory(sample_id=f"{msg.prompt_id}/{i}", sample_index=i, timings=queued)
             for i, rec in enumerate(records)
         ]
+        if self.routing is not None:
+            for rec, t in zip(records, out, strict=True):
+                prompt, t.routed_experts = split_routing(
+                    self.routing, rec.routed, len(rec.prompt_ids), len(rec.ids))  # fmt: skip
+                self.prompt_routing.setdefault(request_id, prompt)
+        return out
 
     async def close(self) -> None:
         await self.sandbox.close()
