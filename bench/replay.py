@@ -12,6 +12,11 @@ and after one (every learner parameter perturbed and published into the engine t
 weight path, ``bench.family_checks``). The control is the first arm again on a fresh engine: the
 same numbers, or the comparison is noise.
 
+Then the whole pipeline: short ``tether train`` runs of the MoE fixture (generator bf16, learner
+fp32), ``router_replay`` off and r3 alternating per seed, with each optimizer step's mismatch and
+replay statistics and step time from the learner's step log. The fixture is a random-weight
+model, so rewards are 0 and nothing is learned: these runs compare the mismatch, not learning.
+
 Costs: the routing's bytes per token on the wire (``common.protocol.routing``) at the fixture's
 shape and at Qwen3-30B-A3B's (48 layers × top-8 of 128), against a token id's 4 bytes.
 """
@@ -151,6 +156,111 @@ def _arm(model_dir: Path, *, dtype: str, seeds: tuple[int, ...], update: bool) -
     return out
 
 
+RUN_CYCLES = 4
+RUN_KEYS = ("mismatch_abs_diff_mean", "mismatch_kl_k3_mean", "router_replay_differing_frac",
+            "router_replay_fallback_frac", "seconds")  # fmt: skip
+
+
+def _run_config(
+    path: Path, *, model: Path, data: Path, run_dir: Path, replay: str, seed: int
+) -> Path:
+    """A short ``tether train`` of the MoE fixture with its generator in bf16 (the learner fp32),
+    routing replay ``replay``; every service real, Redis embedded."""
+    path.write_text(f"""[run]
+name = "replay-{replay}-s{seed}"
+run_dir = "{run_dir}"
+model = "{model}"
+prompts_per_cycle = 4
+responses_per_prompt = 4
+num_cycles = {RUN_CYCLES}
+max_prompt_tokens = 64
+max_response_tokens = {MAX_TOKENS}
+seed = {seed}
+
+[data]
+train_path = "{data}"
+apply_chat_template = false
+
+[learner]
+lr = 1e-3
+router_replay = "{replay}"
+checkpoint_every_steps = 0
+checkpoint_every_minutes = 0
+
+[generator]
+dtype = "bfloat16"
+kv_cache_gib = 1
+
+[scorer]
+mode = "rule"
+grader_workers = 1
+
+[bus]
+block_ms = 200
+""")
+    return path
+
+
+def _rl_run(work: Path, model: Path, data: Path, *, replay: str, seed: int) -> dict[str, Any]:
+    """One short run; each optimizer step's mismatch and replay statistics from its step log."""
+    import subprocess
+
+    from bench import child_process
+    from tether.runs.supervisor import tether_command
+
+    work.mkdir(parents=True, exist_ok=True)
+    config = _run_config(work / f"{replay}-s{seed}.toml", model=model, data=data,
+                         run_dir=work / "runs", replay=replay, seed=seed)  # fmt: skip
+    log_path = config.with_suffix(".log")
+    started = time.perf_counter()
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(tether_command("train", "--config", str(config)), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        proc.wait(timeout=900)
+    finally:
+        child_process.stop(proc, grace_s=30.0)
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"tether train ({config.name}) exited with {proc.returncode}:\n{tail}")
+    metrics = work / "runs" / f"replay-{replay}-s{seed}" / "metrics.jsonl"
+    steps = [
+        r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "step"
+    ]
+    return {"seconds": time.perf_counter() - started,
+            "steps": [{k: r.get(k) for k in ("step", *RUN_KEYS)} for r in steps]}  # fmt: skip
+
+
+def rl_runs(work_dir: Path, model: Path, *, seeds: tuple[int, ...]) -> dict[str, Any]:
+    """The MoE fixture trained by ``tether train`` with and without replay, alternating arms per
+    seed: the mismatch over steps, as the learner's step log records it."""
+    data = Path(work_dir) / "replay_prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(1, 9) for b in range(1, 6)))  # fmt: skip
+    runs: dict[str, list[Any]] = {"off": [], "r3": []}
+    for seed in seeds:
+        for replay in ("off", "r3"):
+            print(
+                f"bench replay: tether train, router_replay {replay}, seed {seed} ...", flush=True
+            )
+            runs[replay].append(_rl_run(Path(work_dir) / "runs", model, data, replay=replay,
+                                        seed=seed))  # fmt: skip
+    pairs = [
+        (a["mismatch_abs_diff_mean"], b["mismatch_abs_diff_mean"])
+        for off, r3 in zip(runs["off"], runs["r3"], strict=True)
+        for a, b in zip(off["steps"], r3["steps"], strict=True)
+    ]
+    return {
+        "runs": runs,
+        "steps_compared": len(pairs),
+        # the same seed in both arms: a step where no routing decision differed comes out equal
+        "replay_not_higher_at_any_step": all(r <= o for o, r in pairs),
+        "steps_replay_lower": sum(r < o for o, r in pairs),
+        "mean_abs_diff_off": statistics.fmean(o for o, _ in pairs),
+        "mean_abs_diff_r3": statistics.fmean(r for _, r in pairs),
+    }
+
+
 def wire_costs() -> dict[str, Any]:
     """Bytes per token of the routing on the wire, at the fixture's shape and at 30B-A3B's."""
     import numpy as np
@@ -180,6 +290,8 @@ def run_replay_bench(*, out_path: Path, work_dir: Path, quick: bool = False) -> 
             key = f"{name}/{dtype}"
             print(f"bench replay: {key} ...", flush=True)
             arms[key] = _arm(dirs[name], dtype=dtype, seeds=seeds, update=not quick)
+    print("bench replay: RL runs ...", flush=True)
+    runs = rl_runs(Path(work_dir), dirs[MODELS[0]], seeds=seeds[:1] if quick else seeds[:2])
     first = f"{MODELS[0]}/{dtypes[-1]}"
     print(f"bench replay: control ({first} again) ...", flush=True)
     control = _arm(dirs[MODELS[0]], dtype=dtypes[-1], seeds=seeds, update=False)
@@ -194,6 +306,7 @@ def run_replay_bench(*, out_path: Path, work_dir: Path, quick: bool = False) -> 
                     "equal": a["own_mean_abs"] == b["own_mean_abs"]
                     and a.get("replay_mean_abs") == b.get("replay_mean_abs")},
         "wire": wire_costs(),
+        "rl_runs": runs,
     }  # fmt: skip
     moe = arms[first]["before_update"]
     result["replay_over_own_mean_abs_ratio"] = moe["replay_mean_abs"] / moe["own_mean_abs"]
