@@ -258,7 +258,65 @@ def rl_runs(work_dir: Path, model: Path, *, seeds: tuple[int, ...]) -> dict[str,
         "steps_replay_lower": sum(r < o for o, r in pairs),
         "mean_abs_diff_off": statistics.fmean(o for o, _ in pairs),
         "mean_abs_diff_r3": statistics.fmean(r for _, r in pairs),
+        # the step's wall time (forward, backward, optimizer) as the step log records it
+        "step_seconds_off": statistics.fmean(s["seconds"] for r in runs["off"] for s in r["steps"]),
+        "step_seconds_r3": statistics.fmean(s["seconds"] for r in runs["r3"] for s in r["steps"]),
     }
+
+
+def bus_costs(*, messages: int, repeats: int) -> dict[str, Any]:
+    """Groups through the real bus (``Bus.publish``, ``Consumer.read`` with validation, ``ack``)
+    with and without routing at Qwen3-30B-A3B's shape on every prompt and response token,
+    interleaved, best of ``repeats``: what routing costs the bus at that model's size."""
+    import tempfile
+    import uuid
+
+    import numpy as np
+
+    from bench.bus import _bus_pass, _make_groups
+    from common.bus.client import Bus
+    from common.bus.server import EmbeddedRedis
+    from common.bus.settings import BusSettings
+    from common.protocol.routing import RoutingShape
+    from common.protocol.wire import encode
+
+    shape = RoutingShape(48, 8, 128)
+    prompt, response, samples = 256, 1024, 4
+    plain = _make_groups(messages, prompt_tokens=prompt, response_tokens=response, samples=samples)
+    routed = _make_groups(messages, prompt_tokens=prompt, response_tokens=response,
+                          samples=samples)  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def experts(n: int) -> Any:
+        return shape.encode(rng.integers(0, shape.experts, (n, shape.layers, shape.top_k)))
+
+    for g in routed:
+        g.routing_shape, g.prompt_routed_experts = shape, experts(prompt)
+        for t in g.samples:
+            t.routed_experts = experts(response)
+    out: dict[str, Any] = {"messages": messages, "prompt_tokens": prompt, "response_tokens": response,
+                           "samples_per_group": samples, "repeats": repeats}  # fmt: skip
+    best: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedRedis(tmp).start()
+        try:
+            bus = Bus(BusSettings(url=server.url, run="bench" + uuid.uuid4().hex[:6],
+                                  max_backlog=1 << 30), service="bench")  # fmt: skip
+            for _ in range(repeats):
+                for name, groups in (("plain", plain), ("routing", routed)):
+                    pub, con = _bus_pass(bus, groups, exactly_once=True, batch=8)
+                    best[name] = min(best.get(name, float("inf")), pub + con)
+            bus.close()
+        finally:
+            server.stop()
+    for name, groups in (("plain", plain), ("routing", routed)):
+        out[name] = {"bytes_per_message": len(encode(groups[0])), "seconds": best[name],
+                     "messages_per_s": messages / best[name],
+                     "mb_per_s": messages * len(encode(groups[0])) / best[name] / 1e6}  # fmt: skip
+    out["messages_per_s_routing_over_plain"] = (
+        out["routing"]["messages_per_s"] / out["plain"]["messages_per_s"]
+    )
+    return out
 
 
 def wire_costs() -> dict[str, Any]:
@@ -307,6 +365,7 @@ def run_replay_bench(*, out_path: Path, work_dir: Path, quick: bool = False) -> 
                     and a.get("replay_mean_abs") == b.get("replay_mean_abs")},
         "wire": wire_costs(),
         "rl_runs": runs,
+        "bus": bus_costs(messages=8 if quick else 24, repeats=1 if quick else 3),
     }  # fmt: skip
     moe = arms[first]["before_update"]
     result["replay_over_own_mean_abs_ratio"] = moe["replay_mean_abs"] / moe["own_mean_abs"]
