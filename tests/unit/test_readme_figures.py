@@ -123,6 +123,7 @@ def test_the_routing_replay_figures_are_replay_json():
     r = json.loads((REPO / "bench" / "results" / "replay.json").read_text())
     moe, dense = r["arms"]["qwen3-moe/bfloat16"], r["arms"]["qwen3/bfloat16"]
     b, a = moe["before_update"], moe["after_update"]
+    rl, bus = r["rl_runs"], r["bus"]
     text = " ".join(README.split())
     for figure in (
         f"{b['differing_frac']:.2%} of the MoE fixture's routing decisions differ",
@@ -133,6 +134,13 @@ def test_the_routing_replay_figures_are_replay_json():
         f"(after: {a['own_mean_abs']:.4f} to {a['replay_mean_abs']:.4f})",
         f"level in bf16 ({dense['before_update']['own_mean_abs']:.4f})",
         f"costs {r['wire']['qwen3-30b-a3b']['bytes_per_token']:.0f} B per token",
+        f"mean |Δ| of {rl['mean_abs_diff_r3']:.4f} with replay against {rl['mean_abs_diff_off']:.4f}",
+        f"lower at {rl['steps_replay_lower']} of {rl['steps_compared']} steps",
+        f"({rl['step_seconds_r3']:.2f} s against {rl['step_seconds_off']:.2f} s)",
+        f"grows from {bus['plain']['bytes_per_message'] / 1e3:.0f} kB to "
+        f"{bus['routing']['bytes_per_message'] / 1e6:.2f} MB",
+        f"{bus['messages_per_s_routing_over_plain']:.2f}× as many of them per second "
+        f"({bus['routing']['mb_per_s']:.0f} MB/s against {bus['plain']['mb_per_s']:.0f})",
     ):
         assert figure in text, figure
     for phase in (b, a):  # "lower on every seed"
