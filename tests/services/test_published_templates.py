@@ -18,7 +18,6 @@ test pins the README to it.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ import pytest
 from common.chat.rehearsal import rehearse
 from common.chat.tool_calls import FORMATS, tool_format
 from common.chat.turns import TemplateDeltaError, TurnEncoder, render_ids
-from common.engine import SamplingSettings
+from common.engine import Sample, SamplingSettings
 from common.tools.registry import resolve_tools
 from common.tools.sandbox import SandboxLimits, ToolSandbox
 from fixtures.published_templates import TEMPLATES, TOOL_TEMPLATES, end_ids, tokenizer
@@ -89,16 +88,6 @@ README_TABLE = {
 }  # fmt: skip
 
 
-@dataclass
-class FakeSample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str
-    seconds: float
-    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
-
-
 class ScriptedEngine:
     """A fake engine: request ``<episode>/t<k>`` (built-in loop) or the k-th request (endpoint)
     answers the k-th scripted text of its episode, closed by ``end``; prompts and samples kept."""
@@ -114,7 +103,8 @@ class ScriptedEngine:
         self.prompts[episode].append(list(ids))
         out = [*self.tok(self.script[episode][turn], add_special_tokens=False).input_ids, self.end]
         self.sampled.setdefault(episode, []).append(out)
-        return [FakeSample(out, [-0.5] * len(out), "stop", "", 0.0, [("4", 0, len(out))])]
+        return [Sample(token_ids=out, logprobs=[-0.5] * len(out), finish_reason="stop", text="",
+                       seconds=0.0, weight_versions=[("4", 0, len(out))])]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=TOOL_TEMPLATES)
