@@ -113,9 +113,10 @@ def sample(
     return samples
 
 
-def learner_logprobs(model: Any, samples: list[Sampled]) -> list[list[float]]:
+def learner_logprobs(model: Any, samples: list[Sampled], routing: Any = None) -> list[list[float]]:
     """The learner's log-probs of each sampled token: one right-padded batch through
-    ``token_logprobs_and_entropy``, as a training step scores it."""
+    ``token_logprobs_and_entropy``, as a training step scores it; ``routing``: the experts to
+    replay (a ``RouterReplay`` model), ``[batch, width, L, K]``, None for the model's own."""
     import torch
 
     from services.learner.model import token_logprobs_and_entropy
@@ -130,7 +131,7 @@ def learner_logprobs(model: Any, samples: list[Sampled]) -> list[list[float]]:
         attention[i, : len(row)] = 1
         response[i, len(s.prompt_ids) : len(row)] = 1
     with torch.no_grad():
-        logp, _ = token_logprobs_and_entropy(model, input_ids, attention, response)
+        logp, _ = token_logprobs_and_entropy(model, input_ids, attention, response, routing=routing)
     return [
         logp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.token_ids)].tolist()
         for i, s in enumerate(samples)

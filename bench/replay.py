@@ -72,29 +72,6 @@ def _sample_recorded(llm: Any, tokenizer: Any, *, seed: int) -> tuple[list[fc.Sa
     return samples, records
 
 
-def _scores(model: Any, samples: list[fc.Sampled], routing: Any) -> list[list[float]]:
-    """``family_checks.learner_logprobs`` with the routing input (None: the learner's own)."""
-    import torch
-
-    from services.learner.model import token_logprobs_and_entropy
-
-    rows = [s.prompt_ids + s.token_ids for s in samples]
-    width = max(len(r) for r in rows)
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    response = torch.zeros_like(input_ids)
-    for i, (s, row) in enumerate(zip(samples, rows, strict=True)):
-        input_ids[i, : len(row)] = torch.tensor(row)
-        attention[i, : len(row)] = 1
-        response[i, len(s.prompt_ids) : len(row)] = 1
-    with torch.no_grad():
-        logp, _ = token_logprobs_and_entropy(model, input_ids, attention, response, routing=routing)
-    return [
-        logp[i, len(s.prompt_ids) : len(s.prompt_ids) + len(s.token_ids)].tolist()
-        for i, s in enumerate(samples)
-    ]
-
-
 def _measure(llm: Any, tokenizer: Any, model: Any, *, seeds: tuple[int, ...]) -> dict[str, Any]:
     """Per seed: own routing vs the engine's behaviour log-probs, and (MoE) replaying it."""
     replay = getattr(model, "router_replay", None)
@@ -103,12 +80,12 @@ def _measure(llm: Any, tokenizer: Any, model: Any, *, seeds: tuple[int, ...]) ->
         samples, records = _sample_recorded(llm, tokenizer, seed=seed)
         row: dict[str, Any] = {
             "seed": seed,
-            "own": fc.compare(samples, _scores(model, samples, None)),
+            "own": fc.compare(samples, fc.learner_logprobs(model, samples)),
         }
         if replay is not None:
             replay.take_counts()
             routing = _routing_batch(samples, records, replay.layers, replay.top_k)
-            row["replay"] = fc.compare(samples, _scores(model, samples, routing))
+            row["replay"] = fc.compare(samples, fc.learner_logprobs(model, samples, routing))
             counts = replay.take_counts()
             row["differing_frac"] = counts.differing_decisions / max(counts.decisions, 1)
             row["fallback_tokens"] = counts.fallback_tokens
