@@ -51,6 +51,10 @@ class Bus:
         # room downstream gives up (``BusStopping``) instead of waiting for consumers that are
         # gone, so the service can exit.
         self.stopping = threading.Event()
+        # Connection losses seen by any command of this client. A read whose connection broke
+        # after the server delivered its entries leaves them pending to the reader, which never
+        # received them: a consumer re-reads its own pending entries after a loss (``Consumer``).
+        self.connection_losses = 0
 
     # ------------------------------------------------------------------ plumbing
     def key(self, name: str) -> str:
@@ -83,6 +87,7 @@ class Bus:
                     ) from e
                 log.warning("bus: %s failed (%s); reconnecting in %.2f s", what, e, delay)
                 self.metrics.reconnects.inc()
+                self.connection_losses += 1
                 # the idle connections only: the failed one was closed by redis-py, and another
                 # thread's command (a blocking read) keeps its own; closing that under it raised
                 # ValueError ("I/O operation on closed file") there, which nothing retries

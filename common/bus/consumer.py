@@ -68,6 +68,7 @@ class Consumer:
     _in_hand: set[str] = field(default_factory=set)  # taken, not yet committed/acked/let go
     _suspects: deque[Raw] = field(default_factory=deque)  # taken alone, one at a time
     _alone: str | None = None  # the suspect in hand, if any
+    _losses_seen: int = 0  # the bus's connection losses when its own pending was last read
 
     def __post_init__(self) -> None:
         self.bus.ensure_group(self.stream, self.group)
@@ -78,6 +79,7 @@ class Consumer:
         for reason in (*wire.ERROR_REASONS, "max_deliveries"):
             m.dead.labels(*sg, reason)
         self._marks = Strikes(self.bus, self.stream, self.group) if self.track_strikes else None
+        self._losses_seen = self.bus.connection_losses
 
     def read(self, count: int = 16, block_ms: int | None = None) -> list[Delivery]:
         """Up to ``count`` decoded deliveries; [] after ``block_ms`` (default settings.block_ms).
@@ -97,11 +99,22 @@ class Consumer:
         return [d for d in (self._decode(*r) for r in raw) if d is not None]
 
     def _read_raw(self, count: int, block_ms: int) -> list[Raw]:
+        losses = self.bus.connection_losses
+        if losses != self._losses_seen and not self.lapsing:
+            self._losses_seen = losses
+            if not self._draining:
+                log.info(
+                    "bus: connection to Redis lost and back; reading %s's own pending entries of "
+                    "%s again (a read whose reply was lost leaves them delivered but unseen)",
+                    self.name, self.bus.key(self.stream),
+                )  # fmt: skip
+                self._draining, self._pending_cursor = True, "0"
         if self._draining:
             entries = self._xread(self._pending_cursor, count, None)
             if entries:
                 self._pending_cursor = entries[-1][0]
-                return self._struck(self._with_counts(entries))
+                fresh = [e for e in entries if e[0] not in self._in_hand]  # not taken twice
+                return self._struck(self._with_counts(fresh)) if fresh else []
             self._draining = False
         if self.claims and not self.lapsing and time.monotonic() >= self._next_claim_at:
             # its own entries idle that long are in hand here (a slow batch): not taken twice
@@ -195,8 +208,7 @@ class Consumer:
             return None
         self.bus.metrics.consumed.labels(self.stream, self.group).inc()
         self.bus.metrics.consumed_bytes.labels(self.stream, self.group).inc(len(raw))
-        if self._marks is not None:
-            self._in_hand.add(entry_id)
+        self._in_hand.add(entry_id)
         return Delivery(entry_id, msg, deliveries, len(raw), strikes)
 
     def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:

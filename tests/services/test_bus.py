@@ -345,6 +345,41 @@ def test_one_threads_lost_connection_does_not_close_anothers_read(redis_server) 
     assert [d.msg.prompt_id for d in got["entries"]] == ["p1"]  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("claims", [True, False], ids=["claiming", "holder"])
+def test_entries_a_lost_reply_delivered_are_read_again_after_the_reconnect(
+    redis_server, claims: bool
+) -> None:
+    """Redis delivers a batch (and logs the delivery) but the connection breaks before the reply
+    arrives: the entries are pending to a consumer that never saw them. CI caught this when a
+    SIGKILL of Redis (AOF on) fell between the two: the consumer's backlog stayed at one pending
+    entry for good. After the reconnect the consumer reads its own pending again, at once (a
+    claiming group would otherwise wait ``bus.claim_idle_s``; a holder like the learner, which
+    never claims, until a restart), and what it already holds is not handed out twice."""
+    bus = new_bus(redis_server)
+    consumer = Consumer(bus, "in", "w", "c", claims=claims, track_strikes=claims)
+    for i in range(2):
+        bus.publish("in", prompt(i))
+    held = consumer.read(1)
+    assert [d.msg.prompt_id for d in held] == ["p0"]
+    # p1 is delivered to "c" by a read whose reply is lost (another connection, reply dropped)
+    lost = bus.redis.xreadgroup("w", "c", {bus.key("in"): ">"}, 1)
+    assert len(lost[0][1]) == 1
+    assert consumer.read(5, block_ms=50) == []  # nothing new: p1 waits, pending to "c"
+    failures = iter([redis.ConnectionError("lost the link")])
+
+    def flaky() -> bool:
+        for e in failures:
+            raise e
+        return bool(bus.redis.ping())
+
+    assert bus.call(flaky, what="PING")  # the connection broke once
+    again = consumer.read(5, block_ms=50)
+    assert [d.msg.prompt_id for d in again] == ["p1"]  # p0, in hand, is not handed out again
+    assert consumer.read(5, block_ms=50) == []
+    consumer.ack(held + again)
+    assert sum(bus.backlog("in", "w")) == 0
+
+
 def test_writes_a_partition_hid_are_not_duplicated_by_their_retries(redis_server) -> None:
     """A one-way partition hides whether a write landed. A commit made again after its reply was
     lost publishes nothing the second time (the done-set), and a prompt whose XADD was made again
