@@ -8,7 +8,8 @@ machine's own network configuration is touched. The host namespace (where this p
 
 Each host's hostname resolves to its own address inside its namespace (``/etc/netns/<ns>/hosts``,
 which ``ip netns exec`` mounts over ``/etc/hosts``), as on a real host: gloo binds the address
-the hostname resolves to, and on this machine that is 127.0.0.1 otherwise.
+the hostname resolves to, and on this machine that is 127.0.0.1 otherwise. ``alias`` adds a name
+that every host resolves to one host's address, and moves it (a DNS record a failover updates).
 
 Shaping: a token bucket (``tc ... tbf``) on both directions of a host's link (egress of its
 ``eth0`` for what it sends, egress of the switch's port for what it receives), so a host at
@@ -91,6 +92,7 @@ class Hosts:
         self.hosts: dict[str, Host] = {}
         self._host_if = f"{self.prefix}h"
         self._blocks: set[tuple[str, str]] = set()
+        self.aliases: dict[str, str] = {}  # a name every host resolves -> the host it names
         try:
             _ip("netns", "add", self.switch)
             self._in(self.switch, "link", "set", "lo", "up")
@@ -119,11 +121,8 @@ class Hosts:
         host = Host(name, f"{self.prefix}-{name}", str(next(self._addrs)), f"p{k}")
         _ip("netns", "add", host.ns)
         self.hosts[name] = host
-        etc = NETNS_ETC / host.ns
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(
-            f"127.0.0.1 localhost\n{host.address} {socket.gethostname()} {name}\n"
-        )
+        (NETNS_ETC / host.ns).mkdir(parents=True, exist_ok=True)
+        self._write_hosts(host)
         self._in(self.switch, "link", "add", host.port, "type", "veth", "peer", "name", "eth0",
                  "netns", host.ns)  # fmt: skip
         self._in(host.ns, "addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", "eth0")
@@ -134,6 +133,25 @@ class Hosts:
         if mbit is not None:
             self.shape(name, mbit)
         return host
+
+    def _write_hosts(self, host: Host) -> None:
+        """``host``'s ``/etc/hosts``: its own names, and the aliases. Written in place (the same
+        file), since what runs in the namespace sees the file ``ip netns exec`` bind-mounted."""
+        lines = ["127.0.0.1 localhost", f"{host.address} {socket.gethostname()} {host.name}"]
+        lines += [f"{self._addr(target)} {alias}" for alias, target in self.aliases.items()]
+        path = NETNS_ETC / host.ns / "hosts"
+        path.touch()
+        with path.open("r+") as f:  # overwritten, then cut: never empty for a reader
+            f.write("\n".join(lines) + "\n")
+            f.truncate()
+
+    def alias(self, alias: str, target: str) -> None:
+        """``alias`` resolves to host ``target``'s address on every host, at once for the next
+        lookup (what a DNS record's change does once its TTL has passed: a failover that moves a
+        service's name to another host)."""
+        self.aliases[alias] = target
+        for host in self.hosts.values():
+            self._write_hosts(host)
 
     def shape(self, name: str, mbit: float) -> None:
         """Both directions of ``name``'s link at ``mbit`` Mbit/s (a token bucket whose burst is

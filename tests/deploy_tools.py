@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -181,15 +181,18 @@ def acl_rules_in(script: str) -> dict[str, list[str]]:
 
 
 def start_redis_with_users(script: str, data_dir: Path, *, port: int, env: dict[str, str],
-                           bind: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list):  # fmt: skip
+                           bind: str = "127.0.0.1", wrap: Callable[[list[str]], list[str]] = list,
+                           extra: Sequence[str] = ()):  # fmt: skip
     """Run a deploy Redis start script with the machine's redis-server (Debian's 7.0 in CI) on
     ``bind``:``port``, its data in ``data_dir`` (the script's ``--dir /data`` pointed there);
-    ``wrap`` makes the command line run elsewhere (an emulated host: ``Hosts.argv``)."""
+    ``wrap`` makes the command line run elsewhere (an emulated host: ``Hosts.argv``); ``extra``:
+    more of redis-server's options (``--replicaof``...)."""
     import os
 
     text = script.replace("--dir /data", f"--dir {data_dir}")
     args = ["sh", "-c", text, "redis-server", "--port", str(port), "--bind", bind,
-            "--appendonly", "no", "--save", "", "--logfile", str(data_dir / "redis.log")]  # fmt: skip
+            "--appendonly", "no", "--save", "", "--logfile", str(data_dir / "redis.log"),
+            *extra]  # fmt: skip
     return subprocess.Popen(
         wrap(args), env={**os.environ, **env}, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -214,17 +217,21 @@ class UsersRedis:
     """The deploy script's Redis with a random password per user."""
 
     def __init__(self, data_dir, *, address: str = "127.0.0.1",
-                 wrap: Callable[[list[str]], list[str]] = list) -> None:  # fmt: skip
-        """On 127.0.0.1, or on an emulated host: its ``address`` and ``wrap`` (``Hosts.argv``)."""
+                 wrap: Callable[[list[str]], list[str]] = list,
+                 passwords: dict[str, str] | None = None, extra: Sequence[str] = ()) -> None:  # fmt: skip
+        """On 127.0.0.1, or on an emulated host: its ``address`` and ``wrap`` (``Hosts.argv``).
+        ``passwords``: the users' (a replica's are its primary's), default new ones; ``extra``:
+        more of redis-server's options."""
         need_system_tool("redis-server", "redis-server")
         self.address = address
         self.port = free_port() if address == "127.0.0.1" else 6379  # a host of its own
-        self.passwords = {user: secrets.token_hex(16) for user in PASSWORD_ENV}
+        self.passwords = passwords or {user: secrets.token_hex(16) for user in PASSWORD_ENV}
         env = {var: self.passwords[user] for user, var in PASSWORD_ENV.items()}
         env["REDIS_MAXMEMORY"] = "256mb"
         self.proc = start_redis_with_users(
-            compose_redis_script(), data_dir, port=self.port, env=env, bind=address, wrap=wrap
-        )
+            compose_redis_script(), data_dir, port=self.port, env=env, bind=address, wrap=wrap,
+            extra=extra,
+        )  # fmt: skip
         self.log = data_dir / "redis.log"
         self.admin = redis.Redis(host=address, port=self.port, password=self.passwords["default"])
         deadline = time.monotonic() + 15

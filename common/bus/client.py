@@ -33,6 +33,20 @@ from common.protocol import streams, wire
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Errors of a server that is not (or no longer) the primary: after a failover the bus url's host
+# name resolves to the new primary, but connections made before it still reach the old server,
+# which refuses writes as a replica (READONLY), as a primary fenced off by
+# ``min-replicas-to-write`` (NOREPLICAS), or unblocks a blocked read when it is demoted
+# (UNBLOCKED); a replica cut from its primary with ``replica-serve-stale-data no`` answers
+# MASTERDOWN. Nothing was written: the command is made again on a new connection.
+NOT_PRIMARY = ("NOREPLICAS", "UNBLOCKED")  # redis-py's own classes stand for the other two
+
+
+def not_primary(e: redis.ResponseError) -> bool:
+    if isinstance(e, (redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)):
+        return True
+    return str(e).startswith(NOT_PRIMARY)
+
 
 class Bus:
     """One service's handle on the bus. Stream arguments are short names ("groups")."""
@@ -61,8 +75,9 @@ class Bus:
         return f"{self.settings.run}:{name}"
 
     def call(self, fn: Callable[[], T], *, what: str) -> T:
-        """Run ``fn`` with bounded exponential back-off: reconnect on connection loss (for up to
-        ``reconnect_max_s``), and wait for room while Redis is out of memory (``memory.py``)."""
+        """Run ``fn`` with bounded exponential back-off: reconnect on connection loss or on a
+        server that is no longer the primary (``NOT_PRIMARY``; for up to ``reconnect_max_s``),
+        and wait for room while Redis is out of memory (``memory.py``)."""
         deadline = time.monotonic() + self.settings.reconnect_max_s
         delay, oom_delay = 0.05, OOM_FIRST_DELAY_S
         while True:
@@ -79,8 +94,18 @@ class Bus:
                 oom_delay = self._oom.wait(what, oom_delay)
                 deadline = time.monotonic() + self.settings.reconnect_max_s
                 continue
-            except (redis.ConnectionError, redis.TimeoutError) as e:
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError) as e:
+                if isinstance(e, redis.ResponseError) and not not_primary(e):
+                    raise
                 if time.monotonic() + delay > deadline:
+                    if isinstance(e, redis.ResponseError):
+                        raise BusUnavailable(
+                            f"Redis at {self._safe_url()} refused {what} for "
+                            f"{self.settings.reconnect_max_s} s as a server that is not the "
+                            f"primary ({type(e).__name__}: {e}). Point the bus url at the "
+                            "primary, or at a name that follows it through failovers (a DNS "
+                            "name or Kubernetes Service that your failover moves)"
+                        ) from e
                     raise BusUnavailable(
                         f"Redis at {self._safe_url()} unreachable for {self.settings.reconnect_max_s}"
                         f" s during {what}: {e}. Is the server up? (bus reconnect_max_s)"

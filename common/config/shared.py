@@ -33,7 +33,7 @@ class RunConfig(Section):
     tokenizer: str = Field("", description="tokenizer directory; empty = same as `model`")
     redis_url: str = Field(
         "",
-        description="redis:// or rediss:// URL (user:password@ allowed); empty = `tether train` starts an embedded server",
+        description="redis:// or rediss:// URL (user:password@ allowed); empty = `tether train` starts an embedded server. With replicas, name the primary by a name your failover moves (a DNS record, a Kubernetes Service): services follow it (see Redis failing over, under What happens when something dies)",
     )
     redis_server_binary: str = Field(
         "",

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,14 +68,17 @@ class Run:
 
 
 def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
-         faults: Callable[..., None]) -> Run:  # fmt: skip
+         faults: Callable[..., None], server: Any = None) -> Run:  # fmt: skip
     """A run of ``cycles``; ``faults(net, run, stop, admin, name)`` runs on a thread of its own
     once the learner has published step ``at_step``: it makes each fault and heals it, and
     records its ``Window`` in ``run.windows`` (``stop``: the test is over, heal and return;
-    ``admin``: a client of the server as its default user; ``name``: the run's)."""
-    (tmp_path / "redis-data").mkdir()
-    server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
-                        wrap=lambda argv: net.argv("redis", argv))  # fmt: skip
+    ``admin``: a client of the server as its default user; ``name``: the run's). ``server``: the
+    run's Redis (``url(kind)``, ``admin``, ``stop()``; ``status_url(kind)`` where ``url`` names
+    what this namespace cannot resolve), default one on host "redis"."""
+    if server is None:
+        (tmp_path / "redis-data").mkdir()
+        server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
+                            wrap=lambda argv: net.argv("redis", argv))  # fmt: skip
     config = recovery_config(tmp_path, name, cycles=cycles, assets="partitions")
     env = {SECRET_ENV: secrets.token_hex(16), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "TETHER_WEIGHTS__HOST": net.hosts["learner"].address}  # fmt: skip
@@ -105,7 +109,7 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
         assert procs["learner"].wait(5) == 0, _tail(run, "learner")
         for host in (*GENERATORS, "scorer-0"):
             assert procs[host].wait(90) == 0, _tail(run, host)
-        doc = tether_json(config, server.url("learner"), "status")
+        doc = tether_json(config, getattr(server, "status_url", server.url)("learner"), "status")
     finally:
         stop.set()
         if faulting is not None:
@@ -281,3 +285,157 @@ def test_partitions_during_a_run_lose_nothing_train_nothing_twice_and_stall_boun
     for w in run.windows:
         assert run.recovery_s(w) <= RECOVERY_BOUND_S, report
     assert run.steps_during(run.windows[0]) > 0, report  # a flapping link slows the run only
+
+
+# ------------------------------------------------------------------------------ failover
+
+PRIMARY = "redis-primary"  # the name the services' bus url holds (a DNS name, moved on failover)
+REDIS_HOSTS = ("redis-a", "redis-b", "redis-c")
+FENCE_LAG_S = 5  # min-replicas-max-lag: a primary cut from its replicas refuses writes after it
+
+
+# what the services' logs tell of the failovers: refusals by a demoted primary, reads of their
+# own pending entries after a lost connection, timeouts on the one cut off
+MET = ("read only replica", "UNBLOCKED", "NOREPLICAS", "own pending entries", "Timeout")
+
+
+class Replicated:
+    """Three Redis servers on hosts of their own, one primary and two replicas, every one set up
+    as a Sentinel deployment sets them (``min-replicas-to-write 1``: a primary cut off from its
+    replicas refuses writes after ``FENCE_LAG_S``, so that clients left on it cannot fork the
+    run); the services reach the primary by the name ``PRIMARY``, which ``promote`` moves."""
+
+    def __init__(self, tmp_path: Path, net: Hosts) -> None:
+        self.net, self.servers, self.primary = net, {}, REDIS_HOSTS[0]
+        self.watched = self.primary  # the server this test reads the run's progress from
+        fence = ["--min-replicas-to-write", "1", "--min-replicas-max-lag", str(FENCE_LAG_S)]
+        passwords = None
+        try:
+            for host in REDIS_HOSTS:
+                (tmp_path / host).mkdir()
+                extra = [*fence, "--masterauth", passwords["default"]] if passwords else [*fence]
+                if host != self.primary:
+                    extra += ["--replicaof", net.hosts[self.primary].address, "6379"]
+                self.servers[host] = UsersRedis(
+                    tmp_path / host, address=net.hosts[host].address, passwords=passwords,
+                    wrap=lambda argv, h=host: net.argv(h, argv), extra=extra,
+                )  # fmt: skip
+                passwords = self.servers[host].passwords
+            first = self.servers[self.primary]
+            first.admin.config_set("masterauth", passwords["default"])  # for when it is demoted
+            wait_until(lambda: first.admin.info("replication")["connected_slaves"] == 2,
+                       timeout_s=30, what="both replicas in sync")  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+        net.alias(PRIMARY, self.primary)
+
+    @property
+    def admin(self):
+        return self.servers[self.watched].admin
+
+    def url(self, kind: str) -> str:
+        server = self.servers[self.primary]
+        return server.url(kind).replace(f"@{server.address}:", f"@{PRIMARY}:")
+
+    def status_url(self, kind: str) -> str:  # this namespace cannot resolve PRIMARY
+        return self.servers[self.primary].url(kind)
+
+    def role(self, host: str) -> str:
+        return self.servers[host].admin.info("replication")["role"]
+
+    def promote(self, host: str, *, replicas: tuple[str, ...]) -> None:
+        """``host`` the primary, ``replicas`` its replicas, the name ``PRIMARY`` moved to it: what
+        Sentinel does once a primary is gone."""
+        self.servers[host].admin.replicaof("NO", "ONE")
+        for r in replicas:
+            self.servers[r].admin.replicaof(self.net.hosts[host].address, 6379)
+        self.primary = self.watched = host
+        self.net.alias(PRIMARY, host)
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+def _failovers(redis: Replicated, windows: list[Window], stop: threading.Event) -> None:
+    """Two failovers (``_failover_run``)."""
+    a, b, c = REDIS_HOSTS
+    # 1. coordinated: the primary pauses writes, waits for its replica to catch up, hands over and
+    # becomes a replica itself (Redis's FAILOVER, what Sentinel's manual failover does); clients
+    # still connected to it meet a replica
+    w = Window("failover a -> b, the old primary reachable", start=time.monotonic())
+    redis.servers[a].admin.execute_command("FAILOVER", "TO", redis.net.hosts[b].address, 6379,
+                                           "TIMEOUT", 10_000)  # fmt: skip
+    wait_until(lambda: redis.role(a) == "slave" and redis.role(b) == "master", timeout_s=30,
+               what="the FAILOVER to end", poll_s=0.05)  # fmt: skip
+    redis.promote(b, replicas=(c,))  # b is the primary already: c follows it, the name moves
+    w.healed = time.monotonic()
+    windows.append(w)
+    stop.wait(PAUSE_S)
+    # 2. the primary cut off from everyone: c is promoted, the name moved; the old primary, healed
+    # past FENCE_LAG_S, refuses writes (its replicas are gone) until it is made a replica of c
+    w = Window("failover b -> c, the old primary cut off", start=time.monotonic())
+    redis.watched = c  # the test's own reads go on (a replica serves them)
+    redis.net.cut(b)
+    stop.wait(2 * FENCE_LAG_S)  # Sentinel's down-after-milliseconds: the primary is down
+    redis.promote(c, replicas=(a,))
+    w.healed = time.monotonic()
+    windows.append(w)
+    stop.wait(CUT_S)
+    redis.net.heal(b)
+    fenced = redis.servers[b]
+    wait_until(lambda: fenced.admin.info("replication")["min_slaves_good_slaves"] == 0,
+               timeout_s=10, what="the old primary fenced")  # fmt: skip
+    with pytest.raises(Exception, match="NOREPLICAS"):  # a client left on it writes nothing
+        fenced.admin.set("tether-fence-check", "1")
+    fenced.admin.replicaof(redis.net.hosts[c].address, 6379)
+    # one history: both old primaries replicas of the last one
+    wait_until(lambda: redis.role(a) == redis.role(b) == "slave"
+               and redis.servers[c].admin.info("replication")["connected_slaves"] == 2,
+               timeout_s=30, what="both old primaries replicas of the last")  # fmt: skip
+
+
+@pytest.fixture
+def replicated_net():
+    with emulated_hosts(*REDIS_HOSTS, *(host for host, _, _ in SERVICES)) as hosts:
+        yield hosts
+
+
+def test_redis_failovers_to_another_host_lose_nothing_and_fork_nothing(tmp_path, replicated_net):
+    """Redis behind a name (``redis-primary`` in the bus url, as a DNS name or a Kubernetes
+    Service gives it), three servers set up as Sentinel sets them, two failovers during a run:
+    a coordinated one (the primary hands over and becomes a replica: the services' connections
+    to it meet a replica, whose READONLY and UNBLOCKED refusals send them to a new connection,
+    which resolves the name afresh), and one after the primary is cut off from everyone (a
+    replica promoted, the name moved; the services' commands in flight on the old primary time
+    out, ``bus.socket_timeout_s``; healed, the old primary refuses writes, NOREPLICAS, so a
+    client left on it cannot fork the run, and becomes a replica of the new one). Writes the old
+    primary took but had not yet sent to its replicas are lost with it (replication is
+    asynchronous); the bus makes that the case of an entry delivered again. Every response is
+    trained exactly once, the run finishes, and after each failover the run steps again within
+    ``RECOVERY_BOUND_S``."""
+    net = replicated_net
+    server = Replicated(tmp_path, net)
+    windows: list[Window] = []
+
+    def faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> None:
+        _failovers(server, windows, stop)
+        run.windows.extend(windows)
+
+    cycles = 150  # the run outlasts both failovers (~1 min)
+    run = _run(tmp_path, net, "failover", cycles, 2, faults, server=server)
+    _trained_once(run, cycles)
+    report = {w.name: {"steps during": run.steps_during(w),
+                       "recovery s": round(run.recovery_s(w), 1)} for w in run.windows}  # fmt: skip
+    print("failovers", json.dumps(report, indent=1), "books", run.books)
+    assert len(run.windows) == 2, report
+    for w in run.windows:
+        assert run.recovery_s(w) <= RECOVERY_BOUND_S, report
+    # the services did meet the demoted primary and followed the name
+    logs = "".join(
+        (run.logs / f"{host}.log").read_text(errors="replace") for host, _, _ in SERVICES
+    )
+    met = {needle: logs.count(needle) for needle in MET}
+    print("what the services met", met)
+    assert met["read only replica"] + met["UNBLOCKED"] > 0, logs[-3000:]

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import redis
 from prometheus_client import REGISTRY
+from redis._parsers.base import BaseParser
 
 from common.bus.client import Bus
 from common.bus.consumer import Consumer
 from common.bus.inspect import format_inspect, inspect_bus
 from common.bus.server import EmbeddedRedis
-from common.bus.settings import BusSettings
+from common.bus.settings import BusSettings, BusUnavailable
 from common.protocol import streams, wire
 from common.protocol.wire import PromptMsg
 from tests.conftest import checked_binary, server_params
@@ -378,6 +379,50 @@ def test_entries_a_lost_reply_delivered_are_read_again_after_the_reconnect(
     assert consumer.read(5, block_ms=50) == []
     consumer.ack(held + again)
     assert sum(bus.backlog("in", "w")) == 0
+
+
+def test_refusals_of_a_server_no_longer_the_primary_are_retried_on_a_new_connection(
+    redis_server,
+) -> None:
+    """After a failover, connections made before it still reach the old server: demoted, it
+    refuses writes (READONLY) and unblocks blocked reads (UNBLOCKED); fenced off by
+    ``min-replicas-to-write`` it answers NOREPLICAS. Nothing was written, so the command is made
+    again on a new connection, which resolves the url's host name afresh (the failover itself, on
+    emulated hosts, is tests/e2e/test_e2e_failover.py). Other refusals are not retried."""
+    bus = new_bus(redis_server)
+    replies = (
+        "READONLY You can't write against a read only replica.",
+        "NOREPLICAS Not enough good replicas to write.",
+        "UNBLOCKED force unblock from blocking operation, instance state changed "
+        "(master -> replica?)",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+    )
+    refusals = [BaseParser.parse_error(r) for r in replies]  # as redis-py raises them
+    failures = iter(refusals)
+    before = metric("tether_bus_reconnects_total")
+
+    def refused_then_done() -> bool:
+        for e in failures:
+            raise e
+        return bool(bus.redis.ping())
+
+    assert bus.call(refused_then_done, what="XADD")
+    assert metric("tether_bus_reconnects_total") == before + len(refusals)
+    assert bus.connection_losses == len(refusals)  # consumers read their own pending again
+
+    def no_group() -> None:
+        raise redis.ResponseError("NOGROUP No such key or consumer group")
+
+    with pytest.raises(redis.ResponseError, match="NOGROUP"):
+        bus.call(no_group, what="XREADGROUP")
+    assert metric("tether_bus_reconnects_total") == before + len(refusals)
+
+    def a_replica_for_good() -> None:  # the bus url names a replica, not the primary
+        raise refusals[0]
+
+    short = new_bus(redis_server, reconnect_max_s=0.3)
+    with pytest.raises(BusUnavailable, match="not the primary.*Point the bus url at the primary"):
+        short.call(a_replica_for_good, what="XADD")
 
 
 def test_writes_a_partition_hid_are_not_duplicated_by_their_retries(redis_server) -> None:
