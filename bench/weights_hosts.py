@@ -8,9 +8,10 @@ learner's link carries the model once down a chain (its time stays near one mode
 plus a piece per hop), N times pairwise.
 
 Processes: the learner (``WeightPublisher`` at its host's address, the real settings: address,
-port, handshake) and each generator (``WeightReceiver``, taking each update a unit at a time and
-verifying it, as a generator does) are children started with ``ip netns exec``; gloo binds the
-address the host's name resolves to, as on a real host. The learner alternates a pairwise and a
+port, handshake) and each generator (``WeightReceiver``, taking each update a unit at a time
+through the generator's own ``LoadStream`` and verifying it, as a generator does) are children
+started with ``ip netns exec``; gloo binds the address the host's name resolves to, as on a real
+host. The learner alternates a pairwise and a
 chain publish to the same members; each figure is the best of ``repeats`` after one warm-up.
 Bytes on the learner's link: its ``eth0`` transmit counter over a publish.
 
@@ -107,14 +108,19 @@ def member_main(a: argparse.Namespace) -> None:
     """A generator's host: takes ``count`` updates a unit at a time, each verified."""
     from common.weights.handshake import secret_from_env
     from common.weights.receiver import WeightReceiver
+    from services.generator.update_stream import LoadStream
 
     rx = WeightReceiver(a.learner, PORT, a.name, timeout_s=a.timeout_s, secret=secret_from_env())
     rx.join()
     log = Path(a.progress_dir) / f"{a.name}.jsonl"
     for _ in range(a.count):
         receipt = rx.begin(wait_s=a.timeout_s)
-        for _ in receipt.units():
+        # as a generator takes it (bench.weights): each unit let go before the next is received
+        stream = LoadStream(receipt.units())
+        for _ in stream:
             pass
+        if stream.error:
+            raise RuntimeError(f"update {receipt.version} failed: {stream.error}")
         with log.open("a") as f:  # every unit arrived and matched its checksum
             f.write(json.dumps({"version": receipt.version, "verified_at": time.time()}) + "\n")
     rx.close()  # lets the relay to the member below finish
