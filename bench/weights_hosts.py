@@ -11,8 +11,8 @@ Processes: the learner (``WeightPublisher`` at its host's address, the real sett
 port, handshake) and each generator (``WeightReceiver``, taking each update a unit at a time
 through the generator's own ``LoadStream`` and verifying it, as a generator does) are children
 started with ``ip netns exec``; gloo binds the address the host's name resolves to, as on a real
-host. The learner alternates a pairwise and a
-chain publish to the same members; each figure is the best of ``repeats`` after one warm-up.
+host. The learner alternates a pairwise and a chain publish to the same members; each figure is
+the best of ``repeats`` after one warm-up.
 Bytes on the learner's link: its ``eth0`` transmit counter over a publish.
 
 Scale: links of R Mbit/s with the model and the piece (``weights.chunk_mb``) scaled down

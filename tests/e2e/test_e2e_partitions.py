@@ -359,7 +359,8 @@ class Replicated:
 
 
 def _failovers(redis: Replicated, windows: list[Window], stop: threading.Event) -> None:
-    """Two failovers (``_failover_run``)."""
+    """The two failovers of ``test_redis_failovers_to_another_host_lose_nothing_and_fork_nothing``,
+    each recorded in ``windows`` (healed: once the name names the new primary)."""
     a, b, c = REDIS_HOSTS
     # 1. coordinated: the primary pauses writes, waits for its replica to catch up, hands over and
     # becomes a replica itself (Redis's FAILOVER, what Sentinel's manual failover does); clients
@@ -417,11 +418,9 @@ def test_redis_failovers_to_another_host_lose_nothing_and_fork_nothing(tmp_path,
     ``RECOVERY_BOUND_S``."""
     net = replicated_net
     server = Replicated(tmp_path, net)
-    windows: list[Window] = []
 
     def faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> None:
-        _failovers(server, windows, stop)
-        run.windows.extend(windows)
+        _failovers(server, run.windows, stop)
 
     cycles = 150  # the run outlasts both failovers (~1 min)
     run = _run(tmp_path, net, "failover", cycles, 2, faults, server=server)

@@ -50,6 +50,19 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+def ping_failing_first(bus: Bus, *errors: Exception):
+    """A PING for ``bus.call`` that raises ``errors`` one per try first (a lost connection, a
+    refusal), then answers."""
+    failures = iter(errors)
+
+    def ping() -> bool:
+        for e in failures:
+            raise e
+        return bool(bus.redis.ping())
+
+    return ping
+
+
 def test_publish_read_commit_in_run_namespace(redis_server) -> None:
     bus = new_bus(redis_server)
     consumer = Consumer(bus, "prompts", "gen", "c1")
@@ -332,13 +345,7 @@ def test_one_threads_lost_connection_does_not_close_anothers_read(redis_server) 
     th.start()
     wait_until(lambda: any(c.get("cmd") == "xreadgroup" for c in bus.redis.client_list()),
                what="the blocking read")  # fmt: skip
-    failures = iter([redis.ConnectionError("lost the link")])
-
-    def flaky() -> bool:
-        for e in failures:
-            raise e
-        return bool(bus.redis.ping())
-
+    flaky = ping_failing_first(bus, redis.ConnectionError("lost the link"))
     assert bus.call(flaky, what="PING")  # failed once, then done on a new connection
     bus.publish("prompts", prompt(1))
     th.join(10)
@@ -366,13 +373,7 @@ def test_entries_a_lost_reply_delivered_are_read_again_after_the_reconnect(
     lost = bus.redis.xreadgroup("w", "c", {bus.key("in"): ">"}, 1)
     assert len(lost[0][1]) == 1
     assert consumer.read(5, block_ms=50) == []  # nothing new: p1 waits, pending to "c"
-    failures = iter([redis.ConnectionError("lost the link")])
-
-    def flaky() -> bool:
-        for e in failures:
-            raise e
-        return bool(bus.redis.ping())
-
+    flaky = ping_failing_first(bus, redis.ConnectionError("lost the link"))
     assert bus.call(flaky, what="PING")  # the connection broke once
     again = consumer.read(5, block_ms=50)
     assert [d.msg.prompt_id for d in again] == ["p1"]  # p0, in hand, is not handed out again
@@ -388,7 +389,7 @@ def test_refusals_of_a_server_no_longer_the_primary_are_retried_on_a_new_connect
     refuses writes (READONLY) and unblocks blocked reads (UNBLOCKED); fenced off by
     ``min-replicas-to-write`` it answers NOREPLICAS. Nothing was written, so the command is made
     again on a new connection, which resolves the url's host name afresh (the failover itself, on
-    emulated hosts, is tests/e2e/test_e2e_failover.py). Other refusals are not retried."""
+    emulated hosts, is in tests/e2e/test_e2e_partitions.py). Other refusals are not retried."""
     bus = new_bus(redis_server)
     replies = (
         "READONLY You can't write against a read only replica.",
@@ -398,15 +399,8 @@ def test_refusals_of_a_server_no_longer_the_primary_are_retried_on_a_new_connect
         "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
     )
     refusals = [BaseParser.parse_error(r) for r in replies]  # as redis-py raises them
-    failures = iter(refusals)
     before = metric("tether_bus_reconnects_total")
-
-    def refused_then_done() -> bool:
-        for e in failures:
-            raise e
-        return bool(bus.redis.ping())
-
-    assert bus.call(refused_then_done, what="XADD")
+    assert bus.call(ping_failing_first(bus, *refusals), what="XADD")
     assert metric("tether_bus_reconnects_total") == before + len(refusals)
     assert bus.connection_losses == len(refusals)  # consumers read their own pending again
 
