@@ -15,6 +15,7 @@ solver model directory                solver   -           -          solver mod
 data.train_path / eval_path exist     yes      rank 0      -          -
 Redis URL answers one PING in 2 s     if set   rank 0 (*)  yes (*)    yes (*)
 Redis maxmemory-policy cannot evict   if set   rank 0      yes        yes
+Redis URL names a primary, no replica if set   rank 0 (*)  yes (*)    yes (*)
 tokenizer loads; chat template        yes      rank 0      yes        -
 episodes: tools, tool format, sandbox yes      -           yes        -
 every dataset row, token lengths      yes      rank 0      -          -
@@ -207,11 +208,13 @@ def _redis(cfg: TetherConfig, role: Role) -> list[str]:
         return [f"{where} answered PING with an error ({exc}). Fix the URL's user:password."]
     except ValueError as exc:  # from_url: not a URL redis-py can use
         return [f"run.redis_url = {safe_url(url)!r} is not a usable Redis URL ({exc})."]
-    return _eviction(cfg, url)
+    return _server(cfg, url, where)
 
 
-def _eviction(cfg: TetherConfig, url: str) -> list[str]:
-    """The server's ``maxmemory-policy``, read once (``INFO memory``) after the PING worked."""
+def _server(cfg: TetherConfig, url: str, where: str) -> list[str]:
+    """After the PING worked: the server's ``maxmemory-policy`` (``INFO memory``), and that it
+    is a primary (``INFO replication``): a replica refuses every write, which a service would
+    retry for ``bus.reconnect_max_s`` before saying so."""
     import redis
 
     from common.bus.memory import check_policy, read_memory
@@ -221,12 +224,20 @@ def _eviction(cfg: TetherConfig, url: str) -> list[str]:
     try:
         memory = read_memory(client)
         check_policy(memory, url=safe_url(url), allow_evicting=cfg.bus.allow_evicting_policy)
+        replication = client.info("replication")
     except ConfigError as exc:
         return [str(exc)]
     except redis.RedisError:  # INFO not allowed to this user: every service checks again
         return []
     finally:
         client.close()
+    if replication.get("role") == "slave":
+        primary = f"{replication.get('master_host')}:{replication.get('master_port')}"
+        return [
+            f"{where} is a replica of {primary}: it refuses writes. Fix: point the URL at the "
+            "primary, or at a name that follows the primary through failovers (a DNS record or "
+            "a Kubernetes Service your failover moves)."
+        ]
     return []
 
 

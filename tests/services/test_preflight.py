@@ -190,6 +190,23 @@ def test_scorer_alone_bad_redis_url_scheme_without_showing_the_password(tmp_path
     assert "hunter2" not in line
 
 
+def test_scorer_alone_redis_url_naming_a_replica(tmp_path, redis_server):
+    """A URL that names a replica (a failover moved the primary, and the URL names a server, not
+    a name that follows the primary) is refused at once, not after bus.reconnect_max_s of
+    refused writes."""
+    import redis
+
+    from common.bus.server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "replica") as replica:
+        admin = redis.Redis.from_url(replica.url)
+        admin.replicaof("127.0.0.1", redis_server.port)
+        r = tether(tmp_path, "scorer", "--redis-url", replica.url)
+        admin.replicaof("NO", "ONE")
+        admin.close()
+    refused(r, tmp_path, "tether scorer", "is a replica of", "point the URL at the primary")
+
+
 def test_generator_alone_tokenizer_without_chat_template(tmp_path, model, redis_server):
     base = tmp_path / "base-tok"
     base.mkdir()
