@@ -230,6 +230,10 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         from bench.replay import readme_row as row_replay
 
         return [row_replay(r)]
+    if kind == "weights_slow_link":
+        from bench.weights_slow_link import readme_row as row_weights_slow_link
+
+        return [row_weights_slow_link(r)]
     if kind == "weights_hosts":
         from bench.weights_hosts import readme_row as row_weights_hosts
 

@@ -121,6 +121,7 @@ def run_one(
     seeds: tuple[int, ...] | None = None,
     hosts_mbit: float | None = None,
     families: tuple[str, ...] = (),
+    slow_link: float | None = None,
 ) -> dict[str, Any] | None:
     fn = _bench_fn(what)
     if fn is None:
@@ -143,8 +144,10 @@ def run_one(
     suffix += f"_lr{lr:g}" if lr is not None and what == "staleness" else ""
     out = out_dir / f"{what}{suffix}.json"
     hosts_mbit = hosts_mbit if what == "weights" else None
+    slow_link = slow_link if hosts_mbit else None
     if hosts_mbit:  # the chain on emulated hosts (bench.weights_hosts): a result of its own
-        out = out_dir / f"weights_hosts{'_quick' if quick else ''}.json"
+        name = "weights_slow_link" if slow_link else "weights_hosts"  # bench.weights_slow_link
+        out = out_dir / f"{name}{'_quick' if quick else ''}.json"
     if what == "demos":  # one file per demo kind, each a README table (bench.demos_report)
         out = out_dir / "demos" / f"{kind or 'arithmetic'}{'_quick' if quick else ''}.json"
     families = families if what == "models" else ()
@@ -168,7 +171,7 @@ def run_one(
     if what == "weights" and generators:
         kwargs["generators"] = generators
     if hosts_mbit:
-        kwargs.update(hosts_mbit=hosts_mbit, work_dir=work_dir, quick=quick)
+        kwargs.update(hosts_mbit=hosts_mbit, work_dir=work_dir, quick=quick, slow_link=slow_link)
     if what == "staleness" and lr is not None:
         kwargs["lr"] = lr
     if what == "staleness" and size is None and quick:
@@ -179,7 +182,7 @@ def run_one(
     result = fn(out_path=out, **kwargs)
     command = command_line(what, quick=quick, size=size, threads=threads, generators=generators,
                            lr=lr, kind=kind, seeds=seeds, hosts_mbit=hosts_mbit,
-                           families=families)  # fmt: skip
+                           families=families, slow_link=slow_link)  # fmt: skip
     stamp(out, git_state(), command=command, machine=machine)
     if isinstance(result, dict):
         result.setdefault("git", git_state())
@@ -190,7 +193,7 @@ def command_line(
     what: str, *, quick: bool = False, size: str | None = None, threads: int | None = None,
     generators: tuple[int, ...] = (), lr: float | None = None, kind: str | None = None,
     seeds: tuple[int, ...] | None = None, hosts_mbit: float | None = None,
-    families: tuple[str, ...] = (),
+    families: tuple[str, ...] = (), slow_link: float | None = None,
 ) -> str:  # fmt: skip
     """The ``tether bench`` command that runs ``what`` with these settings."""
     parts = ["tether bench", what]
@@ -203,6 +206,7 @@ def command_line(
         else []
     )
     parts += [f"--hosts-mbit {hosts_mbit:g}"] if hosts_mbit and what == "weights" else []
+    parts += [f"--slow-link {slow_link:g}"] if slow_link and hosts_mbit else []
     parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
     parts += [f"--kind {kind}"] if kind and what == "demos" else []
     parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what == "demos" else []
@@ -249,6 +253,11 @@ def run_bench(args: Any) -> int:
     if problem := families_problem(what, families):
         print(f"tether bench {what}: {problem}", file=sys.stderr)
         return 2
+    if getattr(args, "slow_link", None) and not (what == "weights" and args.hosts_mbit):
+        print(f"tether bench {what}: --slow-link puts one generator behind a slower link among "
+              "emulated hosts: it goes with `weights --hosts-mbit R` (e.g. `tether bench "
+              "weights --hosts-mbit 200 --slow-link 10`)", file=sys.stderr)  # fmt: skip
+        return 2
     out_dir = Path(getattr(args, "out", None) or "bench/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     quick = bool(getattr(args, "quick", False))
@@ -256,6 +265,7 @@ def run_bench(args: Any) -> int:
     threads = getattr(args, "threads", None)
     size = getattr(args, "size", None)
     hosts_mbit = getattr(args, "hosts_mbit", None)  # checked by the CLI: > 0
+    slow_link = getattr(args, "slow_link", None)  # checked by the CLI: > 1
     default = "1,2" if quick else "1,2,4,8" if hosts_mbit else "1,2,4"
     generators = _generators(getattr(args, "generators", None) or default)
     lr = getattr(args, "lr", None)
@@ -264,7 +274,7 @@ def run_bench(args: Any) -> int:
         with stop_on_signals():
             _run(what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
                  generators=generators, lr=lr, demos=demos, hosts_mbit=hosts_mbit,
-                 families=families)  # fmt: skip
+                 families=families, slow_link=slow_link)  # fmt: skip
     except Interrupted as exc:
         print(f"tether bench {what}: {exc}; what it had started is stopped", file=sys.stderr)
         return 128 + exc.signum
@@ -279,7 +289,7 @@ def run_bench(args: Any) -> int:
 def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int | None,
          size: str | None, generators: tuple[int, ...], lr: float | None,
          demos: dict[str, Any] | None = None, hosts_mbit: float | None = None,
-         families: tuple[str, ...] = ()) -> None:  # fmt: skip
+         families: tuple[str, ...] = (), slow_link: float | None = None) -> None:  # fmt: skip
     """Run ``what`` (or every benchmark); LookupError when its module is not in this checkout.
     ``demos``: the demos benchmark's ``kind`` and ``seeds``; ``families``: the models
     benchmark's (default every one)."""
@@ -287,7 +297,7 @@ def _run(what: str, *, out_dir: Path, quick: bool, work_dir: Path, threads: int 
         result = run_one(
             what, out_dir=out_dir, quick=quick, work_dir=work_dir, threads=threads, size=size,
             generators=generators, lr=lr, hosts_mbit=hosts_mbit, families=families,
-            **(demos or {}),
+            slow_link=slow_link, **(demos or {}),
         )  # fmt: skip
         if result is None:
             raise LookupError("its module is not available in this checkout")

@@ -54,11 +54,23 @@ def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None
 def run_weights_bench(
     *, total_mb: int = 200, num_tensors: int = 16, repeats: int = 3, out_path: str | None = None,
     generators: tuple[int, ...] = (), hosts_mbit: float | None = None, work_dir: str = "bench/work",
-    quick: bool = False, pair_repeats: int = 15,
+    quick: bool = False, pair_repeats: int = 15, slow_link: float | None = None,
 ) -> dict:  # fmt: skip
     """Returns (and writes as JSON to ``out_path``) seconds and GB/s of both and their ratio, and
     with ``generators`` the scaling section (see the module docstring). With ``hosts_mbit``: the
-    chain against pairwise on emulated hosts instead (``bench.weights_hosts``)."""
+    chain against pairwise on emulated hosts instead (``bench.weights_hosts``), and with
+    ``slow_link`` too one generator behind a link that many times slower (``bench.
+    weights_slow_link``)."""
+    if hosts_mbit and slow_link:
+        from bench.weights_slow_link import run_slow_link_bench
+
+        return run_slow_link_bench(
+            out_path=out_path,
+            mbit=hosts_mbit,
+            factor=slow_link,
+            work_dir=work_dir,
+            **({"publishes": 3} if quick else {}),
+        )
     if hosts_mbit:
         from bench.weights_hosts import GENERATORS, run_hosts_bench
 

@@ -45,9 +45,10 @@ def _tx_bytes() -> int:
     return int(Path("/sys/class/net/eth0/statistics/tx_bytes").read_text())
 
 
-def _wait_verified(progress: Path, members: int, version: int, timeout_s: float) -> list[float]:
-    """When each member had ``version`` verified (the wall clock is the machine's, shared by the
-    namespaces). A pairwise publish returns when the learner's sends are done, while the tail of
+def _wait_verified(progress: Path, members: int, version: int, timeout_s: float,
+                   names: set[str] | None = None) -> list[float]:  # fmt: skip
+    """When each member (of ``names``, if given) had ``version`` verified (the wall clock is the
+    machine's, shared by the namespaces). A pairwise publish returns when the learner's sends are done, while the tail of
     the update may still be in the link's queue and the socket buffers; a publish is timed until
     every generator has it, and the next one starts after that (a new round's route calls off a
     receive still in flight)."""
@@ -55,6 +56,8 @@ def _wait_verified(progress: Path, members: int, version: int, timeout_s: float)
     while True:
         done = {}
         for f in progress.glob("*.jsonl"):
+            if names is not None and f.stem not in names:
+                continue
             for line in f.read_text().splitlines():
                 rec = json.loads(line)
                 if rec["version"] == version:

@@ -73,6 +73,21 @@ def publish_in_thread(pub: WeightPublisher, named, version: int) -> dict:
     return box
 
 
+def passes(session, named):
+    """Make every pass ``session`` asks for (the learner's rank 0), then close it."""
+    named = sorted(named)
+    while (feed := session.next_pass()) is not None:
+        for k, (_, _, first, last) in enumerate(session.layout["units"]):
+            session.put(feed, k, [t for _, t in named[first:last]])
+    return session.close()
+
+
+def stream(pub: WeightPublisher, named, version: int):
+    """A streamed publish of ``named`` as the learner's rank 0 makes one
+    (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
+    return passes(pub.begin(named, version), named)
+
+
 def stop_all(procs: list, pub: WeightPublisher) -> None:
     """End the receiver processes still running (woken first, in case one was SIGSTOPped) and
     the publisher."""

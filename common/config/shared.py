@@ -179,6 +179,18 @@ class WeightsConfig(Section):
         "the next (publish time ≈ flat in the number of generators on separate hosts); "
         "pairwise = the learner sends the whole model to every generator (N × its bytes)",
     )
+    slow_link_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        lt=1.0,
+        description="in a chain of generators, one that has an update (64 MiB or more) over "
+        "1/this times later than the one above it is behind a slow link (a publish would last "
+        "until it has the version, and each generator below it gets it at its rate): it leaves "
+        "the chain and is sent the latest version in the background from a copy rank 0 holds "
+        "(host memory: up to two of the update), and comes back once its link keeps up with "
+        "this fraction of the chain's rate; 0 = never (a publish takes as long as its slowest "
+        "link)",
+    )
     chunk_mb: float = Field(
         DERIVED,
         gt=0.0,

@@ -189,7 +189,7 @@ class _Watch:
     member: Any
     route: str
     seen: str = ""
-    changed: float = 0.0
+    changed: float = 0.0  # when ``seen`` last changed (the member had the version then, if ok)
 
 
 @dataclass
@@ -214,7 +214,8 @@ class ChainRound:
         self.stall_s, self.grace_s = stall_s, grace_s
 
     def watch(self, members: list, routes: list[str], sender: FirstSend, deadline: float):
-        """Returns (members that have the version, the blamed member or None, its reason)."""
+        """Returns (members that have the version, the blamed member or None, its reason, when
+        each member that has it had it: ``time.monotonic()`` by member id, to a slice)."""
         now = time.monotonic()
         w = [_Watch(m, r, changed=now) for m, r in zip(members, routes, strict=True)]
         acked: list = []
@@ -230,21 +231,22 @@ class ChainRound:
                 if down.startswith(x.route + "|"):
                     below.append(down.split("|", 1)[1])
             acked = [x.member for x in w if x.seen == x.route + "|ok"]
+            at = {x.member.member_id: x.changed for x in w if x.seen == x.route + "|ok"}
             pending = [x for x in w if x.seen != x.route + "|ok"]
             if not pending:
-                return acked, None, ""
+                return acked, None, "", at
             now = time.monotonic()
             first = pending[0]
             errors = [x for x in pending if x.seen.startswith(x.route + "|err|")]
             if first in errors:
-                return acked, first.member, "error: " + first.seen.split("|err|", 1)[1]
+                return acked, first.member, "error: " + first.seen.split("|err|", 1)[1], at
             quiet = now - first.changed
             if quiet > self.stall_s:
-                return acked, first.member, f"stalled: no progress for {quiet:.1f} s"
+                return acked, first.member, f"stalled: no progress for {quiet:.1f} s", at
             signals = [x.seen.split("|err|", 1)[1] for x in errors] + below
             signals += [sender.error] if sender.error else []
             if signals and quiet > self.grace_s:
-                return acked, first.member, f"broke the chain ({signals[0]})"
+                return acked, first.member, f"broke the chain ({signals[0]})", at
             if now >= deadline:
-                return acked, None, ""
+                return acked, None, "", at
             _wait_end(pending[-1], min(WATCH_SLICE_S, deadline - now))

@@ -40,7 +40,7 @@ class ChainSender:
         being caught up pairwise and get it from the acceptor); each try reads a new pass
         (``new_pass()``). On a failure blame one member, drop it, and send the rest again at
         once down a new chain."""
-        chain = [m for m in sorted(members, key=lambda m: m.member_id) if m.lock.acquire(False)]
+        chain = [m for m in self.roster.chain_order(members) if m.lock.acquire(False)]
         results = outcome.per_member
         outcome.members = [m.member_id for m in chain]
         try:
@@ -50,14 +50,18 @@ class ChainSender:
                 epoch, routes = self._route(update.version, rest)
                 first = FirstSend()
                 reader = new_pass()
+                t0 = time.monotonic()
                 threading.Thread(target=self._send_first,
                                  args=(update, epoch, first, deadline, reader),
                                  name="wsync-chain", daemon=True).start()  # fmt: skip
                 outcome.root_bytes += update.nbytes
-                acked, blamed, why = self.watcher.watch(rest, routes, first, deadline)
+                acked, blamed, why, at = self.watcher.watch(rest, routes, first, deadline)
                 reader.leave()  # a sender still at it stops at the chain epoch's change
                 for m in acked:
                     results[m.member_id], m.version_sent = "ok", update.version
+                if len(acked) == len(rest):  # a whole round: each link against the one above
+                    order = [m.member_id for m in rest]
+                    self.roster.chain_round(order, [at[i] - t0 for i in order], update.nbytes)
                 rest = [m for m in rest if m not in acked and m is not blamed]
                 if blamed is None:
                     break

@@ -3,7 +3,9 @@ over the member's own pair group (a join, a catch-up, or ``fanout = "pairwise"``
 "ok" once it reports its own end of the round (every unit received, verified and taken), not when
 the learner's sends return: those end when the last bytes left the learner, which may still be in
 a slow link's queue, where the next round's new route would call them off. A member the round has
-not finished with at the deadline is dropped as a timeout; the others are not held back by it."""
+not finished with at the deadline is dropped as a timeout; the others are not held back by it.
+Each send measures its member's link (``Roster.measured``: a slow member's background sends
+bring it back into the chain once its link keeps up)."""
 
 from __future__ import annotations
 
@@ -68,13 +70,15 @@ class PairwiseRound:
                 route = Route(update.version)
                 m.announce(update.version, route)
                 use_device(self.device)  # this sender thread's GPU
-                send_update(m.pg, update.header, update.version, reader.units(deadline),
-                            lambda k: update.wait_digest(k, deadline), deadline,
-                            device=self.device)  # fmt: skip
+                busy_s = send_update(m.pg, update.header, update.version,
+                                     reader.units(deadline),
+                                     lambda k: update.wait_digest(k, deadline), deadline,
+                                     device=self.device)  # fmt: skip
                 end = _member_end(m, str(route), deadline)
                 if end != "ok":
                     raise WeightSyncError(f"{m.member_id} failed it: {end.removeprefix('err|')}")
                 m.version_sent = update.version
+                self.roster.measured(m.member_id, update.nbytes, busy_s)
                 return "ok"
             except Exception as e:
                 if time.monotonic() >= deadline or isinstance(e, Stalled):

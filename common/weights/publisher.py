@@ -7,7 +7,16 @@ memory (and keeps it, so a member that joins later gets it at once from the acce
 streams one (``StreamedPublish``: the learner gathers and hands over one unit at a time, so
 rank 0 holds a window of units, never the model, ``common.weights.stream``). A streamed update
 is not kept: a member that joins later is sent it by ``begin_catch_up``, which the learner calls
-at its next chance (``behind()`` says when one is due)."""
+at its next chance (``behind()`` says when one is due).
+
+Slow links (``slow_link_fraction``): a publish lasts until its slowest member has the version,
+and every member below a slow one in a chain gets it at that member's rate. A chain round
+measures every link but the first member's against the one above it (``Roster.chain_round``,
+which also orders the chain so that the first member is one whose link was shown fine); a
+member behind a slow link is left out of the rounds and sent the latest version in the
+background (``_serve_slow``, on a thread of its own) from the update held in memory: a streamed
+update is then held too (``StreamedPublish``: rank 0 keeps a copy of each unit). Its
+background sends measure its link, and bring it back once the link keeps up."""
 
 from __future__ import annotations
 
@@ -50,9 +59,11 @@ class StreamedPublish:
     units is full, and drops the units of a pass no member reads any more."""
 
     def __init__(self, pub: WeightPublisher, update: Update, *, members: list, t0: float,
-                 pairwise: bool) -> None:  # fmt: skip
+                 pairwise: bool, hold: bool = False) -> None:  # fmt: skip
         self.pub, self.update, self.t0 = pub, update, t0
         self.deadline = t0 + update.allowance_s
+        # a copy of each unit, when slow members are sent the update later from memory
+        self._held: list | None = [None] * update.n_units if hold else None
         self.passes, self._thread, self._outcome = pub._start_round(
             update, members, self.deadline, pairwise=pairwise
         )
@@ -69,10 +80,16 @@ class StreamedPublish:
         return self.passes.next(deadline=self.deadline)
 
     def put(self, feed: UnitFeed, k: int, tensors: list) -> None:
-        feed.put(pack_unit(tensors, self.layout, k, self.pub.device), deadline=self.deadline)
+        unit = pack_unit(tensors, self.layout, k, self.pub.device)
+        if self._held is not None:  # a tensor alone is sent from its own memory: copy it
+            start, end, first, last = self.layout["units"][k]
+            self._held[k] = unit.clone() if last - first == 1 else unit
+        feed.put(unit, deadline=self.deadline)
 
     def close(self) -> PublishReport:
         self._thread.join(max(0.0, self.deadline - time.monotonic()))
+        if self._held is not None and all(u is not None for u in self._held):
+            self.update.units = self._held  # the slow members' copy (``_serve_slow``)
         self.pub.roster.release()
         return self.pub._report(self.update, self.t0, self._outcome)
 
@@ -86,7 +103,8 @@ class WeightPublisher:
                  bucket_bytes: int = int(BUCKET_MB * 2**20), accept_interval_s: float = 0.2,
                  device: str | None = None, auto_accept: bool = True, fanout: str = "chain",
                  chunk_bytes: int = int(CHUNK_MB * 2**20), secret: bytes | None = None,
-                 min_gb_per_s: float = MIN_GB_PER_S) -> None:  # fmt: skip
+                 min_gb_per_s: float = MIN_GB_PER_S,
+                 slow_link_fraction: float = 0.0) -> None:  # fmt: skip
         if timeout_s <= 0 or bucket_bytes < ALIGN or chunk_bytes < 0 or min_gb_per_s <= 0:
             raise ValueError(
                 f"weight sync needs timeout_s > 0, bucket_bytes >= {ALIGN}, chunk_bytes >= 0 "
@@ -114,7 +132,8 @@ class WeightPublisher:
             )  # fmt: skip
         if backend == "nccl":
             self._store.set(GPU_KEY, gpu_uuid(self.device))
-        self.roster = Roster()
+        self.roster = Roster(slow_fraction=slow_link_fraction)
+        self._slow_lane: threading.Thread | None = None  # the slow members' background round
         self.acceptor = Acceptor(self._store, self.roster, host=host, backend=backend,
                                  timeout_s=timeout_s, secret=secret,
                                  instance=instance)  # fmt: skip
@@ -144,10 +163,10 @@ class WeightPublisher:
         named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
         update = self._new_update(named, version)
         update.units = unit_buffers(named, update.layout, self.device)
-        members = self._open(update)
+        members, pairwise = self._open(update)
         try:
             _, thread, outcome = self._start_round(
-                update, members, t0 + update.allowance_s, pairwise=self.fanout == "pairwise"
+                update, members, t0 + update.allowance_s, pairwise=pairwise
             )
             thread.join(max(0.0, t0 + update.allowance_s - time.monotonic()))
         finally:
@@ -160,9 +179,9 @@ class WeightPublisher:
         t0 = time.monotonic()
         named = sorted(((n, t.detach()) for n, t in specs), key=lambda nt: nt[0])
         update = self._new_update(named, version)
-        members = self._open(update)
-        return StreamedPublish(self, update, members=members, t0=t0,
-                               pairwise=self.fanout == "pairwise")  # fmt: skip
+        members, pairwise = self._open(update)
+        return StreamedPublish(self, update, members=members, t0=t0, pairwise=pairwise,
+                               hold=bool(self.roster.slow_ids()))  # fmt: skip
 
     def behind(self) -> list[str]:
         """Members (joined since) that lack the latest version: a streamed update is not kept,
@@ -170,7 +189,7 @@ class WeightPublisher:
         update, behind = self.roster.behind()
         if update is None or update.units is not None:  # held: the acceptor serves them
             return []
-        return [m.member_id for m in behind]
+        return [m.member_id for m in behind if not self.roster.is_slow(m)]
 
     def begin_catch_up(self) -> StreamedPublish | None:
         """A streamed publish of the latest version again, pairwise, to the members that lack
@@ -188,13 +207,30 @@ class WeightPublisher:
         caught up here right after it, within the publish's deadline). A streamed update is not
         held: its late joiners wait for ``begin_catch_up``."""
         self.acceptor.take()
+        self._serve_slow()
         update, behind = self.roster.behind(unless_publishing=True)
+        behind = [m for m in behind if not self.roster.is_slow(m)]
         if not behind or update is None or update.units is None:
             return {}
         deadline = time.monotonic() + update.allowance_s
         _, thread, outcome = self._start_round(update, behind, deadline, pairwise=True)
         thread.join(max(0.0, deadline - time.monotonic()))
         return outcome.settled()
+
+    def _serve_slow(self) -> None:
+        """The slow members that lack the latest version held in memory get it pairwise, on a
+        thread of their own that nothing waits for (one such round at a time; a member still
+        taking an older one is locked by it, and gets the latest on the next call). Outcomes
+        are as in any pairwise round: a member that misses the deadline is dropped."""
+        if self._slow_lane is not None and self._slow_lane.is_alive():
+            return
+        update, behind = self.roster.behind()
+        slow = [m for m in behind if self.roster.is_slow(m)]
+        if update is None or update.units is None or not slow:
+            return
+        _, self._slow_lane, _ = self._start_round(
+            update, slow, time.monotonic() + update.allowance_s, pairwise=True
+        )
 
     # -- internals
 
@@ -218,11 +254,13 @@ class WeightPublisher:
         makes no progress is still dropped after a quarter of ``timeout_s`` (in a chain)."""
         return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
 
-    def _open(self, update: Update) -> list[Member]:
-        """Make ``update`` the latest, take in pending joins; the members to send it to."""
+    def _open(self, update: Update) -> tuple[list[Member], bool]:
+        """Make ``update`` the latest, take in pending joins; the members to send it to (not
+        the slow ones: ``_serve_slow``) and whether the round goes pairwise (the fanout)."""
         self.roster.open(update)
         self.acceptor.take(wait=False)  # if it is busy, the acceptor will catch them up
-        return self.roster.all()
+        members = [m for m in self.roster.all() if not self.roster.is_slow(m)]
+        return members, self.fanout == "pairwise"
 
     def _start_round(self, update: Update, members: list[Member], deadline: float, *,
                      pairwise: bool) -> tuple[Passes, threading.Thread, RoundOutcome]:  # fmt: skip
@@ -289,4 +327,5 @@ class WeightPublisher:
         metric("Counter", "tether_weights_publish_bytes_total",
                "Bytes the learner sent").inc(outcome.root_bytes)  # fmt: skip
         return PublishReport(update.version, update.nbytes, seconds, update.digest.hex(),
-                             per_member, outcome.root_bytes, self.chain.epoch)  # fmt: skip
+                             per_member, outcome.root_bytes, self.chain.epoch,
+                             self.roster.slow_ids())  # fmt: skip

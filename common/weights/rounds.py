@@ -25,6 +25,7 @@ class PublishReport:
     per_member: dict[str, str] = field(default_factory=dict)
     root_bytes: int = 0  # what the learner itself sent: once per chain round, once per pairwise
     epoch: int = 0  # the chain epoch of the last round (0: nothing went down a chain)
+    slow: list[str] = field(default_factory=list)  # members sent it in the background
 
 
 @dataclass

@@ -35,6 +35,7 @@ class _InFlight:
     def __init__(self, pg, deadline: float | None, cancelled, window: int) -> None:
         self.pg, self.deadline, self.cancelled, self.window = pg, deadline, cancelled, window
         self.ops: deque = deque()
+        self.busy_s = 0.0  # waiting for the link to finish ops (a sender's: the link's rate)
 
     def post(self, t) -> None:
         self.ops.append(broadcast(self.pg, t))
@@ -42,7 +43,9 @@ class _InFlight:
             self.oldest()
 
     def oldest(self) -> None:
+        t0 = time.monotonic()
         finish(self.pg, self.ops.popleft(), self.deadline, self.cancelled)
+        self.busy_s += time.monotonic() - t0
 
     def drain(self) -> None:
         while self.ops:
@@ -53,12 +56,15 @@ def send_update(
     pg, header: bytes, version: int, units: Iterable, digest: Callable[[int], bytes],
     deadline: float | None = None, cancelled=None, *, device: Any = None,
     window: int = WINDOW_OPS,
-) -> None:  # fmt: skip
+) -> float:  # fmt: skip
     """Learner side of one update (steps 1-3 of the package docstring). ``units``: the unit
     buffers in order, a list or an iterator that produces each when it is needed (a streamed
     publish, ``common.weights.stream``). ``digest(k)`` returns the 16-byte running checksum
     through unit k; it is called once unit k's pieces are posted. ``device``: where the
-    preamble goes (the units' device; default: the first unit's, else host memory)."""
+    preamble goes (the units' device; default: the first unit's, else host memory).
+
+    Returns the seconds spent waiting for the link to take what was posted, not for the units
+    to be produced: the update's bytes over it are the link's rate (``Roster.measured``)."""
     import torch
 
     if device is None:
@@ -74,6 +80,7 @@ def send_update(
             ops.post(u[a:b])
         ops.post(torch.frombuffer(bytearray(digest(k)), dtype=torch.uint8).to(device))
     ops.drain()
+    return ops.busy_s
 
 
 def tensor_at(buf, offset: int, dtype, shape) -> Any:

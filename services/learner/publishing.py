@@ -38,6 +38,7 @@ class WeightPublishing:
             min_gb_per_s=w.min_gb_per_s,
             bucket_bytes=int(w.bucket_mb * 2**20),
             fanout=w.fanout,
+            slow_link_fraction=w.slow_link_fraction,
             chunk_bytes=int(w.chunk_mb * 2**20),
             secret=secret_from_env(),  # only holders of the run's secret join (handshake.py)
         )

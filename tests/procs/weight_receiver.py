@@ -6,7 +6,9 @@ generator does, when the learner dropped it) and appends one JSON line per event
 "bytes": B}`` (checksum recomputed from the received tensors) or ``{"event": "error", "error":
 "..."}``. ``--stall-after-unit K`` makes it write ``{"event": "stalled"}`` after unit K of receive
 attempt number ``--stall-on-update`` and sleep ``--stall-seconds`` (so a test can SIGKILL, SIGSTOP
-or time it out mid-broadcast). ``--save PATH`` stores the last update as safetensors. On leaving
+or time it out mid-broadcast). ``--unit-seconds S`` makes it take S seconds over every unit (a
+member that takes updates slower than its peers, as one behind a slow link does: its sender
+waits on it). ``--save PATH`` stores the last update as safetensors. On leaving
 it lets its relay to the member below in a chain finish.
 """
 
@@ -33,6 +35,7 @@ def main() -> None:
     p.add_argument("--stall-after-unit", type=int, default=-1)
     p.add_argument("--stall-on-update", type=int, default=1, help="1-based receive attempt")
     p.add_argument("--stall-seconds", type=float, default=3600.0)
+    p.add_argument("--unit-seconds", type=float, default=0.0)
     p.add_argument("--save", default="")
     a = p.parse_args()
 
@@ -50,6 +53,7 @@ def main() -> None:
     updates = [0]
 
     def on_unit(k: int) -> None:
+        time.sleep(a.unit_seconds)
         if k == a.stall_after_unit and updates[0] == a.stall_on_update:
             _log(a.log, event="stalled")
             time.sleep(a.stall_seconds)

@@ -23,9 +23,11 @@ from common.weights.transfer import send_update  # noqa: E402
 from tests.weights_support import (  # noqa: E402
     JOIN_S,
     events,
+    passes,
     publish_in_thread,
     start_receiver,
     stop_all,
+    stream,
     wait_for,
     weights,
 )
@@ -156,12 +158,6 @@ def test_a_pairwise_publish_is_ok_once_the_member_has_the_update(tmp_path):
         stop_all(procs, pub)
 
 
-def _stream(pub: WeightPublisher, named, version: int):
-    """A streamed publish of ``named`` as the learner's rank 0 makes one
-    (``services.learner.gather.stream_publish``, one rank): every pass the round asks for."""
-    return _passes(pub.begin(named, version), named)
-
-
 @pytest.mark.parametrize("fanout", ["chain", "pairwise"])
 def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
     tmp_path, monkeypatch, fanout
@@ -186,22 +182,13 @@ def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
         procs.append(a)
         wait_for(lambda: "a" in pub.members(), 120, "a")
         w = weights(4, n=4)
-        report = _stream(pub, w, 1)
+        report = stream(pub, w, 1)
         assert report.per_member == {"a": "ok"}, report.per_member
         assert report.checksum == tensors_checksum(w)
         got = wait_for(lambda: [e for e in events(log_a) if e["event"] == "update"])
         assert got[0]["version"] == 1 and got[0]["checksum"] == report.checksum
     finally:
         stop_all(procs, pub)
-
-
-def _passes(session, named):
-    """Make every pass ``session`` asks for (the learner's rank 0), then close it."""
-    named = sorted(named)
-    while (feed := session.next_pass()) is not None:
-        for k, (_, _, first, last) in enumerate(session.layout["units"]):
-            session.put(feed, k, [t for _, t in named[first:last]])
-    return session.close()
 
 
 def test_a_member_that_joins_after_a_streamed_publish_is_caught_up_by_the_learner(tmp_path):
@@ -214,7 +201,7 @@ def test_a_member_that_joins_after_a_streamed_publish_is_caught_up_by_the_learne
         procs.append(a)
         wait_for(lambda: "a" in pub.members(), 120, "a")
         w = weights(6, n=4)
-        assert _stream(pub, w, 3).per_member == {"a": "ok"}
+        assert stream(pub, w, 3).per_member == {"a": "ok"}
         assert pub.behind() == [] and pub.begin_catch_up() is None
         b, log_b = start_receiver(tmp_path, pub.port, "b")
         procs.append(b)
@@ -222,7 +209,7 @@ def test_a_member_that_joins_after_a_streamed_publish_is_caught_up_by_the_learne
         assert pub.behind() == ["b"]
         session = pub.begin_catch_up()
         assert session is not None and pub.begin_catch_up() is None  # one catch-up at a time
-        report = _passes(session, w)
+        report = passes(session, w)
         assert report.version == 3 and report.per_member == {"b": "ok"}, report.per_member
         assert report.checksum == tensors_checksum(w)
         got = wait_for(lambda: [e for e in events(log_b) if e["event"] == "update"])

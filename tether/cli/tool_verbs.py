@@ -96,6 +96,19 @@ def _bench(args: argparse.Namespace) -> int:
     return int(run_bench(args))
 
 
+def _slowdown(text: str) -> float:
+    """``--slow-link F``: how many times slower the slow generator's link is (> 1)."""
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = 0.0
+    if not factor > 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give how many times slower one generator's link is, a number > 1, e.g. 10"
+        )
+    return factor
+
+
 def _link_mbit(text: str) -> float:
     """``--hosts-mbit R``: a link rate in Mbit/s > 0 (argparse turns the error into exit 2)."""
     try:
@@ -198,6 +211,16 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         help="weights: the learner and each generator on an emulated host of its own (a network "
         "namespace, needs root), each link shaped to R Mbit/s; publish seconds at N = 1,2,4,8 "
         "down the chain against pairwise, to <out>/weights_hosts.json",
+    )
+    bench.add_argument(
+        "--slow-link",
+        type=_slowdown,
+        default=None,
+        metavar="F",
+        help="weights with --hosts-mbit: instead, three generators on links of R Mbit/s and one "
+        "on a link F times slower; publish seconds with weights.slow_link_fraction on, on "
+        "again (the control) and off, against the three alone, to "
+        "<out>/weights_slow_link.json",
     )
     bench.add_argument(
         "--lr",
