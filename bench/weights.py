@@ -69,7 +69,7 @@ def run_weights_bench(
             mbit=hosts_mbit,
             factor=slow_link,
             work_dir=work_dir,
-            **({"publishes": 3} if quick else {}),
+            **({"publishes": 4} if quick else {}),
         )
     if hosts_mbit:
         from bench.weights_hosts import GENERATORS, run_hosts_bench

@@ -2,21 +2,26 @@
 than the others' (issue 46 item 5), each process on a host of its own (``bench.hosts``), as in
 ``bench.weights_hosts``, whose member processes this reuses.
 
-A chain goes at the rate of its slowest link: every relay above the slow member waits for it to
-take each piece. With ``weights.slow_link_fraction`` the learner measures each member's link on
-its first large update (sent pairwise) and leaves a member below the fraction of the others'
-median out of the chain; it is sent the latest version in the background from a copy the learner
-holds. Four arms, each a fresh learner and fresh members on the same hosts, ``publishes``
-versions each, timed until every fast member has verified the version:
+A publish lasts until every generator has the version (the learner waits for it before its
+next step), and every generator below a slow one in a chain gets it at that one's rate. With
+``weights.slow_link_fraction`` a chain round compares when each generator had the update with
+the one above it, and one far later leaves the chain; it is then sent the latest version in the
+background from a copy the learner holds (``common.weights.roster``). The slow generator is
+named to sort first, so the chain starts with it: every generator is held to its rate, and it
+takes two rounds to find (the first moves it down the chain, the second judges it).
+
+Four arms, each a fresh learner and fresh members on the same hosts, ``publishes`` versions
+each:
 
 - ``fast_only``: the fast generators alone (the reference);
 - ``rule_on``: the fast generators and the slow one, the rule on (0.25);
 - ``rule_on_again``: the same arm again (the control: how far two runs of one arm differ);
 - ``rule_off``: the rule off (``slow_link_fraction = 0``): the slow one stays in the chain.
 
-Each arm's figure is the median over its publishes after the first (the first of an arm with the
-rule on goes pairwise to measure the links, and is reported on its own). The slow member's
-versions (which it had, and when) say how far behind it runs.
+Per publish: the learner's seconds (``publish`` returning: what a learner's step waits for) and
+the seconds until every fast generator has verified the version. Each arm's figures are medians
+over its publishes from the third on (``SETTLED``: after the two that find the slow one). The
+slow generator's versions (which it had, and when) say how far behind it runs.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from typing import Any
 from bench.weights_hosts import PORT, _wait_listening, _wait_verified
 
 ARMS = ("fast_only", "rule_on", "rule_off", "rule_on_again")
-SLOW = "slow"
+SLOW = "g0"  # first in the chain's order (by name): the fast ones are g1, g2, ...
+SETTLED = 2  # publishes before the figures: the slow one is found by then
 
 
 def learner_main(a: argparse.Namespace) -> None:
@@ -139,13 +145,15 @@ def _arm(net, arm: str, *, fast: list[str], mb: int, tensors: int, chunk_mb: flo
 
 def run_slow_link_bench(
     *, out_path: str | Path | None = None, mbit: float = 200.0, factor: float = 10.0,
-    fast: int = 3, mb: int = 72, tensors: int = 18, chunk_mb: float = 4.0, publishes: int = 5,
+    fast: int = 3, mb: int = 72, tensors: int = 18, chunk_mb: float = 4.0, publishes: int = 6,
     work_dir: str | Path = "bench/work", **_: Any,
 ) -> dict:  # fmt: skip
     """The four arms (module docstring); returns and writes the JSON."""
     from bench.hosts import Hosts
     from common.weights.roster import MEASURE_MIN_BYTES
 
+    if publishes <= SETTLED:
+        raise ValueError(f"publishes must be over {SETTLED} (the ones that find the slow link)")
     if mb * (1 << 20) < MEASURE_MIN_BYTES:
         raise ValueError(f"the model ({mb} MiB) is too small to measure a link on "
                          f"(MEASURE_MIN_BYTES: {MEASURE_MIN_BYTES >> 20} MiB)")  # fmt: skip
@@ -153,7 +161,7 @@ def run_slow_link_bench(
     work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     slow_mbit = mbit / factor
-    names = [f"g{i}" for i in range(fast)]
+    names = [f"g{i}" for i in range(1, fast + 1)]
     arms: dict[str, dict] = {}
     with Hosts() as net:
         net.add("learner", mbit=mbit)
@@ -178,16 +186,20 @@ def run_slow_link_bench(
                 slow_mbit=slow_mbit,
                 work=work,
             )
-            later = [r["seconds"] for r in res["runs"][1:]]
+            settled = res["runs"][SETTLED:]
+            learner = [r["learner_seconds"] for r in settled]
             arms[arm] = {
-                "first_publish_seconds": res["runs"][0]["seconds"],
-                "median_seconds": statistics.median(later),
-                "min_seconds": min(later),
-                "max_seconds": max(later),
+                "median_learner_seconds": statistics.median(learner),
+                "min_learner_seconds": min(learner),
+                "max_learner_seconds": max(learner),
+                "median_fast_verified_seconds": statistics.median(r["seconds"] for r in settled),
+                "first_publishes_learner_seconds": [
+                    r["learner_seconds"] for r in res["runs"][:SETTLED]
+                ],
                 **res,
             }
     nbytes = arms["fast_only"]["bytes"]
-    ref = arms["fast_only"]["median_seconds"]
+    ref = arms["fast_only"]["median_learner_seconds"]
     result = {
         "bench": "weights_slow_link",
         "link_mbit": mbit,
@@ -199,9 +211,14 @@ def run_slow_link_bench(
         "one_model_over_a_fast_link_seconds": nbytes * 8 / 1e6 / mbit,
         "one_model_over_the_slow_link_seconds": nbytes * 8 / 1e6 / slow_mbit,
         "arms": arms,
-        **{f"ratio_{arm}_vs_fast_only": arms[arm]["median_seconds"] / ref for arm in ARMS[1:]},
+        "settled_from_publish": SETTLED + 1,
+        **{
+            f"ratio_{arm}_vs_fast_only": arms[arm]["median_learner_seconds"] / ref
+            for arm in ARMS[1:]
+        },
         "ratio_control_rule_on_again_vs_rule_on": (
-            arms["rule_on_again"]["median_seconds"] / arms["rule_on"]["median_seconds"]
+            arms["rule_on_again"]["median_learner_seconds"]
+            / arms["rule_on"]["median_learner_seconds"]
         ),
         "load_average": [load_before[0], *os.getloadavg()],
         "cpu_count": os.cpu_count(),
@@ -215,28 +232,29 @@ def run_slow_link_bench(
 def readme_row(r: dict) -> str:
     """The bench/README.md row of a result."""
     a = r["arms"]
+    med = {k: a[k]["median_learner_seconds"] for k in ARMS}
     measured = (
         f"{r['bytes'] / 1e6:.0f} MB, {r['fast_generators']} generators at {r['link_mbit']:g} "
-        f"Mbit/s and one at {r['slow_link_mbit']:g} (one model over a fast link "
-        f"{r['one_model_over_a_fast_link_seconds']:.1f} s, over the slow one "
-        f"{r['one_model_over_the_slow_link_seconds']:.1f} s); median publish until the fast "
-        f"generators have it: fast ones alone {a['fast_only']['median_seconds']:.1f} s, with the "
-        f"slow one {a['rule_on']['median_seconds']:.1f} s (again: "
-        f"{a['rule_on_again']['median_seconds']:.1f} s), rule off "
-        f"{a['rule_off']['median_seconds']:.1f} s"
+        f"Mbit/s and one at {r['slow_link_mbit']:g}, first in the chain (one model over a fast "
+        f"link {r['one_model_over_a_fast_link_seconds']:.1f} s, over the slow one "
+        f"{r['one_model_over_the_slow_link_seconds']:.1f} s); median publish (the learner's "
+        f"wait), publishes {r['settled_from_publish']}-{r['publishes']}: the fast ones alone "
+        f"{med['fast_only']:.1f} s, with the slow one {med['rule_on']:.1f} s (again: "
+        f"{med['rule_on_again']:.1f} s), rule off {med['rule_off']:.1f} s"
     )
     ratio = (
         f"with the slow one ÷ fast alone **{r['ratio_rule_on_vs_fast_only']:.2f}**, rule off "
-        f"**{r['ratio_rule_off_vs_fast_only']:.2f}**, control (same arm twice) "
+        f"**{r['ratio_rule_off_vs_fast_only']:.2f}**; control (the same arm twice) "
         f"{r['ratio_control_rule_on_again_vs_rule_on']:.2f}"
     )
-    got = [v["version"] for v in a["rule_on"]["slow_versions"]]
+    on = a["rule_on"]
+    got = [v["version"] for v in on["slow_versions"]]
+    first = ", ".join(f"{x:.1f}" for x in on["first_publishes_learner_seconds"])
     notes = (
-        f"weights.slow_link_fraction 0.25: the slow generator leaves the chain after the first, "
-        f"pairwise, publish ({a['rule_on']['first_publish_seconds']:.1f} s) and is sent the "
+        f"weights.slow_link_fraction 0.25: publishes 1-{len(on['first_publishes_learner_seconds'])}"
+        f" ({first} s) find the slow generator, which then leaves the chain and is sent the "
         f"latest version in the background: it had versions {got} of {r['publishes']}, the last "
-        f"{a['rule_on']['slow_had_last_after_s']:.1f} s after it was published; "
-        f"{r['publishes'] - 1} publishes per arm after the first"
+        f"{on['slow_had_last_after_s']:.1f} s after it was published"
     )
     load = (r.get("machine", {}).get("load_average") or r["load_average"])[0]
     return (
