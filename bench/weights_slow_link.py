@@ -136,10 +136,13 @@ def _arm(net, arm: str, *, fast: list[str], mb: int, tensors: int, chunk_mb: flo
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(c != 0 for c in codes) or not out.exists():
+    # the learner writes its JSON before it exits: a failure at its exit is recorded, not lost
+    # (once here a learner aborted at exit, "terminate called without an active exception")
+    if any(c != 0 for c in codes[1:]) or not out.exists() or codes[0] == "timed out":
         raise RuntimeError(f"slow link, arm {arm}: exit codes {codes} (learner first)")
     res = json.loads(out.read_text())
     res["slow_versions"] = _slow_versions(progress)
+    res["learner_exit_code"] = codes[0]
     return res
 
 
