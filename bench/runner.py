@@ -202,7 +202,7 @@ def command_line(
     parts += [f"--threads {threads}"] if threads else []
     parts += (
         [f"--generators {','.join(map(str, generators))}"]
-        if what == "weights" and generators
+        if what == "weights" and generators and not slow_link  # three and one with --slow-link
         else []
     )
     parts += [f"--hosts-mbit {hosts_mbit:g}"] if hosts_mbit and what == "weights" else []

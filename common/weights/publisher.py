@@ -81,9 +81,10 @@ class StreamedPublish:
 
     def put(self, feed: UnitFeed, k: int, tensors: list) -> None:
         unit = pack_unit(tensors, self.layout, k, self.pub.device)
-        if self._held is not None:  # a tensor alone is sent from its own memory: copy it
-            start, end, first, last = self.layout["units"][k]
-            self._held[k] = unit.clone() if last - first == 1 else unit
+        if self._held is not None:  # in host memory; a tensor alone is its own memory: copied
+            _, _, first, last = self.layout["units"][k]
+            alone = last - first == 1
+            self._held[k] = unit.to("cpu", copy=alone) if alone or unit.is_cuda else unit
         feed.put(unit, deadline=self.deadline)
 
     def close(self) -> PublishReport:
@@ -294,7 +295,7 @@ class WeightPublisher:
         deadline is left behind, so that it does not hold back the others."""
         feed: UnitFeed | HeldFeed
         if update.units is not None:
-            feed = HeldFeed(update.units)
+            feed = HeldFeed(update.units, self.device)
         else:
             feed = UnitFeed(update.n_units, stall_s=self.timeout_s / 4)
         readers = [feed.reader() for _ in range(n)]

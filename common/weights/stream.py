@@ -156,16 +156,20 @@ class FeedReader:
 
 class HeldFeed:
     """The feed of an update held whole in memory: every reader goes at its own pace and
-    nothing is produced (``reader()`` returns the feed itself)."""
+    nothing is produced (``reader()`` returns the feed itself). A unit held elsewhere than
+    ``device`` (a streamed update's copy in host memory, sent over NCCL) is copied there as it
+    is read, one at a time."""
 
-    def __init__(self, units: list) -> None:
-        self._units = units
+    def __init__(self, units: list, device: Any = None) -> None:
+        self._units, self._device = units, device
 
     def reader(self) -> HeldFeed:
         return self
 
     def units(self, deadline: float | None = None):
-        return iter(self._units)
+        if self._device is None:
+            return iter(self._units)
+        return (u.to(self._device) for u in self._units)
 
     def leave(self) -> None:
         pass

@@ -118,3 +118,12 @@ def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2():
             f"--hosts-mbit: '{bad}': give each emulated host's link rate in Mbit/s" in proc.stderr
         )
         assert "Traceback" not in proc.stderr
+
+
+def test_the_slow_link_command_names_what_it_runs():
+    from bench.runner import command_line
+
+    cmd = command_line("weights", generators=(1, 2, 4, 8), hosts_mbit=200.0, slow_link=10.0)
+    assert cmd == "tether bench weights --hosts-mbit 200 --slow-link 10"
+    scaling = command_line("weights", generators=(1, 2, 4, 8), hosts_mbit=200.0)
+    assert scaling == "tether bench weights --generators 1,2,4,8 --hosts-mbit 200"
