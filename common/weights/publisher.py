@@ -164,10 +164,10 @@ class WeightPublisher:
         named = sorted(((n, t.detach()) for n, t in named_tensors), key=lambda nt: nt[0])
         update = self._new_update(named, version)
         update.units = unit_buffers(named, update.layout, self.device)
-        members, pairwise = self._open(update)
+        members = self._open(update)
         try:
             _, thread, outcome = self._start_round(
-                update, members, t0 + update.allowance_s, pairwise=pairwise
+                update, members, t0 + update.allowance_s, pairwise=self.fanout == "pairwise"
             )
             thread.join(max(0.0, t0 + update.allowance_s - time.monotonic()))
         finally:
@@ -180,8 +180,9 @@ class WeightPublisher:
         t0 = time.monotonic()
         named = sorted(((n, t.detach()) for n, t in specs), key=lambda nt: nt[0])
         update = self._new_update(named, version)
-        members, pairwise = self._open(update)
-        return StreamedPublish(self, update, members=members, t0=t0, pairwise=pairwise,
+        members = self._open(update)
+        return StreamedPublish(self, update, members=members, t0=t0,
+                               pairwise=self.fanout == "pairwise",
                                hold=bool(self.roster.slow_ids()))  # fmt: skip
 
     def behind(self) -> list[str]:
@@ -255,13 +256,12 @@ class WeightPublisher:
         makes no progress is still dropped after a quarter of ``timeout_s`` (in a chain)."""
         return self.timeout_s + nbytes / (self.min_gb_per_s * 1e9)
 
-    def _open(self, update: Update) -> tuple[list[Member], bool]:
+    def _open(self, update: Update) -> list[Member]:
         """Make ``update`` the latest, take in pending joins; the members to send it to (not
-        the slow ones: ``_serve_slow``) and whether the round goes pairwise (the fanout)."""
+        the slow ones: ``_serve_slow``)."""
         self.roster.open(update)
         self.acceptor.take(wait=False)  # if it is busy, the acceptor will catch them up
-        members = [m for m in self.roster.all() if not self.roster.is_slow(m)]
-        return members, self.fanout == "pairwise"
+        return [m for m in self.roster.all() if not self.roster.is_slow(m)]
 
     def _start_round(self, update: Update, members: list[Member], deadline: float, *,
                      pairwise: bool) -> tuple[Passes, threading.Thread, RoundOutcome]:  # fmt: skip

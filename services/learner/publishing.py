@@ -82,7 +82,7 @@ class WeightPublishing:
         bad = {k: v for k, v in report.per_member.items() if v != "ok"}
         log.info(
             "%s v%d (%.1f MB in %.2f s; %.1f MB out of this rank, chain epoch %d) "
-            "to %d generator(s)%s",
+            "to %d generator(s)%s%s",
             what,
             version,
             report.bytes / 1e6,
@@ -91,6 +91,9 @@ class WeightPublishing:
             report.epoch,
             len(report.per_member),
             f"; failed: {bad}" if bad else "",
+            f"; behind a slow link, sent it in the background: {report.slow}"
+            if report.slow
+            else "",
         )
 
     def close(self) -> None:
