@@ -103,12 +103,19 @@ class Roster:
         member above it is behind a slow link. It leaves the chain (``is_slow``); a member
         below it that is not has shown its link is fine (``chain_order``). The first member's
         link has no one above to be judged against: ``chain_order`` moves it down the next
-        round. Updates under ``MEASURE_MIN_BYTES`` tell nothing."""
+        round while its link has not been shown, and again when it had the update over
+        1/``slow_fraction`` times later than the last round's rate says (its link may have
+        become slow; if the learner's own link did, the next round's rate says so and nothing
+        more moves). Updates under ``MEASURE_MIN_BYTES`` tell nothing."""
         if nbytes < MEASURE_MIN_BYTES or self.slow_fraction <= 0 or len(order) < 2:
             return
         with self.lock:
             self._rounds += 1
             found = []
+            expected = nbytes / self._chain_rate if self._chain_rate else None
+            moved = expected is not None and seconds[0] > expected / self.slow_fraction
+            if moved:
+                self._shown.pop(order[0], None)
             for i in range(1, len(order)):
                 if seconds[i] > seconds[i - 1] / self.slow_fraction:
                     found.append((order[i], seconds[i], seconds[i - 1]))
@@ -120,6 +127,13 @@ class Roster:
                 self._chain_rate = nbytes / statistics.median(fine)
             slow = len(self._slow)
         self._slow_gauge(slow)
+        if moved:
+            logger.info(
+                "weight sync: the chain's first member %s had the update %.1f s into the round, "
+                "over %g times the last rounds' %.1f s: it goes down the chain next round, to be "
+                "judged against the member above it", order[0], seconds[0],
+                1 / self.slow_fraction, expected,
+            )  # fmt: skip
         for mid, t, above in found:
             logger.warning(
                 "weight sync: %s had the update %.1f s into the round, the member above it "

@@ -72,3 +72,31 @@ def test_a_rejoined_member_keeps_its_judgement():
     again = Member("b", 2, None, None)  # b restarted and joined again
     r.add(again)
     assert r.is_slow(again)
+
+
+def test_a_first_member_whose_link_turns_slow_is_moved_down_and_found():
+    r, ms = _roster("a", "b", "c")
+    r.chain_round(["a", "b", "c"], [2.0, 2.1, 2.2], BIG)  # b and c shown; a first, not shown
+    order = _order(r, ms)
+    assert order == ["b", "c", "a"]
+    r.chain_round(order, [2.0, 2.1, 2.2], BIG)  # a shown too: the order stays
+    assert _order(r, ms) == ["b", "c", "a"]
+    r.chain_round(["b", "c", "a"], [20.0, 20.1, 20.2], BIG)  # b's link turned slow
+    assert r.slow_ids() == []  # nothing above it to judge it against: it goes down
+    order = _order(r, ms)
+    assert order == ["c", "a", "b"]
+    r.chain_round(order, [2.0, 2.1, 20.0], BIG)
+    assert r.slow_ids() == ["b"]
+
+
+def test_a_learner_link_that_turns_slow_moves_one_member_down_once():
+    r, ms = _roster("a", "b", "c")
+    r.chain_round(["a", "b", "c"], [2.0, 2.1, 2.2], BIG)
+    r.chain_round(["b", "c", "a"], [2.0, 2.1, 2.2], BIG)
+    r.chain_round(["b", "c", "a"], [20.0, 20.1, 20.2], BIG)  # everyone late: the learner's link
+    order = _order(r, ms)
+    assert order == ["c", "a", "b"]
+    r.chain_round(order, [20.0, 20.1, 20.2], BIG)  # b is fine below a; the rate is now 20 s
+    assert r.slow_ids() == [] and _order(r, ms) == ["c", "a", "b"]
+    r.chain_round(["c", "a", "b"], [20.0, 20.1, 20.2], BIG)
+    assert _order(r, ms) == ["c", "a", "b"]  # no more moves
