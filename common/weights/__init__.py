@@ -51,6 +51,17 @@ Failures in a chain (``ChainRound``)
     (``tests/services/test_weight_chain.py``): the middle one SIGKILLed mid-publish costs about
     0.6 s, SIGSTOPped about 2 s with an 8 s deadline.
 
+Slow links (``slow_link_fraction``, ``roster``)
+    A publish lasts until every member has the version, and every member below a slow one in a
+    chain gets it at that member's rate. Each whole chain round reports when each member had
+    the version; one that had it over 1 / ``slow_link_fraction`` times later than the member
+    above it is slow (updates of ``MEASURE_MIN_BYTES`` or more). The chain is ordered with the
+    members whose link was shown fine first, so a first member is judged the round after (and
+    again if it turns late). A slow member is left out of the rounds and sent the latest
+    version in the background from a copy the learner holds (a streamed update is then kept in
+    host memory); those sends measure its link, and it returns once it keeps up. Measured on
+    emulated hosts: ``tether bench weights --hosts-mbit 200 --slow-link 10``.
+
 One update on the wire (per link; every step is a broadcast from rank 0 = the sender)
     1. ``int64[3]`` = (magic, version, header length)
     2. ``uint8[header length]`` = JSON header: version, tensor names (sorted), dtypes, shapes,
