@@ -69,17 +69,42 @@ def link(host: str, port: int, epoch: int, position: int, rank: int, *, backend:
                            timeout_s=timeout_s)  # fmt: skip
 
 
+_holders: dict[threading.Thread, threading.Event] = {}  # release_later's threads, until done
+_holders_lock = threading.Lock()
+
+
 def release_later(groups, *, after_s: float) -> None:
-    """Let go of process groups on a helper thread, ``after_s`` (their ops' timeout) from now: a
-    gloo group with an op still pending (a peer that stopped) blocks in its destructor until that
-    op times out, and whoever drops the last reference pays for it. This thread holds one until
-    then, so that it is not the caller's time (nor that of an exception's traceback)."""
+    """Let go of process groups on a helper thread, ``after_s`` (their ops' timeout) from now, or
+    at ``release_held()``: a gloo group with an op still pending (a peer that stopped) blocks in
+    its destructor until that op times out, and whoever drops the last reference pays for it.
+    This thread holds one until then, so that it is not the caller's time (nor that of an
+    exception's traceback)."""
+    now = threading.Event()
 
     def hold(held=groups) -> None:
-        time.sleep(after_s)
+        now.wait(after_s)
         held = None  # noqa: F841 - dropped here, on this thread
+        with _holders_lock:
+            _holders.pop(threading.current_thread(), None)
 
-    threading.Thread(target=hold, name="wsync-release", daemon=True).start()
+    th = threading.Thread(target=hold, name="wsync-release", daemon=True)
+    with _holders_lock:
+        _holders[th] = now
+    th.start()
+
+
+def release_held(wait_s: float) -> None:
+    """Let go now of every group ``release_later`` holds, waiting up to ``wait_s`` for it. For a
+    process that ends: a gloo group still alive when the interpreter shuts down can abort it
+    (its worker threads hold finished ops' tensors, whose release then needs the GIL:
+    "terminate called without an active exception")."""
+    with _holders_lock:
+        held = list(_holders.items())
+    for _, now in held:
+        now.set()
+    until = time.monotonic() + wait_s
+    for th, _ in held:
+        th.join(max(0.0, until - time.monotonic()))
 
 
 def cancellable(fn, deadline: float, cancelled):

@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from common.telemetry.metrics import metric
-from common.weights.chain import ChainRound, FirstSend, Route, link, release_later
+from common.weights.chain import (
+    ChainRound,
+    FirstSend,
+    Route,
+    link,
+    release_held,
+    release_later,
+)
 from common.weights.group import use_device
 from common.weights.pairwise import Reader, error_text
 from common.weights.roster import Roster
@@ -74,6 +81,13 @@ class ChainSender:
         finally:
             for m in chain:
                 m.lock.release()
+
+    def close(self, wait_s: float) -> None:
+        """Let go of the learner's links (and those let go of before, still held): see
+        ``release_held``."""
+        release_later(self._links1, after_s=0.0)
+        self._links1 = {}
+        release_held(wait_s)
 
     def _route(self, version: int, rest: list[Member]) -> tuple[int, list[str]]:
         """A new chain epoch when the members changed or the last round failed; every member is

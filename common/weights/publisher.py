@@ -153,8 +153,11 @@ class WeightPublisher:
         return self.roster.ids()
 
     def close(self) -> None:
+        """Stop accepting, and let go of every process group (the members', the chain's links):
+        on a bounded wait, so that none is left for the interpreter's shutdown."""
         self.acceptor.stop()
         self.roster.clear()
+        self.chain.close(wait_s=5.0)
 
     def publish(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> PublishReport:
         """Send ``version`` to every member concurrently; returns within its deadline

@@ -19,6 +19,7 @@ from common.weights.chain import (
     Route,
     cancellable,
     link,
+    release_held,
     release_later,
 )
 from common.weights.group import (
@@ -270,8 +271,9 @@ class WeightReceiver:
         self._forwarding = []
         self._pg = self._pstore = self._store = None
         self._staging.drop()
-        release_later(self._links, after_s=self.timeout_s + 1)
+        release_later(self._links, after_s=0.0)
         self._links = {}
+        release_held(wait_s=5.0)  # none left for the interpreter's shutdown (chain.release_held)
 
 
 class Receipt:
