@@ -96,30 +96,25 @@ def _bench(args: argparse.Namespace) -> int:
     return int(run_bench(args))
 
 
-def _slowdown(text: str) -> float:
-    """``--slow-link F``: how many times slower the slow generator's link is (> 1)."""
-    try:
-        factor = float(text)
-    except ValueError:
-        factor = 0.0
-    if not factor > 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give how many times slower one generator's link is, a number > 1, e.g. 10"
-        )
-    return factor
+def _number_over(least: float, asks: str):
+    """An argparse type: a number over ``least``; otherwise the error (argparse turns it into
+    exit 2) names ``asks``, what to give."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = least
+        if not value > least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {asks}")
+        return value
+
+    return parse
 
 
-def _link_mbit(text: str) -> float:
-    """``--hosts-mbit R``: a link rate in Mbit/s > 0 (argparse turns the error into exit 2)."""
-    try:
-        rate = float(text)
-    except ValueError:
-        rate = 0.0
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give each emulated host's link rate in Mbit/s, a number > 0, e.g. 200"
-        )
-    return rate
+# --hosts-mbit R and --slow-link F
+_link_mbit = _number_over(0, "each emulated host's link rate in Mbit/s, a number > 0, e.g. 200")
+_slowdown = _number_over(1, "how many times slower one generator's link is, a number > 1, e.g. 10")
 
 
 def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
