@@ -146,33 +146,29 @@ def _wait_listening(address: str, port: int, proc, *, timeout_s: float) -> None:
             time.sleep(0.1)
 
 
-def _one_n(net, n: int, *, mb: int, tensors: int, chunk_mb: float, repeats: int, mbit: float,
-           work: Path) -> dict:  # fmt: skip
-    """The learner and ``n`` members on their hosts; the learner's JSON."""
-    py = [sys.executable, "-m", "bench.weights_hosts"]
-    timeout_s = 60.0 + 4 * n * mb * 8 / mbit  # pairwise: n models through the learner's link
-    progress = work / f"progress_n{n}"
+def run_on_hosts(net, learner_argv: list[str], members: list[tuple[str, int]], *,
+                 progress: Path, timeout_s: float, wait_s: float,
+                 waited: int | None = None) -> list:  # fmt: skip
+    """Start the learner (``learner_argv``) on its host, then each member (name, updates to
+    take: ``member_main``) on its own, all with ``--timeout-s`` and a fresh ``--progress-dir``
+    and this run's weights secret; wait up to ``wait_s`` each for the learner and the first
+    ``waited`` members (all by default), kill what is left. Returns their exit codes."""
+    from bench.workload import child_env
+
     shutil.rmtree(progress, ignore_errors=True)
     progress.mkdir(parents=True)
     common = ["--timeout-s", str(timeout_s), "--progress-dir", str(progress)]
-    out = work / f"learner_n{n}.json"
-    out.unlink(missing_ok=True)
-    from bench.workload import child_env
-
     # the children import bench from this clone; the handshake's secret, as a run has it
     env = dict(child_env(None), TETHER_WEIGHTS_SECRET=secrets.token_hex(16))
     learner = net.hosts["learner"]
-    procs = [net.popen("learner", [*py, "learner", "--address", learner.address, "--members",
-                                   str(n), "--mb", str(mb), "--tensors", str(tensors),
-                                   "--chunk-mb", str(chunk_mb), "--repeats", str(repeats),
-                                   "--min-gb-per-s", str(mbit / 8e3 / 4 / n), "--out", str(out),
-                                   *common], env=env)]  # fmt: skip
+    procs = [net.popen("learner", [*learner_argv, *common], env=env)]
     _wait_listening(learner.address, PORT, procs[0], timeout_s=120.0)
-    procs += [net.popen(f"g{i}", [*py, "member", "--learner", learner.address, "--name", f"g{i}",
-                                  "--count", str(2 * (repeats + 1)), *common], env=env)
-              for i in range(n)]  # fmt: skip
+    member = [sys.executable, "-m", "bench.weights_hosts", "member", "--learner", learner.address,
+              *common]  # fmt: skip
+    procs += [net.popen(name, [*member, "--name", name, "--count", str(count)], env=env)
+              for name, count in members]  # fmt: skip
     try:
-        codes = [p.wait(timeout_s * 2 * (repeats + 1) + 120) for p in procs]
+        codes = [p.wait(wait_s) for p in procs[: None if waited is None else 1 + waited]]
     except subprocess.TimeoutExpired:
         codes = ["timed out"]
     finally:
@@ -180,6 +176,22 @@ def _one_n(net, n: int, *, mb: int, tensors: int, chunk_mb: float, repeats: int,
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return codes
+
+
+def _one_n(net, n: int, *, mb: int, tensors: int, chunk_mb: float, repeats: int, mbit: float,
+           work: Path) -> dict:  # fmt: skip
+    """The learner and ``n`` members on their hosts; the learner's JSON."""
+    timeout_s = 60.0 + 4 * n * mb * 8 / mbit  # pairwise: n models through the learner's link
+    out = work / f"learner_n{n}.json"
+    out.unlink(missing_ok=True)
+    learner = [sys.executable, "-m", "bench.weights_hosts", "learner", "--address",
+               net.hosts["learner"].address, "--members", str(n), "--mb", str(mb), "--tensors",
+               str(tensors), "--chunk-mb", str(chunk_mb), "--repeats", str(repeats),
+               "--min-gb-per-s", str(mbit / 8e3 / 4 / n), "--out", str(out)]  # fmt: skip
+    codes = run_on_hosts(net, learner, [(f"g{i}", 2 * (repeats + 1)) for i in range(n)],
+                         progress=work / f"progress_n{n}", timeout_s=timeout_s,
+                         wait_s=timeout_s * 2 * (repeats + 1) + 120)  # fmt: skip
     if any(c != 0 for c in codes) or not out.exists():
         raise RuntimeError(f"weights on hosts, N={n}: exit codes {codes} (learner first)")
     return json.loads(out.read_text())

@@ -29,16 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.weights_hosts import PORT, _wait_listening, _wait_verified
+from bench.weights_hosts import PORT, _wait_verified, run_on_hosts
 
 ARMS = ("fast_only", "rule_on", "rule_off", "rule_on_again")
 SLOW = "g0"  # first in the chain's order (by name): the fast ones are g1, g2, ...
@@ -99,8 +96,6 @@ def _arm(net, arm: str, *, fast: list[str], mb: int, tensors: int, chunk_mb: flo
          publishes: int, mbit: float, slow_mbit: float, work: Path) -> dict:  # fmt: skip
     """One arm: a learner and its members on their hosts; the learner's JSON, with the slow
     member's versions."""
-    from bench.workload import child_env
-
     with_slow = arm != "fast_only"
     fraction = 0.0 if arm == "rule_off" else 0.25
     n = len(fast) + with_slow
@@ -108,34 +103,17 @@ def _arm(net, arm: str, *, fast: list[str], mb: int, tensors: int, chunk_mb: flo
     # one model at its own rate; either may be the longest
     timeout_s = 60.0 + 2 * max(n * mb * 8 / mbit, mb * 8 / slow_mbit)
     progress = work / f"progress_{arm}"
-    shutil.rmtree(progress, ignore_errors=True)
-    progress.mkdir(parents=True)
-    common = ["--timeout-s", str(timeout_s), "--progress-dir", str(progress)]
     out = work / f"learner_{arm}.json"
     out.unlink(missing_ok=True)
-    env = dict(child_env(None), TETHER_WEIGHTS_SECRET=secrets.token_hex(16))
-    learner = net.hosts["learner"]
-    argv = [sys.executable, "-m", "bench.weights_slow_link", "--address", learner.address,
-            "--fast", ",".join(fast), "--mb", str(mb), "--tensors", str(tensors), "--chunk-mb",
-            str(chunk_mb), "--publishes", str(publishes), "--min-gb-per-s",
-            str(min(mbit / n, slow_mbit) / 8e3 / 4), "--slow-fraction", str(fraction),
-            "--out", str(out), *common, *(["--with-slow"] if with_slow else [])]  # fmt: skip
-    procs = [net.popen("learner", argv, env=env)]
-    _wait_listening(learner.address, PORT, procs[0], timeout_s=120.0)
-    member = [sys.executable, "-m", "bench.weights_hosts", "member", "--learner",
-              learner.address, *common]  # fmt: skip
-    names = fast + ([SLOW] if with_slow else [])
-    procs += [net.popen(name, [*member, "--name", name, "--count", str(publishes)], env=env)
-              for name in names]  # fmt: skip
-    try:  # the learner and the fast members end; the slow member may still wait for versions
-        codes = [p.wait(timeout_s * (publishes + 3) + 120) for p in procs[: 1 + len(fast)]]
-    except subprocess.TimeoutExpired:
-        codes = ["timed out"]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    argv = [sys.executable, "-m", "bench.weights_slow_link", "--address",
+            net.hosts["learner"].address, "--fast", ",".join(fast), "--mb", str(mb), "--tensors",
+            str(tensors), "--chunk-mb", str(chunk_mb), "--publishes", str(publishes),
+            "--min-gb-per-s", str(min(mbit / n, slow_mbit) / 8e3 / 4), "--slow-fraction",
+            str(fraction), "--out", str(out), *(["--with-slow"] if with_slow else [])]  # fmt: skip
+    members = [(name, publishes) for name in fast + ([SLOW] if with_slow else [])]
+    # the learner and the fast members end; the slow member may still wait for versions
+    codes = run_on_hosts(net, argv, members, progress=progress, timeout_s=timeout_s,
+                         wait_s=timeout_s * (publishes + 3) + 120, waited=len(fast))  # fmt: skip
     # the learner writes its JSON before it exits: a failure at its exit is recorded, not lost
     # (once here a learner aborted at exit, "terminate called without an active exception")
     if any(c != 0 for c in codes[1:]) or not out.exists() or codes[0] == "timed out":
