@@ -48,6 +48,9 @@ def test_each_kind_runs_its_demo_and_shares_the_warm_up_of_its_preset(tmp_path):
     assert "learner.lora_rank=16" in lora and "learner.lr=5e-4" in lora
     assert lora[lora.index("--assets") + 1] == str(tmp_path / "assets" / "demo-s4")
     assert "--num-cycles" in demo_command("tools", 0, root=tmp_path, quick=True)
+    real = args("smollm2")
+    assert real[:2] == ["--task", "smollm2"]
+    assert real[real.index("--assets") + 1] == str(tmp_path / "assets" / "smollm2-s4")
 
 
 def test_a_file_keeps_earlier_seeds_only_from_the_same_clean_commit():

@@ -142,3 +142,40 @@ def test_warmup_sft_lowers_loss_saves_and_reuses(tmp_path):
     AutoModelForCausalLM.from_pretrained(str(tmp_path / "warm"))
     assert len(AutoTokenizer.from_pretrained(str(tmp_path / "warm"))) == 259
     assert warmup_sft(base, paths["train"], **kwargs)["reused"]
+
+
+def test_the_instruct_style_asks_as_a_person_would_after_one_worked_exchange(tmp_path):
+    from tether.demo.tasks import ONE_SHOT
+
+    task = ArithmeticTask(num_train=20, num_eval=5, operators="+-*", mixed_lengths=True,
+                          prompt_style="instruct", one_shot=True)  # fmt: skip
+    rows = read_jsonl(write_task(tmp_path / "chat", task)["eval"])
+    for row in rows:
+        *shot, user = row["prompt"]
+        assert shot == list(ONE_SHOT) and "\\boxed{5}" in shot[1]["content"]
+        m = row["metadata"]
+        assert user == {"role": "user", "content": f"What is {m['a']} {m['op']} {m['b']}?"}
+    plain = ArithmeticTask(num_train=20, num_eval=5, prompt_style="instruct")
+    assert isinstance(read_jsonl(write_task(tmp_path / "plain", plain)["eval"])[0]["prompt"], str)
+
+
+def test_the_real_model_demo_stages_its_model_and_has_no_warm_up(tmp_path, monkeypatch):
+    """The smollm2 preset stages the named model into the assets (the staging itself runs on the
+    real wheel in tests/services/test_gguf_staging.py) and writes chat prompts; no warm-up."""
+    from common.data import staging
+    from tether.demo.run import PRESETS, prepare_assets
+
+    staged = []
+    monkeypatch.setattr(staging, "stage_model",
+                        lambda name, dest, **kw: staged.append((name, dest)) or True)  # fmt: skip
+    made = prepare_assets(tmp_path, preset="smollm2", seed=3)
+    assert (
+        staged
+        == [("smollm2-135m-instruct", tmp_path / "model")]
+        == [(PRESETS["smollm2"]["model"]["stage"], made.model_dir)]
+    )
+    assert made.warmup_report == {"steps": 0} and made.seconds["warmup"] == 0.0
+    rows = read_jsonl(made.data_dir / "eval.jsonl")
+    assert len(rows) == PRESETS["smollm2"]["task"]["num_eval"]
+    assert [turn["role"] for turn in rows[0]["prompt"]] == ["user", "assistant", "user"]
+    assert json.loads((made.data_dir / "task.json").read_text())["seed"] == 3

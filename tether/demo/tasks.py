@@ -23,8 +23,23 @@ logger = logging.getLogger(__name__)
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 PROMPT_TEMPLATE = "What is {a}{op}{b}? Answer in \\boxed{{}}."
 # Prompt formats: "question" is the full sentence; "short" (``23+45=``) has a fifth of its tokens,
-# which makes the demo's CPU warm-up and RL steps cheaper.
-PROMPT_STYLES = {"question": PROMPT_TEMPLATE, "short": "{a}{op}{b}="}
+# which makes the demo's CPU warm-up and RL steps cheaper; "instruct" is a question as a person
+# would write it to a pretrained chat model (spaces around the operator, the answer's format asked
+# for in words), for the real-model demo, which has no warm-up.
+PROMPT_STYLES = {
+    "question": PROMPT_TEMPLATE,
+    "short": "{a}{op}{b}=",
+    "instruct": "What is {a} {op} {b}?",
+}
+# One worked exchange before the question (``ArithmeticTask.one_shot``): a chat model sees the
+# answer's format in use rather than described. SmolLM2-135M-Instruct, asked for the format in a
+# system turn or in the question instead (with or without an example), boxed next to none of its
+# greedy answers in development probes; with the exchange it boxes many (the demo's results give
+# its held-out accuracy before RL).
+ONE_SHOT = (
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5. The answer is \\boxed{5}."},
+)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
@@ -50,6 +65,8 @@ class ArithmeticTask:
     # warm-up imitates the sloppiness; a verifier reward does not pay for it, so RL removes it.
     # Held-out solutions are always correct (they are never trained on).
     teacher_carry_error: float = 0.0
+    # ONE_SHOT's exchange before each question (the prompt becomes a chat of three turns)
+    one_shot: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_style not in PROMPT_STYLES:
@@ -166,10 +183,14 @@ def item(
     index: int,
     prompt_style: str = "question",
     solution: str | None = None,
+    one_shot: bool = False,
 ) -> dict:
-    """One JSONL record: prompt, answer, reference solution and metadata."""
+    """One JSONL record: prompt (a chat, ``ONE_SHOT``'s exchange then the question, when
+    ``one_shot``), answer, reference solution and metadata."""
+    question = problem.prompt(prompt_style)
+    chat = [*map(dict, ONE_SHOT), {"role": "user", "content": question}]
     return {
-        "prompt": problem.prompt(prompt_style),
+        "prompt": chat if one_shot else question,
         "answer": str(problem.answer),
         "solution": problem.solution() if solution is None else solution,
         "metadata": {"a": problem.a, "op": problem.op, "b": problem.b},
@@ -219,14 +240,28 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
     write_jsonl(
         paths["train"],
         [
-            item(p, split="train", index=i, prompt_style=style, solution=solution(p, "train"))
+            item(
+                p,
+                split="train",
+                index=i,
+                prompt_style=style,
+                solution=solution(p, "train"),
+                one_shot=task.one_shot,
+            )  # fmt: skip
             for i, p in enumerate(train)
         ],
     )
     write_jsonl(
         paths["eval"],
         [
-            item(p, split="eval", index=i, prompt_style=style, solution=solution(p, "eval"))
+            item(
+                p,
+                split="eval",
+                index=i,
+                prompt_style=style,
+                solution=solution(p, "eval"),
+                one_shot=task.one_shot,
+            )  # fmt: skip
             for i, p in enumerate(held_out)
         ],
     )
