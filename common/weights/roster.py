@@ -150,11 +150,11 @@ class Roster:
             return
         with self.lock:
             rate, chain = nbytes / busy_s, self._chain_rate
-            back = member_id in self._slow and chain and rate >= self.slow_fraction * chain
+            back = bool(member_id in self._slow and chain and rate >= self.slow_fraction * chain)
             if back:
                 self._slow.discard(member_id)
             slow = len(self._slow)
-        if back:
+        if back and chain:
             self._slow_gauge(slow)
             logger.info("weight sync: %s's link took an update at %.3f GB/s (the chain: %.3f): "
                         "back in the chain", member_id, rate / 1e9, chain / 1e9)  # fmt: skip
