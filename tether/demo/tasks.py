@@ -10,6 +10,7 @@ the parameters that made them; a later call with the same parameters reuses the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -237,34 +238,10 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
         error = task.teacher_carry_error if split == "train" else 0.0
         return p.scratchpad(sloppy, error)
 
-    write_jsonl(
-        paths["train"],
-        [
-            item(
-                p,
-                split="train",
-                index=i,
-                prompt_style=style,
-                solution=solution(p, "train"),
-                one_shot=task.one_shot,
-            )  # fmt: skip
-            for i, p in enumerate(train)
-        ],
-    )
-    write_jsonl(
-        paths["eval"],
-        [
-            item(
-                p,
-                split="eval",
-                index=i,
-                prompt_style=style,
-                solution=solution(p, "eval"),
-                one_shot=task.one_shot,
-            )  # fmt: skip
-            for i, p in enumerate(held_out)
-        ],
-    )
+    for split, problems in (("train", train), ("eval", held_out)):
+        make = functools.partial(item, split=split, prompt_style=style, one_shot=task.one_shot)
+        rows = [make(p, index=i, solution=solution(p, split)) for i, p in enumerate(problems)]
+        write_jsonl(paths[split], rows)
     marker.write_text(json.dumps(params, indent=2))
     logger.info("wrote %d train / %d eval problems to %s", len(train), len(held_out), out)
     return paths
