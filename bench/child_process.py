@@ -2,7 +2,16 @@
 benchmark stopped half-way stops them too: ``run`` is ``subprocess.run`` whose child, on any
 exception in the parent (a timeout, Ctrl-C, the runner's ``Interrupted`` on SIGTERM), is asked
 to stop with SIGTERM (`tether train` then stops its services and its Redis server), and its
-whole process group is SIGKILLed after ``grace_s``."""
+whole process group is SIGKILLed after ``grace_s``.
+
+``grace_s`` defaults to the launcher's own shutdown (``GRACE_S``): the learner's drain, then the
+other services', then their SIGKILL. The former 30 s grace would kill `tether demo` half-way
+through its shutdown (its learner first finishes a step, about a minute on the real model), as a
+second Ctrl-C did once by hand: its services, each in a session of its own, outlived it; the
+kernel's parent-death SIGTERM reached them, but with the run's Redis server gone the learner
+retried its acknowledgements against nothing until the bus gave up (``bus.reconnect_max_s``, 120
+s).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +20,14 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
+from tether.runs.supervisor import LEARNER_DRAIN_S
 
-def stop(proc: subprocess.Popen, *, grace_s: float) -> None:
+# the launcher's shutdown (tether.runs.supervisor.Supervisor.shutdown): the learner's drain, the
+# other services' 30 s, their SIGKILL's 5 s, and a margin for the run's summary and Redis
+GRACE_S = LEARNER_DRAIN_S + 30.0 + 5.0 + 25.0
+
+
+def stop(proc: subprocess.Popen, *, grace_s: float = GRACE_S) -> None:
     """SIGTERM the child, wait up to ``grace_s``, then SIGKILL its process group."""
     if proc.poll() is None:
         proc.terminate()
@@ -32,7 +47,7 @@ def run(
     *,
     timeout_s: float,
     env: dict[str, str] | None = None,
-    grace_s: float = 30.0,
+    grace_s: float = GRACE_S,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` to the end with its output captured (text), in a process group of its own."""
     proc = subprocess.Popen(

@@ -157,7 +157,7 @@ def drive_run(
                 time.sleep(2.5)  # one more heartbeat (every 2 s) so every service's doc is current
                 snaps[steps] = {"time": time.time(), "status": _status(r, name)}
     finally:
-        child_process.stop(proc, grace_s=30.0)  # SIGTERM: tether train stops its services
+        child_process.stop(proc)  # SIGTERM: tether train stops its services
         output = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(

@@ -196,7 +196,7 @@ def _rl_run(work: Path, model: Path, data: Path, *, replay: str, seed: int) -> d
     try:
         proc.wait(timeout=900)
     finally:
-        child_process.stop(proc, grace_s=30.0)
+        child_process.stop(proc)
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"tether train ({config.name}) exited with {proc.returncode}:\n{tail}")
