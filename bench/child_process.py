@@ -20,11 +20,10 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
-from tether.runs.supervisor import LEARNER_DRAIN_S
+from tether.runs.supervisor import SHUTDOWN_MAX_S
 
-# the launcher's shutdown (tether.runs.supervisor.Supervisor.shutdown): the learner's drain, the
-# other services' 30 s, their SIGKILL's 5 s, and a margin for the run's summary and Redis
-GRACE_S = LEARNER_DRAIN_S + 30.0 + 5.0 + 25.0
+# the launcher's longest shutdown, and a margin for the run's summary and its Redis server
+GRACE_S = SHUTDOWN_MAX_S + 25.0
 
 
 def stop(proc: subprocess.Popen, *, grace_s: float = GRACE_S) -> None:

@@ -137,6 +137,11 @@ def _last_error(log_path: Path) -> str:
 
 # Seconds the learner gets on stop to finish its cycle and write its final checkpoint.
 LEARNER_DRAIN_S = 120.0
+# Seconds the other services get on stop after the learner, then the wait after SIGKILL: with
+# the learner's drain, the longest a launcher's shutdown takes (``Supervisor.shutdown``).
+OTHERS_DRAIN_S = 30.0
+KILL_WAIT_S = 5.0
+SHUTDOWN_MAX_S = LEARNER_DRAIN_S + OTHERS_DRAIN_S + KILL_WAIT_S
 # Seconds generators and scorers get to stop by themselves once the learner finished the run
 # (they look for its record every 2 s; a generator then shuts its engine down).
 RUN_END_WAIT_S = 60.0
@@ -294,10 +299,10 @@ class Supervisor:
         others = [c for c in self.children if c is not self.learner]
         for c in others:
             c.signal(signal.SIGTERM)
-        _wait(others, 30.0)
+        _wait(others, OTHERS_DRAIN_S)
         for c in self.children:
             c.signal(signal.SIGKILL)
-        _wait(self.children, 5.0)
+        _wait(self.children, KILL_WAIT_S)
         for c in self.children:
             c.reap_group()
 
