@@ -10,7 +10,6 @@ the parameters that made them; a later call with the same parameters reuses the 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -239,8 +238,17 @@ def write_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
         return p.scratchpad(sloppy, error)
 
     for split, problems in (("train", train), ("eval", held_out)):
-        make = functools.partial(item, split=split, prompt_style=style, one_shot=task.one_shot)
-        rows = [make(p, index=i, solution=solution(p, split)) for i, p in enumerate(problems)]
+        rows = [
+            item(
+                p,
+                split=split,
+                index=i,
+                prompt_style=style,
+                solution=solution(p, split),
+                one_shot=task.one_shot,
+            )
+            for i, p in enumerate(problems)
+        ]
         write_jsonl(paths[split], rows)
     marker.write_text(json.dumps(params, indent=2))
     logger.info("wrote %d train / %d eval problems to %s", len(train), len(held_out), out)
