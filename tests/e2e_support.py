@@ -159,12 +159,14 @@ def run_training(
     resume: bool = False,
     during: Any = None,
     env: dict[str, str] | None = None,
+    poll_s: float = 1.0,
 ) -> RunResult:
     """Run `tether train` (``resume``: `tether train --resume` of the run directory); scrape
     /metrics; optionally SIGKILL services mid-run: ``kill_plan`` entries ``(service id, after n
     steps[, parity])`` fire, in order, once the service's live process (a pid not killed before)
     reports and the learner is at step >= n (of that parity: 1 = odd). ``during(docs, step)``
-    runs every second (a test's own fault injection); ``env``: extra environment of the run.
+    runs every poll, ``poll_s`` apart (a test's own fault injection); ``env``: extra environment
+    of the run.
     Returns what was observed."""
     run_dir = Path(config.read_text().split('run_dir = "')[1].split('"')[0]) / name
     args = ("--resume", str(run_dir)) if resume else ("--config", str(config))
@@ -182,7 +184,7 @@ def run_training(
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(1.0)
+            time.sleep(poll_s)
             try:
                 docs = _status_docs(r, name)
             except redis.RedisError:

@@ -14,7 +14,8 @@ from tests.e2e_support import (
 
 pytestmark = pytest.mark.slow
 
-CYCLES, PROMPTS, RESPONSES = 6, 4, 4
+# enough cycles that the run outlasts the kill plan (6 once ended 2 s after its first step)
+CYCLES, PROMPTS, RESPONSES = 12, 4, 4
 
 
 def test_kill_generator_scorer_and_learner_mid_run(redis_server, tmp_path):
@@ -24,6 +25,7 @@ def test_kill_generator_scorer_and_learner_mid_run(redis_server, tmp_path):
         redis_url=redis_server.url,
         name="recovery",
         kill_plan=[("generator-0", 1), ("scorer-0", 2), ("learner-0", 3)],
+        poll_s=0.25,  # kills in quick succession: polls a second apart once fired one of three
     )
     assert r.returncode == 0, r.output[-4000:]
     assert sorted(r.killed) == ["generator-0", "learner-0", "scorer-0"]
