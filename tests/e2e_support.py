@@ -8,6 +8,7 @@ demo's arithmetic.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -197,8 +198,8 @@ def run_training(
                 if d.get("metrics_port") and time.time() - d.get("heartbeat", 0) < 10:
                     try:
                         result.metric_names |= scrape(d["metrics_port"])
-                    except OSError:
-                        pass
+                    except (OSError, http.client.HTTPException):
+                        pass  # a service that ends (or is killed) mid-reply: the next poll scrapes again
             if during is not None:
                 during(docs, step)
             if plan:

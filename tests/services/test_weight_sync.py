@@ -281,7 +281,7 @@ def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool =
     try:
         send_update(pg, json.dumps(layout).encode(), version, units, digest_fn)
     except RuntimeError:
-        assert cut
+        assert cut or corrupt  # corrupt: the receiver may leave before the last unit is sent
 
 
 def test_corrupted_and_partial_updates_are_rejected_and_previous_version_kept():
