@@ -5,7 +5,8 @@ can be checked exactly. The real engine runs the same loops in ``tests/e2e/test_
 ``tests/services/test_agent_endpoint.py``.
 
 ``FakeEngine`` turns a reply into that sample; a subclass says what each request answers:
-``ScriptedEngine`` by episode and turn, ``InOrderEngine`` request after request, and
+``ScriptedEngine`` by episode and turn, ``InOrderEngine`` request after request,
+``test_published_templates.TemplateEngine`` by episode with a family's own end-of-turn id, and
 ``test_agent_parity.PolicyFake`` as a function of the prompt.
 """
 
@@ -20,13 +21,14 @@ Spans = list[tuple[str, int, int]]  # [(weight version, start, end)] of a reply'
 
 class FakeEngine:
     """A fake engine: ``answer`` chooses each request's text (or ``(text, spans)``), which is
-    encoded, closed by ``<|im_end|>`` and cut at ``max_tokens`` (finish "length"); spans given
-    are cut to the reply, others come from ``spans`` (all of it sampled by ``version``), and the
-    log-probs from ``logprobs`` (``logprob`` for every token)."""
+    encoded, closed by the end-of-turn id ``eos`` (default ``<|im_end|>``'s) and cut at
+    ``max_tokens`` (finish "length"); spans given are cut to the reply, others come from
+    ``spans`` (all of it sampled by ``version``), and the log-probs from ``logprobs``
+    (``logprob`` for every token)."""
 
-    def __init__(self, tok, *, logprob: float, version: str) -> None:
+    def __init__(self, tok, *, logprob: float, version: str, eos: int | None = None) -> None:
         self.tok, self.logprob, self.version = tok, logprob, version
-        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
+        self.eos = tok.convert_tokens_to_ids("<|im_end|>") if eos is None else eos
 
     def answer(self, ids: list[int], request_id: str) -> str | tuple[str, Spans]:
         raise NotImplementedError

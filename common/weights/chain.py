@@ -19,11 +19,16 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from common.weights.group import CANCEL_CHECK_S, broadcast, finish, make_pair_group
 from common.weights.layout import WeightSyncError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -107,29 +112,25 @@ def release_held(wait_s: float) -> None:
         th.join(max(0.0, until - time.monotonic()))
 
 
-def cancellable(fn, deadline: float, cancelled):
+def cancellable(fn: Callable[[], T], deadline: float, cancelled: Callable[[], bool]) -> T:
     """``fn()`` (a group's rendezvous, which cannot be interrupted) on a helper thread, given up
     at ``deadline`` or when ``cancelled()``: a member above that stopped before the rendezvous
     must not keep this one from the learner's next round."""
-    box: dict[str, Any] = {}
+    outcome: Future[T] = Future()
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            outcome.set_result(fn())
         except Exception as e:  # noqa: BLE001 - raised in the caller's thread below
-            box["error"] = e
+            outcome.set_exception(e)
 
-    th = threading.Thread(target=run, name="wsync-link", daemon=True)
-    th.start()
-    while th.is_alive():
-        th.join(CANCEL_CHECK_S)
-        if th.is_alive() and (time.monotonic() >= deadline or cancelled()):
+    threading.Thread(target=run, name="wsync-link", daemon=True).start()
+    while not futures.wait([outcome], timeout=CANCEL_CHECK_S).done:
+        if time.monotonic() >= deadline or cancelled():
             raise WeightSyncError(
                 "the member above in the chain did not connect (round called off)"
             )
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return outcome.result()
 
 
 class Forwarder:

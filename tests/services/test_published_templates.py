@@ -8,7 +8,7 @@ what the engine sampled: every turn's prompt is the ids recorded so far, every s
 the trajectory as sampled. Templates without tools take environment turns and are refused for
 tools. Failures of one episode (a template rule broken) end that episode alone, counted.
 
-``ScriptedEngine`` is a fake of vLLM's engine, named as one: it answers each turn with the text
+``TemplateEngine`` is a fake of vLLM's engine, named as one: it answers each turn with the text
 the test wrote, encoded with the template's tokenizer and closed by the family's end-of-turn id.
 
 ``README_TABLE`` is the README's per-family table ("Multi-turn episodes and tools"); the last
@@ -33,6 +33,7 @@ from services.generator.agent.episodes import EpisodeTable
 from services.generator.agent.openai_api import ApiError, Sampling
 from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, EpisodeSettings
 from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
+from tests.fake_engine import FakeEngine
 
 SPECS = resolve_tools(["calculator"])
 TOOLS = [s.schema() for s in SPECS]
@@ -88,23 +89,25 @@ README_TABLE = {
 }  # fmt: skip
 
 
-class ScriptedEngine:
-    """A fake engine: request ``<episode>/t<k>`` (built-in loop) or the k-th request (endpoint)
-    answers the k-th scripted text of its episode, closed by ``end``; prompts and samples kept."""
+class TemplateEngine(FakeEngine):
+    """Request ``<episode>/...`` (built-in loop or endpoint) answers its episode's next scripted
+    text, closed by the family's end-of-turn id ``end``; prompts and sampled ids kept."""
 
     def __init__(self, tok, script: dict[str, list[str]], end: int) -> None:
-        self.tok, self.script, self.end = tok, script, end
+        super().__init__(tok, logprob=-0.5, version="4", eos=end)
+        self.script = script
         self.prompts: dict[str, list[list[int]]] = {}
         self.sampled: dict[str, list[list[int]]] = {}
 
-    async def generate_group(self, ids, params, request_id):
-        episode = request_id.split("/")[0]
-        turn = len(self.prompts.setdefault(episode, []))
-        self.prompts[episode].append(list(ids))
-        out = [*self.tok(self.script[episode][turn], add_special_tokens=False).input_ids, self.end]
-        self.sampled.setdefault(episode, []).append(out)
-        return [Sample(token_ids=out, logprobs=[-0.5] * len(out), finish_reason="stop", text="",
-                       seconds=0.0, weight_versions=[("4", 0, len(out))])]  # fmt: skip
+    def answer(self, ids: list[int], request_id: str) -> str:
+        turns = self.prompts.setdefault(request_id.split("/")[0], [])
+        turns.append(ids)
+        return self.script[request_id.split("/")[0]][len(turns) - 1]
+
+    async def generate_group(self, ids, params, request_id) -> list[Sample]:
+        samples = await super().generate_group(ids, params, request_id)
+        self.sampled.setdefault(request_id.split("/")[0], []).append(samples[0].token_ids)
+        return samples
 
 
 @pytest.fixture(scope="module", params=TOOL_TEMPLATES)
@@ -118,7 +121,7 @@ def _value(counter) -> float:
     return float(counter._value.get())
 
 
-def _check_identity(rec, engine: ScriptedEngine, episode: str) -> None:
+def _check_identity(rec, engine: TemplateEngine, episode: str) -> None:
     """Each turn's prompt is the ids so far; each sampled turn is in the ids as sampled."""
     starts = [s for role, s, _ in rec.turns if role == "assistant"]
     assert len(starts) == len(engine.prompts[episode])
@@ -137,7 +140,7 @@ def _run_loop(name, tok, end, scripts: dict[str, list[str]], check="strict"):
     async def go():
         async with ToolSandbox(SPECS, workers=2, limits=SandboxLimits()) as sandbox:
             enc = TurnEncoder(tok, end_ids=end, tools=TOOLS)
-            engine = ScriptedEngine(tok, scripts, enc.end_token)
+            engine = TemplateEngine(tok, scripts, enc.end_token)
             metrics = EpisodeMetrics()
             runner = EpisodeRunner(
                 engine=engine, tokenizer=tok, encoder=enc, tool_format=fmt, sandbox=sandbox,
@@ -223,7 +226,7 @@ def test_strict_refuses_a_rerender_that_drops_what_the_model_wrote():
 
 
 def _turns(tok, end, fmt, script):
-    engine = ScriptedEngine(tok, {"p": script}, tok.eos_token_id)  # end: set by the caller
+    engine = TemplateEngine(tok, {"p": script}, tok.eos_token_id)  # end: set by the caller
     lim = TurnLimits(max_requests=8, max_tokens_per_request=400, max_response_tokens=2000,
                      max_model_len=4000, max_messages=16)  # fmt: skip
     return engine, AgentTurns(engine=engine, tokenizer=tok, tool_format=FORMATS[fmt],
@@ -235,7 +238,7 @@ def _endpoint_episode(name, tok, end, kind, **extra):
     enc = TurnEncoder(tok, end_ids=end, tools=TOOLS)
     script = [CALLS[p.tool_format][KINDS.index(kind)], ANSWER]
     engine, turns = _turns(tok, end, p.tool_format, script)
-    engine.end = enc.end_token
+    engine.eos = enc.end_token
     prompt = render_ids(tok, QUESTION, tools=TOOLS, add_generation_prompt=True)
     ep = EpisodeTable().start(sampling=Sampling(temperature=1.0, top_p=1.0, top_k=0),
                               prompt_ids=prompt, prompt_messages=QUESTION, request_prefix="p/s0",
@@ -297,7 +300,7 @@ def test_a_template_refusing_the_agents_messages_is_a_400():
     tok = tokenizer("mistral-nemo")
     end = end_ids("mistral-nemo", tok)
     engine, turns = _turns(tok, end, "mistral", [CALLS["mistral"][0], ANSWER])
-    engine.end = tok.eos_token_id
+    engine.eos = tok.eos_token_id
     prompt = render_ids(tok, QUESTION, tools=TOOLS, add_generation_prompt=True)
     ep = EpisodeTable().start(sampling=Sampling(temperature=1.0, top_p=1.0, top_k=0),
                               prompt_ids=prompt, prompt_messages=QUESTION, request_prefix="p/s0",

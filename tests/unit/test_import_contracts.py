@@ -115,8 +115,8 @@ def test_no_catch_all_names():
 # resolves it into each part's settings (common.service.settings) and checks it before start-up,
 # and a service's main, which builds that service's settings once
 CONFIG_READERS = ("common/config/", "common/service/")
-# the parts that take settings of their own (issue 42 item 1; the learner still passes the
-# config below its main)
+# the parts that take settings of their own (issue 42 item 1): every service below its main,
+# and the library outside its config package and the service harness
 ON_OWN_SETTINGS = ("common/", "services/")
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
+from common.config.learner import LossAgg
 from tether.config_import.result import ImportProblem, ImportResult, MappedKey
 from tether.config_import.sources import Source, coerce
 
@@ -347,12 +348,9 @@ def to_kl_type(value: Any) -> str:
 
 
 def to_loss_agg(value: Any) -> str:
-    if value in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    if value in get_args(LossAgg):
         return value
-    raise Skip(
-        f"Tether's loss_agg is token-mean, seq-mean-token-sum or seq-mean-token-mean; "
-        f"{value!r} has no equivalent"
-    )
+    raise Skip(f"Tether's loss_agg is {', '.join(get_args(LossAgg))}; {value!r} has no equivalent")
 
 
 def to_one_path(value: Any) -> str:
