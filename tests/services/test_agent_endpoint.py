@@ -26,6 +26,7 @@ from common.protocol import wire
 from services.generator.agent.gym import GymAgent
 from tests import agents_for_tests as agents
 from tests.engine_support import module_agent_runner, module_engine
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is 3+4?"
@@ -209,15 +210,17 @@ def test_each_bad_request_gets_its_4xx_and_touches_no_other_episode(engine, runn
     try:
         with pytest.raises(asyncio.TimeoutError):
             engine.run(post(url, good, timeout=0.5))
-        engine.run(asyncio.sleep(0.5))
-        assert engine.num_unfinished_requests() == 0 and ep.segments == []
+        engine.run(until(lambda: engine.num_unfinished_requests() == 0, timeout_s=10,
+                         what="the abandoned request aborted in vLLM"))  # fmt: skip
+        assert ep.segments == []
     finally:
         engine.run(engine.resume())
     # an episode that ends while its request is sampled: 409, nothing recorded
     engine.run(engine.pause(mode="keep"))
     try:
         pending = engine.run(_start(post(url, good)))
-        engine.run(asyncio.sleep(0.3))
+        engine.run(until(lambda: engine.num_unfinished_requests() == 1, timeout_s=10,
+                         what="the request in the (paused) engine"))  # fmt: skip
         runner.table.end(ep)
     finally:
         engine.run(engine.resume())

@@ -4,11 +4,13 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from services.scorer.grader_pool import GraderPool
+from tests.waiting import wait_until
 
 # A real pathological input: sympy tries to evaluate a power tower and never returns.
 HANGING_ANSWER = "9^{9^{9^{9}}}"
@@ -130,6 +132,14 @@ def test_hanging_input_is_cut_off_and_other_items_keep_flowing(cutting_pool, cut
     assert [r.reason for r in pool.grade_many([("2", "2"), ("3", "2")])] == ["correct", "wrong"]
 
 
+def _dead(pid: int) -> bool:
+    """``pid`` has exited: a zombie its parent has not reaped yet, or gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_worker_sigkilled_from_outside_gives_error_and_pool_recovers():
     registry = CollectorRegistry()
     with GraderPool(1, 20.0, registry=registry, test_only_sleep_hook=True) as pool:
@@ -147,7 +157,7 @@ def test_worker_sigkilled_from_outside_gives_error_and_pool_recovers():
         # A worker that dies while idle is replaced before it is given an item: nothing is lost.
         (idle,) = pool.worker_pids()
         os.kill(idle, signal.SIGKILL)
-        time.sleep(0.2)
+        wait_until(lambda: _dead(idle), timeout_s=10, what=f"worker {idle} to die")
         assert [r.reason for r in pool.grade_many([("2", "2")])] == ["correct"]
         assert pool.worker_pids() != [idle]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -25,6 +26,7 @@ from common.protocol import streams
 from common.service import run_end
 from common.service.preflight import PreflightError, preflight
 from tests.procs.scorer_proc import ScorerProc, make_group, scored
+from tests.waiting import wait_until
 
 PASSWORD = "tls-test-password"
 
@@ -181,6 +183,14 @@ def _preflight_error(url: str, tmp_path: Path) -> str:
     return str(err.value)
 
 
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_an_untrusted_certificate_or_a_plain_port_is_refused_with_the_fix(tls_redis, tmp_path):
     port, _ = tls_redis
     said = _preflight_error(_url(port, None), tmp_path)  # the CA not named: not trusted
@@ -190,7 +200,7 @@ def test_an_untrusted_certificate_or_a_plain_port_is_refused_with_the_fix(tls_re
                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        time.sleep(0.5)
+        wait_until(lambda: _accepts(plain_port), timeout_s=10, what="the plain server's port")
         said = _preflight_error(f"rediss://127.0.0.1:{plain_port}/0", tmp_path)
         assert "does not speak TLS" in said and "redis://" in said, said
     finally:

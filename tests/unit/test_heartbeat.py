@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
+from tests.waiting import wait_until
 
 
 class FlakySink:  # a fake of Bus.write_status
@@ -61,7 +61,9 @@ def test_the_last_document_written_is_the_one_stop_writes():
     state["version"] = 6
     stopper = threading.Thread(target=rep.stop)
     stopper.start()
-    time.sleep(0.2)
+    wait_until(
+        rep._stop.is_set, timeout_s=5, what="stop() called, its write waiting on the held one"
+    )
     sink.release.set()
     stopper.join(5)
     rep._thread.join(5)  # the held write has landed too
