@@ -151,18 +151,6 @@ class Forwarder:
     def put(self, t) -> None:
         self._q.put(t)
 
-    def drain(self, deadline: float) -> None:
-        """Wait until everything put in has been passed on (or the relay failed, or
-        ``deadline``): the receiver then reuses the buffer those tensors are views into (if the
-        relay still holds one, the receiver takes a new buffer instead: ``StagingBuffer``)."""
-        done = self._q.all_tasks_done
-        with done:
-            while self._q.unfinished_tasks and self.error is None and self._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                done.wait(min(left, 0.1))
-
     def close(self) -> None:
         self._q.put(None)
 

@@ -40,11 +40,6 @@ logger = logging.getLogger(__name__)
 
 ANNOUNCE_CHECK_S = 0.002  # a receiver waiting in begin() looks for the learner's next announcement
 POLL_S = 0.25  # and reads ``pending`` and ``dropped`` this often
-# Before a unit reuses the staging buffer, how long to wait for the relay to pass the last one
-# on; past that the unit goes to a buffer of its own, so a member below that falls behind never
-# holds this member back (the learner blames it after a quarter of its deadline without
-# progress, and the relay's views go with its called-off round).
-RELAY_WAIT_S = 0.05
 
 
 class WeightReceiver:
@@ -196,7 +191,6 @@ class WeightReceiver:
             incoming = IncomingUpdate(
                 pg, staging=self._staging, deadline=t_end,
                 relay=fwd.put if fwd else None,
-                wait_relayed=(lambda: fwd.drain(time.monotonic() + RELAY_WAIT_S)) if fwd else None,
                 progress=_reporter(pstore, text),
                 cancelled=lambda: _called_off(pstore, text),
             )  # fmt: skip

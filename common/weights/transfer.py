@@ -113,41 +113,53 @@ def _holders(t) -> int:
 
 
 class StagingBuffer:
-    """The one buffer a receiver stages a unit in, reused from unit to unit and update to update
-    while nothing else holds a view of it. Sized at its first use to the update's largest unit,
-    so a receiver holds one largest unit, not the model. A view kept elsewhere (an update
-    collected whole, a relay still sending, vLLM's layerwise reload holding a fused layer's
-    first parts until its last arrives) keeps that buffer alive: the unit then goes to a
-    temporary buffer of its own size, and the kept one is reused once let go."""
+    """The buffers a receiver stages units in, reused from unit to unit and update to update
+    while nothing else holds a view of them. Each is sized at its first use to the update's
+    largest unit, so a receiver holds one largest unit (``slots=1``), not the model. A member
+    that relays to the next one in a chain takes ``slots=2``: the next unit arrives in one while
+    the relay still passes the previous one on from the other, so its link never waits at a
+    unit's end for the link below (waiting there cost a chain of 16 units at 200 Mbit/s about
+    2 s per publish: ``bench.weights_hosts``). A view kept elsewhere (an update collected
+    whole, a relay that fell behind, vLLM's layerwise reload holding a fused layer's first
+    parts until its last arrives) keeps a buffer alive: when every slot is held the unit goes
+    to a temporary buffer of its own size, and the kept ones are reused once let go."""
 
     def __init__(self, device: Any) -> None:
         self.device = device
-        self._buf: Any = None
+        self._bufs: list[Any] = []
         self.allocations = 0  # buffers made (tests, metrics)
 
-    def take(self, nbytes: int, *, reserve: int = 0) -> Any:
+    def _free(self) -> Any:
+        return next((b for b in self._bufs if _holders(b) <= 1), None)
+
+    def take(self, nbytes: int, *, reserve: int = 0, slots: int = 1) -> Any:
         import torch
 
-        buf = self._buf
-        if buf is not None and _holders(buf) > 1:
+        if len(self._bufs) > slots:  # a relay's second slot, no longer needed: let go of it
+            keep = self._free()
+            self._bufs = [self._bufs[0] if keep is None else keep]
+        buf = self._free()
+        if buf is None and len(self._bufs) >= slots:
             # gloo's worker thread lets go of a finished op's tensors a moment after its wait
             # returns: give it that moment before taking a temporary buffer
             until = time.monotonic() + RELEASE_WAIT_S
-            while _holders(buf) > 1 and time.monotonic() < until:
+            while (buf := self._free()) is None and time.monotonic() < until:
                 time.sleep(0.0001)
-        if buf is not None and _holders(buf) > 1:  # still read elsewhere: a temporary one
-            self.allocations += 1
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if buf is None:  # still read elsewhere: a temporary one
+                self.allocations += 1
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if buf is None or buf.numel() < nbytes:
-            self._buf = buf = None  # let go first: the old one is freed before the new one
+            if buf is not None:  # let go first: the old one is freed before the new one
+                self._bufs = [b for b in self._bufs if b is not buf]
+                buf = None
             buf = torch.empty(max(nbytes, reserve), dtype=torch.uint8, device=self.device)
             self.allocations += 1
-            self._buf = buf
+            self._bufs.append(buf)
         return buf[:nbytes]
 
     def drop(self) -> None:
-        """Never reuse the buffer (an op left behind after a failure may still write to it)."""
-        self._buf = None
+        """Never reuse the buffers (an op left behind after a failure may still write to them)."""
+        self._bufs = []
 
 
 class IncomingUpdate:
@@ -155,20 +167,19 @@ class IncomingUpdate:
     (``version``, ``layout``), then ``units()`` receives the units one at a time into
     ``staging``, each verified against the running checksum before it is handed out.
 
-    ``relay(t)`` gets every tensor received, in order, to pass on; ``wait_relayed()`` is called
-    before a unit reuses the staging buffer (the relay has passed the last one on);
-    ``progress(n)`` is told how many pieces have arrived. The header's ``deadline_s`` (the
+    ``relay(t)`` gets every tensor received, in order, to pass on (then units are staged in two
+    slots, ``StagingBuffer``); ``progress(n)`` is told how many pieces have arrived. The header's ``deadline_s`` (the
     learner's allowance for this update, which grows with its bytes) extends ``deadline``."""
 
     def __init__(
         self, pg, *, staging: StagingBuffer, deadline: float | None = None, relay=None,
-        progress=None, cancelled=None, wait_relayed=None, window: int = WINDOW_OPS,
+        progress=None, cancelled=None, window: int = WINDOW_OPS,
     ) -> None:  # fmt: skip
         import torch
 
         self.pg, self.staging, self.deadline = pg, staging, deadline
         self.relay, self.progress, self.cancelled = relay, progress, cancelled
-        self.wait_relayed, self.window = wait_relayed, window
+        self.window = window
         started = time.monotonic()
         device = staging.device
         meta = torch.zeros(3, dtype=torch.int64, device=device)
@@ -206,9 +217,9 @@ class IncomingUpdate:
         n = 0
         for k, (start, end, first, last) in enumerate(self.layout["units"]):
             self.current = None
-            if self.wait_relayed is not None:
-                self.wait_relayed()
-            buf = self.staging.take(end - start, reserve=reserve)
+            buf = self.staging.take(
+                end - start, reserve=reserve, slots=1 if self.relay is None else 2
+            )
             plan = pieces(0, end - start, chunk)
             tail = torch.zeros(16, dtype=torch.uint8, device=self.staging.device)
             targets = [buf[a:b] for a, b in plan] + [tail]  # the checksum comes in the window too
