@@ -168,8 +168,9 @@ class IncomingUpdate:
     ``staging``, each verified against the running checksum before it is handed out.
 
     ``relay(t)`` gets every tensor received, in order, to pass on (then units are staged in two
-    slots, ``StagingBuffer``); ``progress(n)`` is told how many pieces have arrived. The header's ``deadline_s`` (the
-    learner's allowance for this update, which grows with its bytes) extends ``deadline``."""
+    slots, ``StagingBuffer``); ``progress(n)`` is told how many pieces have arrived. The
+    header's ``deadline_s`` (the learner's allowance for this update, which grows with its
+    bytes) extends ``deadline``."""
 
     def __init__(
         self, pg, *, staging: StagingBuffer, deadline: float | None = None, relay=None,
