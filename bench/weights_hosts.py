@@ -16,11 +16,15 @@ the best of ``repeats`` after one warm-up.
 Bytes on the learner's link: its ``eth0`` transmit counter over a publish.
 
 Scale: links of R Mbit/s with the model and the piece (``weights.chunk_mb``) scaled down
-together (defaults: 200 Mbit/s, 128 MB in 4 MB pieces, 32 pieces, where a 16 GB model in
-16 MB pieces on a 25 Gbit/s link has 1000): the fill of the chain is a piece per hop, so the
-ratio N8 ÷ N1 here is an upper bound for models with more pieces. R is kept low enough that
-the machine's cores are not the bottleneck (between two namespaces an unshaped gloo broadcast
-measured ~3 Gbit/s on this 2-core machine; at N = 8 the hosts together carry 8 × R each way).
+together. A chain's fill is one piece per hop, so what carries over to a cluster is a piece's
+time on a link against the model's. Defaults: 200 Mbit/s, 128 MB in 1 MB pieces (128 pieces,
+42 ms each on the link, 7 × 42 ms = 0.29 s of fill at N = 8 against 5.4 s for the model). A
+run's pieces are 16 MB (gloo) or 64 MB (NCCL) on links of 25-400 Gbit/s: 0.3-5 ms each, and a
+16 GB model has 250-1000 of them, so the fill here is an upper bound. With 4 MB pieces (32 of
+168 ms) the fill alone was 21 % of the model's time and N8 ÷ N1 measured 1.36 (the result at
+51bb1ed). R is kept low enough that the machine's cores are not the bottleneck (between two
+namespaces an unshaped gloo broadcast measured ~3 Gbit/s on this 2-core machine; at N = 8 the
+hosts together carry 8 × R each way).
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def _one_n(net, n: int, *, mb: int, tensors: int, chunk_mb: float, repeats: int,
 
 def run_hosts_bench(
     *, out_path: str | Path | None = None, mbit: float = 200.0, generators=GENERATORS,
-    mb: int = 128, tensors: int = 16, chunk_mb: float = 4.0, repeats: int = 2,
+    mb: int = 128, tensors: int = 16, chunk_mb: float = 1.0, repeats: int = 2,
     work_dir: str | Path = "bench/work", **_: Any,
 ) -> dict:  # fmt: skip
     from bench.hosts import Hosts
@@ -236,6 +240,7 @@ def run_hosts_bench(
         "num_tensors": tensors,
         "chunk_mb": chunk_mb,
         "pieces": nbytes / (chunk_mb * (1 << 20)),
+        "piece_seconds_on_link": chunk_mb * (1 << 20) * 8 / 1e6 / mbit,
         "generators": list(generators),
         "one_model_over_one_link_seconds": nbytes * 8 / 1e6 / mbit,
         "scaling": table,
@@ -258,7 +263,9 @@ def readme_row(r: dict) -> str:
     ch, pw = r["scaling"]["chain"], r["scaling"]["pairwise"]
     per_n = "; ".join(f"N={n}: chain {ch[str(n)]['seconds']:.1f} s, pairwise "
                       f"{pw[str(n)]['seconds']:.1f} s" for n in r["generators"])  # fmt: skip
-    measured = (f"{r['bytes'] / 1e6:.0f} MB in {r['pieces']:.0f} pieces, each host's link "
+    piece_s = r.get("piece_seconds_on_link", r["chunk_mb"] * (1 << 20) * 8 / 1e6 / r["link_mbit"])
+    measured = (f"{r['bytes'] / 1e6:.0f} MB in {r['pieces']:.0f} pieces ({piece_s * 1e3:.0f} ms "
+                f"each on a link), each host's link "
                 f"{r['link_mbit']:g} Mbit/s (one model over one link "
                 f"{r['one_model_over_one_link_seconds']:.1f} s): {per_n}")  # fmt: skip
     ratio = (f"chain N={hi} ÷ N={lo} **{r[f'ratio_chain_seconds_n{hi}_vs_n{lo}']:.2f}**, "
