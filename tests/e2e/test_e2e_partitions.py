@@ -38,6 +38,7 @@ SERVICES = (("learner", "learner", ()),
             ("scorer-0", "scorer", ("--id", "scorer-0")))  # fmt: skip
 GENERATORS = ("generator-0", "generator-1")
 WATCHED = ("tether_bus_claimed_messages_total", "tether_bus_duplicates_skipped_total")
+VERSION = "tether_generator_policy_version"  # the version each generator's engine runs
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Run:
     logs: Path = Path()
     windows: list[Window] = field(default_factory=list)
     counters: dict[str, dict[str, float]] = field(default_factory=dict)  # host -> WATCHED totals
+    versions: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # host -> readings
 
     def recovery_s(self, w: Window) -> float:
         """Seconds from healing ``w`` to the next step the learner published."""
@@ -142,6 +144,10 @@ def _watch(net: Hosts, admin, name: str, run: Run) -> None:
             for sample in family.samples:
                 if sample.name in totals:
                     totals[sample.name] += sample.value
+                elif sample.name == VERSION:
+                    run.versions.setdefault(doc["id"], []).append(
+                        (time.monotonic(), int(sample.value))
+                    )
         run.counters[doc["id"]] = totals
 
 
@@ -167,6 +173,7 @@ def net():
 
 FLAP_S, FLAPS = 3.0, 10  # a link down 3 s, up 3 s, ten times: a minute
 CUT_S = 30.0  # a service cut off
+LONG_CUT_S = 60.0  # the learner, or a generator, cut off from Redis
 # After a fault is healed the learner publishes a step within: a request or reply the partition
 # dropped is retransmitted by TCP, or at worst its socket times out (bus.socket_timeout_s, 30 s)
 # and the call is made again on a new connection (back-off at most 2 s), then a cycle runs
@@ -181,6 +188,9 @@ WEIGHTS_TIMEOUT_S = 20.0  # weights.timeout_s of the run
 # period before the lapse), at its next claim scan (every claim_idle_s / 4), and runs a cycle
 TAKEOVER_S = WEIGHTS_TIMEOUT_S + 2 * CLAIM_IDLE_S / 3 + CLAIM_IDLE_S + CLAIM_IDLE_S / 4 + 8.0
 WEIGHTS_CUT_S = 75.0  # past TAKEOVER_S (~61 s): the run must step while the cut still lasts
+# healed, generator-0 finds it was dropped (its receive fails by weights.timeout_s at the
+# latest), joins again, and takes the next publish (a cycle's time, a few seconds here)
+CATCH_UP_S = WEIGHTS_TIMEOUT_S + RECOVERY_BOUND_S
 
 
 def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> None:
@@ -217,7 +227,7 @@ def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> No
         fn(b, a)
 
     window("learner cut off from Redis", lambda: both_ways(net.block, "learner", "redis"),
-           lambda: both_ways(net.unblock, "learner", "redis"), CUT_S)  # fmt: skip
+           lambda: both_ways(net.unblock, "learner", "redis"), LONG_CUT_S)  # fmt: skip
     # one way: the generator's commands reach Redis, the replies do not (a write may have
     # landed that the generator cannot know of: its retry must not duplicate it)
     window(
@@ -226,7 +236,11 @@ def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> No
         lambda: net.unblock("redis", "generator-0"),
         CUT_S,
     )
-    # the scorer cut off from everyone, mid-batch
+    # the scorer cut off from everyone, mid-batch: while it holds groups it read and has not
+    # yet acked (grading them, or committing their scores)
+    groups = f"{name}:{streams.GROUPS}"
+    wait_until(lambda: admin.xpending_range(groups, streams.SCORERS, "-", "+", 10, "scorer-0"),
+               timeout_s=60, what="scorer-0 holding a group", poll_s=0.01)  # fmt: skip
     window("scorer cut off", lambda: net.cut("scorer-0"), lambda: net.heal("scorer-0"), CUT_S)
     # generator-1 cut off from Redis past bus.claim_idle_s while it holds prompts: generator-0
     # claims them; healed, generator-1's late commit of the same groups publishes nothing
@@ -235,7 +249,7 @@ def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> No
                timeout_s=60, what="generator-1 holding a prompt", poll_s=0.02)  # fmt: skip
     window("generator-1 cut off from Redis past bus.claim_idle_s",
            lambda: both_ways(net.block, "generator-1", "redis"),
-           lambda: both_ways(net.unblock, "generator-1", "redis"), CUT_S)  # fmt: skip
+           lambda: both_ways(net.unblock, "generator-1", "redis"), LONG_CUT_S)  # fmt: skip
     # generator-0, the chain's first member, cut off from the learner: the publish drops it and
     # sends the version down a new chain to generator-1; healed, generator-0 rejoins, catches up
     window("generator-0 cut off from the learner",
@@ -249,16 +263,18 @@ def test_partitions_during_a_run_lose_nothing_train_nothing_twice_and_stall_boun
     """One run with two generators, six faults one after another from its second step (the
     run's steady state: the generators sampling, the scorer grading, the learner training and
     publishing down the weight chain every cycle), each healed before the next: generator-0's
-    link flapping (3 s down, 3 s up, for a minute), the learner cut off from Redis for 30 s (its
+    link flapping (3 s down, 3 s up, for a minute), the learner cut off from Redis for 60 s (its
     weight publishes still reach the generators), a one-way partition for 30 s (generator-0's
     commands reach Redis, the replies do not: writes may land that it cannot know of, and its
-    retries must not duplicate them), the scorer cut off from everyone for 30 s, generator-1 cut
-    off from Redis for 30 s while it holds prompts (past ``bus.claim_idle_s``, 20 s: generator-0
-    claims them, and generator-1's late commit publishes nothing), and generator-0, the chain's
+    retries must not duplicate them), the scorer cut off from everyone for 30 s while it holds
+    groups it has read and not acked, generator-1 cut off from Redis for 60 s while it holds
+    prompts (past ``bus.claim_idle_s``, 20 s: generator-0 claims them, and generator-1's late
+    commit publishes nothing), and generator-0, the chain's
     first member, cut off from the learner for 75 s (dropped by the publish, which goes on to
     generator-1 down a new chain; the prompts it holds need a version it cannot get, so it lets
     their claims lapse and takes no more prompts, and generator-1 takes them over and runs on
-    while the cut lasts; it rejoins when healed). Every response is trained exactly
+    while the cut lasts; healed, it rejoins and runs the learner's version within ``CATCH_UP_S``).
+    Every response is trained exactly
     once, the run finishes, and after each fault the run steps again within
     ``RECOVERY_BOUND_S``."""
     # enough that the run outlasts the schedule (~5 min of faults and pauses): the run goes on
@@ -285,6 +301,13 @@ def test_partitions_during_a_run_lose_nothing_train_nothing_twice_and_stall_boun
     for w in run.windows:
         assert run.recovery_s(w) <= RECOVERY_BOUND_S, report
     assert run.steps_during(run.windows[0]) > 0, report  # a flapping link slows the run only
+    # healed, generator-0 rejoins and catches up: its engine runs the version the learner had
+    # published by then, within CATCH_UP_S
+    at_heal = max(step for step, t in run.step_seen.items() if t <= cut.healed)
+    caught = [t for t, v in run.versions.get("generator-0", []) if t > cut.healed and v >= at_heal]
+    print("generator-0 caught up with step", at_heal,
+          f"{caught[0] - cut.healed:.1f} s after the heal" if caught else "never")  # fmt: skip
+    assert caught and caught[0] - cut.healed <= CATCH_UP_S, run.versions.get("generator-0")
 
 
 # ------------------------------------------------------------------------------ failover
