@@ -7,7 +7,8 @@ the deadline every collective is held to), ``transfer`` (one update over one lin
 model), ``chain`` (routes, links, the member's relay, the learner's failure rule), ``publisher``
 (learner side: the store and the publishes, with its parts ``acceptor`` (joins), ``roster`` (the
 members), ``pairwise`` (a sender per member) and ``chain_sender`` (chain rounds and their
-retry)) and ``receiver`` (generator side).
+retry)), ``receiver`` (generator side) and ``store_calls`` (its calls to the learner's store,
+each answered within a limit: across a partition a store client waits with none).
 
 Membership
     The learner hosts a ``torch.distributed.TCPStore`` (``is_master``). A generator joins by

@@ -34,6 +34,7 @@ from common.weights.group import (
     use_device,
 )
 from common.weights.layout import WeightSyncError
+from common.weights.store_calls import CALL_LIMIT_S, BoundedStore, StoreCaller
 from common.weights.transfer import IncomingUpdate, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,9 @@ class WeightReceiver:
         self.epoch: int | None = None
         self._instance = ""  # the publisher ``version`` came from
         self.current = -1  # the learner's latest version when it accepted our join (-1: none)
-        self._store: Any = None
-        self._pstore: Any = None
+        self._store: Any = None  # BoundedStore: every call answered in time (store_calls.py)
+        self._pstore: Any = None  # the same, under this join's prefix
+        self._caller: StoreCaller | None = None
         self._pg: Any = None
         self._staging = StagingBuffer(device or "cpu")  # one unit at a time (transfer.py)
         self._announced = 0  # announcements seen in this join epoch's prefix
@@ -75,10 +77,16 @@ class WeightReceiver:
 
         self._pg = None
         try:
-            if self._store is None:
-                probe(self.host, self.port, timeout_s=min(self.timeout_s, PROBE_TIMEOUT_S))
-                self._store = dist.TCPStore(self.host, self.port, is_master=False,
-                                            timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+            # a new connection at every join: the last one may have been cut mid-request (a
+            # partition), and a request that went unanswered leaves its late reply on it
+            self._store = self._pstore = None
+            if self._caller is not None:
+                self._caller.close()
+            probe(self.host, self.port, timeout_s=min(self.timeout_s, PROBE_TIMEOUT_S))
+            raw = dist.TCPStore(self.host, self.port, is_master=False,
+                                timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+            self._caller = StoreCaller(min(self.timeout_s, CALL_LIMIT_S))
+            self._store = BoundedStore(raw, self._caller)
             # the publisher sets the key before it can be reached; a store without it is gloo
             has_key = self._store.check([BACKEND_KEY])
             announced = self._store.get(BACKEND_KEY).decode() if has_key else "gloo"
@@ -101,14 +109,15 @@ class WeightReceiver:
             if instance != self._instance:  # another learner: its versions start over
                 self.version, self._instance = None, instance
             epoch = int(self._store.add(f"wsync/epoch/{self.member_id}", 1))
-            self._pstore = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", self._store)
+            prefixed = dist.PrefixStore(f"wsync/{self.member_id}/{epoch}/", raw)
+            self._pstore = BoundedStore(prefixed, self._caller)
             self._announced = 0  # the learner counts its announcements per join epoch
             has = -1 if self.version is None else self.version  # not sent again on the catch-up
             join = handshake.signed(self._secret, instance=instance, member=self.member_id,
                                     epoch=epoch, has=has)  # fmt: skip
             self._store.append("wsync/joins", join.entry())
             self.current = self._admitted()
-            self._pg = make_pair_group(self._pstore, 1, backend=self.backend,
+            self._pg = make_pair_group(prefixed, 1, backend=self.backend,
                                        timeout_s=self.timeout_s)  # fmt: skip
         except WeightSyncError:
             raise
@@ -264,6 +273,9 @@ class WeightReceiver:
             fwd.join(max(0.0, end - time.monotonic()))
         self._forwarding = []
         self._pg = self._pstore = self._store = None
+        if self._caller is not None:
+            self._caller.close()
+            self._caller = None
         self._staging.drop()
         release_later(self._links, after_s=0.0)
         self._links = {}
