@@ -14,6 +14,7 @@ import os
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -294,9 +295,16 @@ def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backw
         wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) >= set(pids), 30,
                    "the survivor to take the prompts (gated)", [survivor])  # fmt: skip
         c.bus.set(streams.WEIGHTS_PUBLISHING, 2)
-        assert c.pub.publish(v2, 2).per_member.get(survivor.sid) == "ok"  # generation starts
-        c.bus.set(streams.WEIGHTS_PUBLISHING, 0)  # the learner restarted from an older one
-        c.bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{restarted.port}")  # the generator rejoins
+        # the roll-back follows the moment the survivor has v2 (generation starts then), not
+        # when the publish returns: with the killed generator-0 still a member, the round can
+        # end seconds later (found by CI: by then every response was done, none straddled)
+        with ThreadPoolExecutor(1) as pool:
+            published = pool.submit(c.pub.publish, v2, 2)
+            wait_until(lambda: c.bus.get(streams.generator_version(survivor.sid)) == "2", 60,
+                       "the survivor to take v2", [survivor])  # fmt: skip
+            c.bus.set(streams.WEIGHTS_PUBLISHING, 0)  # the learner restarted from an older one
+            c.bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{restarted.port}")  # it rejoins there
+            assert published.result(120).per_member.get(survivor.sid) == "ok"
         wait_until(lambda: c.bus.get(streams.generator_version(survivor.sid)) == "0", 60,
                    "the generator to take v0", [survivor])  # fmt: skip
         for version in (1, 2):  # the resumed learner trains its steps again and publishes them
