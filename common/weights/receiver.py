@@ -79,9 +79,7 @@ class WeightReceiver:
         try:
             # a new connection at every join: the last one may have been cut mid-request (a
             # partition), and a request that went unanswered leaves its late reply on it
-            self._store = self._pstore = None
-            if self._caller is not None:
-                self._caller.close()
+            self._let_go_of_store()
             probe(self.host, self.port, timeout_s=min(self.timeout_s, PROBE_TIMEOUT_S))
             raw = dist.TCPStore(self.host, self.port, is_master=False,
                                 timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
@@ -130,6 +128,13 @@ class WeightReceiver:
         self.epoch = epoch
         logger.info("weight sync: joined as %s epoch %d", self.member_id, epoch)
         return epoch
+
+    def _let_go_of_store(self) -> None:
+        """Drop the store connection; its helper thread ends after any call it is stuck in."""
+        self._store = self._pstore = None
+        if self._caller is not None:
+            self._caller.close()
+            self._caller = None
 
     def _admitted(self) -> int:
         """Wait (up to ``timeout_s``) for the learner to take our join: it sets ``current``
@@ -272,10 +277,8 @@ class WeightReceiver:
         for fwd in self._forwarding:
             fwd.join(max(0.0, end - time.monotonic()))
         self._forwarding = []
-        self._pg = self._pstore = self._store = None
-        if self._caller is not None:
-            self._caller.close()
-            self._caller = None
+        self._pg = None
+        self._let_go_of_store()
         self._staging.drop()
         release_later(self._links, after_s=0.0)
         self._links = {}
