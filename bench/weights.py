@@ -10,7 +10,12 @@ The receiver takes the units through the generator's own ``LoadStream``, which l
 unit's tensors before the next is received, so that the one staging buffer is reused (a loop
 that kept the last unit's views, as this benchmark did before, made every unit wait out
 ``transfer.RELEASE_WAIT_S`` and then fill a new buffer, which a generator never does).
-Timed on the learner side, a publish and a bare broadcast in turn (both see the same machine);
+Timed on the learner side, a publish and a bare broadcast in turn (both see the same machine),
+and between them the checksum alone: ``tensors_checksum`` of the same tensors in the learner's
+process, what each side of a publish does beside the transfer (``checksum_seconds``, one core;
+the receiver hashes the same bytes again). On two shared cores every side's hashing competes
+with both ends of the transfer for the same cores, so the gap between a publish and a bare
+broadcast is set against it, measured in the same rounds;
 each figure is the best of ``pair_repeats`` after one warm-up, with the median of the rounds'
 ratios and their spread beside it (on two shared cores one round's time varies by tens of
 percent, so three rounds decide nothing).
@@ -79,6 +84,7 @@ def run_weights_bench(
                                generators=generators or GENERATORS, **small)  # fmt: skip
     import torch
 
+    from common.weights.checksum import tensors_checksum
     from common.weights.group import broadcast, make_pair_group
     from common.weights.publisher import WeightPublisher
 
@@ -101,7 +107,7 @@ def run_weights_bench(
             time.sleep(0.05)
         pg = make_pair_group(bare_store, 0, backend="gloo", timeout_s=120.0)
         flat = torch.cat([t for _, t in named]).view(torch.uint8)
-        publish_s, bare_s = [], []
+        publish_s, bare_s, hash_s = [], [], []
         load_before = os.getloadavg()
         for v in range(pair_repeats + 1):  # alternating, so that both see the same machine
             report = pub.publish(named, v)
@@ -111,6 +117,9 @@ def run_weights_bench(
             t0 = time.perf_counter()
             broadcast(pg, flat).wait()
             bare_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tensors_checksum(named)
+            hash_s.append(time.perf_counter() - t0)
         proc.join(60)
     finally:
         if proc.is_alive():
@@ -130,8 +139,13 @@ def run_weights_bench(
         "rounds": pair_repeats,
         "round_ratio_median": statistics.median(ratios),
         "round_ratio_quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
+        "checksum_seconds": min(hash_s[1:]),
+        "publish_minus_bare_seconds": statistics.median(
+            p - b for p, b in zip(publish_s[1:], bare_s[1:], strict=True)
+        ),
         "all_publish_seconds": publish_s,
         "all_bare_seconds": bare_s,
+        "all_checksum_seconds": hash_s,
         "publish_load_average": [load_before[0], os.getloadavg()[0]],
     }
     if generators:
@@ -290,6 +304,11 @@ def readme_row(r: dict) -> str:
         ratio += f", chain seconds N={hi} ÷ N=1 **{r[f'ratio_chain_seconds_n{hi}_vs_n1']:.2f}**"
     notes = ("best of the timed rounds, alternating; the publish also hashes (xxh3) every byte on "
              "both sides and the receiver verifies each unit, on the same 2 cores")  # fmt: skip
+    if "checksum_seconds" in r:
+        measured += (
+            f"; publish − bare {r['publish_minus_bare_seconds']:.3f} s (median of rounds) against "
+            f"the checksum alone, {r['checksum_seconds']:.3f} s of one core on each side"
+        )
     load = (r.get("machine", {}).get("load_average") or r["publish_load_average"])[0]
     return (f"| weights | random fp32 tensors | {measured} | {ratio} | {notes} | {load:.1f} | "
             f"`{r.get('command', 'tether bench weights')}` |")  # fmt: skip

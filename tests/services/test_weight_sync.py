@@ -498,3 +498,18 @@ def test_joining_a_dead_weight_store_fails_at_once():
     with pytest.raises(WeightSyncError, match="not reachable"):
         WeightReceiver("127.0.0.1", port, "late", timeout_s=120.0).join()
     assert time.monotonic() - t0 < 5
+
+
+def test_the_weights_bench_times_the_checksum_beside_the_publish_and_the_bare_broadcast(tmp_path):
+    """`tether bench weights` at a small size: every round times a publish to a real receiver
+    process, a bare gloo broadcast and the checksum of the same tensors alone, and the row
+    sets the publish's extra time against the checksum's."""
+    from bench.weights import readme_row, run_weights_bench
+
+    out = tmp_path / "weights.json"
+    r = run_weights_bench(total_mb=4, num_tensors=4, pair_repeats=2, out_path=str(out))
+    assert json.loads(out.read_text())["checksum_seconds"] == r["checksum_seconds"]
+    for key in ("all_publish_seconds", "all_bare_seconds", "all_checksum_seconds"):
+        assert len(r[key]) == 3 and min(r[key]) > 0, key
+    assert r["checksum_seconds"] == min(r["all_checksum_seconds"][1:])
+    assert "against the checksum alone" in readme_row(r)
