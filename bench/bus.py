@@ -17,17 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 
+from common.bus.client import Bus
 from common.bus.consumer import Consumer
+from common.bus.server import EmbeddedRedis
+from common.bus.settings import BusSettings
 from common.protocol import streams
-from common.protocol.wire import TrajectoryGroup
+from common.protocol.wire import Trajectory, TrajectoryGroup, encode
 
 log = logging.getLogger(__name__)
 
 
 def _make_groups(n: int, *, prompt_tokens: int, response_tokens: int, samples: int) -> list:
-    from common.protocol.wire import Trajectory, TrajectoryGroup
-
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, 150_000, prompt_tokens).astype(np.uint32)
     responses = [
@@ -126,13 +128,6 @@ def run_bus_bench(
     out_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """Measure bus vs bare throughput; print a summary and return (and optionally write) JSON."""
-    import redis
-
-    from common.bus.client import Bus
-    from common.bus.server import EmbeddedRedis
-    from common.bus.settings import BusSettings
-    from common.protocol.wire import encode
-
     groups = _make_groups(n_messages, prompt_tokens=prompt_tokens,
                           response_tokens=response_tokens, samples=samples_per_group)  # fmt: skip
     payloads = [encode(g) for g in groups]

@@ -28,6 +28,9 @@ from typing import Any
 
 from bench import child_process
 from bench.workload import child_env, machine_info
+from tether.demo.result import DemoResult
+from tether.runs.provenance import git_state
+from tether.runs.supervisor import tether_command
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +75,6 @@ def command_line(kind: str, seeds: tuple[int, ...], quick: bool) -> str:
 
 
 def demo_command(kind: str, seed: int, *, root: Path, quick: bool) -> list[str]:
-    from tether.runs.supervisor import tether_command
-
     assets = root / "assets" / f"{PRESET[kind]}-s{seed}"
     sets = {
         "run.seed": str(seed),
@@ -89,8 +90,6 @@ def demo_command(kind: str, seed: int, *, root: Path, quick: bool) -> list[str]:
 def run_one_demo(kind: str, seed: int, *, root: Path, quick: bool) -> dict[str, Any]:
     """One `tether demo`; its ``demo_result.json``. A run that fails raises (with its output's
     tail): a failed demo is a bug to look at, not a row of a table."""
-    from tether.demo.result import DemoResult
-
     result_path = root / "runs" / f"{kind}-s{seed}" / "demo_result.json"
     result_path.unlink(missing_ok=True)
     proc = child_process.run(demo_command(kind, seed, root=root, quick=quick),
@@ -132,7 +131,6 @@ def run_demos_bench(
     *, out_path: str | Path, work_dir: str | Path = "bench/work", kind: str | None = None,
     seeds: tuple[int, ...] | None = None, quick: bool = False, **_: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    from tether.runs.provenance import git_state
 
     kind = check_kind(kind or "arithmetic")
     seeds = seeds or ((0,) if quick else SEEDS[kind])

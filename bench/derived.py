@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import episodes, lora, memory, reproducibility, staleness
+from bench.staleness_stats import exploratory, verdicts
 
 
 def _staleness(r: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +28,6 @@ def _staleness(r: dict[str, Any]) -> dict[str, Any]:
         got = staleness.derive(runs)
         totals = got.pop("totals")
         return {**got, "made": {**made, **totals}}
-    from bench.staleness_stats import exploratory, verdicts
 
     # JSON made the per-seed keys strings; the statistics pair seeds as the runner had them
     arms = {

@@ -27,6 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.chat.tool_calls import FORMATS
+from common.chat.turns import TurnEncoder
+from common.data.prompts import encode_prompt
+from common.engine import EngineSettings, GenerationEngine, SamplingSettings
+from common.tools.registry import resolve_tools
+from common.tools.sandbox import ToolSandbox
+from services.generator.agent.tool_loop import EpisodeRunner, EpisodeSettings
+from tether.demo.run import prepare_assets
+from tether.demo.tasks import read_jsonl
+
 log = logging.getLogger(__name__)
 # the tools demo's run.max_response_tokens (tether/demo/tools.toml): an episode's ids after the
 # prompt
@@ -84,15 +94,6 @@ async def _episodes(runner: Any, prompts: list, sampling: Any, n: int, tag: str)
 
 async def _measure(assets: Any, *, prompts: int, n: int, rounds: int, workers: int) -> dict:
     from transformers import AutoTokenizer
-
-    from common.chat.tool_calls import FORMATS
-    from common.chat.turns import TurnEncoder
-    from common.data.prompts import encode_prompt
-    from common.engine import EngineSettings, GenerationEngine, SamplingSettings
-    from common.tools.registry import resolve_tools
-    from common.tools.sandbox import ToolSandbox
-    from services.generator.agent.tool_loop import EpisodeRunner, EpisodeSettings
-    from tether.demo.tasks import read_jsonl
 
     tok = AutoTokenizer.from_pretrained(str(assets.model_dir))
     specs = resolve_tools(["calculator"])
@@ -154,8 +155,6 @@ def run_episodes_bench(
     work_dir: Path = Path("bench/work"), out_path: str | Path | None = None,
 ) -> dict:  # fmt: skip
     """Measure (see the module docstring); print a summary; write JSON to ``out_path``."""
-    from tether.demo.run import prepare_assets
-
     load_before = os.getloadavg()
     assets = prepare_assets(Path(work_dir) / "tools-demo-assets", preset="tools", seed=0)
     raw = asyncio.run(_measure(assets, prompts=prompts, n=n, rounds=rounds, workers=workers))

@@ -22,6 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.chat.turns import TurnEncoder, end_of_turn_ids
+from common.data.prompts import encode_prompt
+from common.engine import SamplingSettings, sample_from_completion
+from common.weights.publisher import WeightPublisher
+from services.learner import gather
+from services.learner.gather import full_state_dict_cpu
+from services.learner.model import attention_kwargs, load_policy, token_logprobs_and_entropy
+
 PARITY_MEAN_ABS = 1e-3  # the fp32 target (nats per token)
 PERTURB_REL = 0.1  # each tensor gets N(0, (0.1 · its RMS)²) noise; 0.02 · 0.1 when all zero
 PROMPTS = [
@@ -90,8 +98,6 @@ def engine_model_class(llm: Any) -> str:
 
 def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """The generator's encoding of a chat prompt (``common.data.prompts.encode_prompt``)."""
-    from common.data.prompts import encode_prompt
-
     return encode_prompt(tokenizer, text)
 
 
@@ -100,8 +106,6 @@ def sample(
 ) -> list[Sampled]:
     """``n`` responses to each of ``PROMPTS``, sampled at temperature 1 with behaviour
     log-probs, as ``common.engine.SamplingSettings.to_vllm`` asks for them."""
-    from common.engine import SamplingSettings, sample_from_completion
-
     params = SamplingSettings(n=n, max_tokens=max_tokens, seed=seed).to_vllm()
     prompts = [prompt_ids(tokenizer, p) for p in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -118,8 +122,6 @@ def learner_logprobs(model: Any, samples: list[Sampled], routing: Any = None) ->
     ``token_logprobs_and_entropy``, as a training step scores it; ``routing``: the experts to
     replay (a ``RouterReplay`` model), ``[batch, width, L, K]``, None for the model's own."""
     import torch
-
-    from services.learner.model import token_logprobs_and_entropy
 
     rows = [s.prompt_ids + s.token_ids for s in samples]
     width = max(len(r) for r in rows)
@@ -188,9 +190,6 @@ def publish_update(
     Returns the worker's answer (``ok``, ``version``, ``checksum``, ``error``) with the
     publisher's report and the published tensor names. ``leave_out``: a tensor name not to
     send (a learner whose names miss one of the engine's parameters)."""
-    from common.weights.publisher import WeightPublisher
-    from services.learner import gather
-
     items = [(n, t) for n, t in gather.publish_items(model) if n != leave_out]
     device = next(model.parameters()).device
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
@@ -225,8 +224,6 @@ def transformers_logprobs(model_dir: str | Path, samples: list[Sampled]) -> list
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.learner.model import attention_kwargs
-
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, **attention_kwargs(model_dir)
     ).eval()
@@ -258,7 +255,6 @@ class Episode:
             self.logprobs += [0.0] * len(out)
             self.versions += [""] * len(out)
             return
-        from common.engine import sample_from_completion
 
         s = sample_from_completion(out.outputs[0], 0.0)
         labels = [""] * len(s.token_ids)
@@ -293,9 +289,6 @@ def update_in_flight(llm: Any, model: Any, *, version: int, seed: int) -> None:
 
 def _snapshot(policy: Any, model_dir: str | Path) -> Any:
     """A plain (unsharded) copy of the learner's current weights: the learner of that version."""
-    from services.learner.gather import full_state_dict_cpu
-    from services.learner.model import load_policy
-
     copy = load_policy(model_dir, device=next(policy.parameters()).device, fsdp=False)
     missing, unexpected = copy.load_state_dict(full_state_dict_cpu(policy), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
@@ -324,9 +317,6 @@ def episode_parity(
     its first ``INSIDE_AFTER`` ids). The engine runs ``policy``'s weights as ``first_version``
     at the start; the updates perturb ``policy`` and publish ``first_version + 1`` and ``+ 2``.
     Returns ``compare``'s numbers per case and the version labels each case's ids carried."""
-    from common.chat.turns import TurnEncoder, end_of_turn_ids
-    from common.engine import SamplingSettings
-
     enc = TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, str(model_dir)))
     params = SamplingSettings(n=1, max_tokens=24, seed=7).to_vllm()
     reply = [{"role": "user", "content": "Say more, in one line."}]

@@ -32,13 +32,21 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
-from common.protocol import streams
+from bench.weights import run_weights_bench
+from common.bus.client import Bus
+from common.bus.server import EmbeddedRedis
+from common.bus.settings import BusSettings
+from common.engine import EngineSettings, GenerationEngine, SamplingSettings
+from common.protocol import streams, wire
+from common.weights.publisher import WeightPublisher
+from tether.demo.tiny_model import build_tiny_model
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 256  # the config default; the bare engine's max_model_len matches the service's
@@ -53,8 +61,6 @@ def _prompt_texts(count: int, *, offset: int = 0) -> list[str]:
 
 
 def _bare_engine(model: str, max_tokens: int):
-    from common.engine import EngineSettings, GenerationEngine
-
     return GenerationEngine(
         EngineSettings(model=model, dtype="float32", max_model_len=MAX_PROMPT_TOKENS + max_tokens,
                        gpu_memory_utilization=0.2, kv_cache_gib=1, max_num_seqs=256, seed=0)
@@ -64,8 +70,6 @@ def _bare_engine(model: str, max_tokens: int):
 async def _bare_round(
     engine: Any, tokenizer: Any, texts: list[str], *, n: int, max_tokens: int
 ) -> dict:
-    from common.engine import SamplingSettings
-
     sampling = SamplingSettings(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [_encode(tokenizer, t) for t in texts]
     start = time.perf_counter()
@@ -88,9 +92,6 @@ class _Service:
     """A `tether generator` subprocess on its own run namespace, and this side's bus."""
 
     def __init__(self, url: str, model: str, *, n: int, max_tokens: int, log_path: Path) -> None:
-        from common.bus.client import Bus
-        from common.bus.settings import BusSettings
-
         self.run = f"bench-gen-{uuid.uuid4().hex[:8]}"
         self.bus = Bus(
             BusSettings(url=url, run=self.run, block_ms=200, socket_timeout_s=10), service="bench"
@@ -123,8 +124,6 @@ class _Service:
         )
 
     def round(self, texts: list[str], tag: str) -> dict:
-        from common.protocol import wire
-
         msgs = [
             wire.PromptMsg(prompt_id=f"{tag}-{i}", cycle=0, index=i, text=t)
             for i, t in enumerate(texts)
@@ -184,8 +183,6 @@ def _update(svc: _Service, pub: Any, named: list, version: int, port: int) -> di
 def _weights_part(
     svc: _Service, pub: Any, named: list, port: int, *, repeats: int, texts: list[str]
 ) -> dict:
-    import threading
-
     idle = [_update(svc, pub, named, v, port) for v in range(1, repeats + 1)]
     box: dict = {}
     runner = threading.Thread(target=lambda: box.update(svc.round(texts, "inflight")))
@@ -195,7 +192,6 @@ def _weights_part(
     runner.join()
     nbytes = idle[0]["bytes"]
     best = min(idle, key=lambda r: r["generator_update_seconds"])
-    from bench.weights import run_weights_bench
 
     bare = run_weights_bench(
         total_mb=max(1, math.ceil(nbytes / 2**20)), num_tensors=len(named), repeats=repeats
@@ -227,10 +223,6 @@ def run_generator_bench(
     if min(prompts, n, max_tokens, rounds, update_repeats) < 1:
         raise ValueError("prompts, n, max_tokens, rounds and update_repeats must all be >= 1")
     from transformers import AutoTokenizer
-
-    from common.bus.server import EmbeddedRedis
-    from common.weights.publisher import WeightPublisher
-    from tether.demo.tiny_model import build_tiny_model
 
     model = str(
         build_tiny_model(

@@ -17,9 +17,12 @@ Then ``packing``: packed vs padded train tokens/s on lengths spread over 10–10
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +33,20 @@ import numpy as np
 from bench.learner_packing import format_packing, run_packing
 from bench.provenance import device_name
 from bench.workload import count_params
+from common.bus.client import Bus
+from common.bus.server import EmbeddedRedis
+from common.config.load import load_config
+from common.protocol import wire
+from common.protocol.streams import SCORED
+from common.service.settings import bus_settings_for, policy_prompt_sets
+from services.learner import logprobs, objective, optim
+from services.learner.bus_side import BusSide
+from services.learner.cycle import assign_advantages, samples_from_groups, steps_of_cycle
+from services.learner.loop import LearnerService
+from services.learner.main import learner_settings, training_settings
+from services.learner.model import load_policy, setup_distributed
+from services.learner.train_step import train_step
+from tether.demo.tiny_model import build_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +54,6 @@ log = logging.getLogger(__name__)
 def _groups(
     cfg, *, cycles: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int
 ) -> list[Any]:
-    from common.protocol import wire
-
     rng = np.random.default_rng(seed)
     out = []
     r = cfg.run.responses_per_prompt
@@ -76,12 +91,6 @@ def _groups(
 def _bare(cfg, groups: list[Any], model_dir: str, cycles: int) -> float:
     """Train every cycle with the same functions and no service around them; returns seconds."""
     import torch
-
-    from services.learner import logprobs, objective, optim
-    from services.learner.cycle import assign_advantages, samples_from_groups, steps_of_cycle
-    from services.learner.main import training_settings
-    from services.learner.model import load_policy, setup_distributed
-    from services.learner.train_step import train_step
 
     _, _, device = setup_distributed()
     ln, ts = cfg.learner, training_settings(cfg)
@@ -131,12 +140,6 @@ def _service(
 ) -> float:
     """Pre-publish the groups, run LearnerService; seconds from the first collect to the end of
     training (start-up, the initial publish and the final checkpoint excluded)."""
-    from common.bus.client import Bus
-    from common.protocol.streams import SCORED
-    from common.service.settings import bus_settings_for, policy_prompt_sets
-    from services.learner.loop import LearnerService
-    from services.learner.main import learner_settings
-
     bus = Bus(bus_settings_for(cfg), service="bench")
     for g in groups:
         bus.publish(SCORED, g)
@@ -157,8 +160,6 @@ def _service(
     svc.train_cycle = timed  # type: ignore[method-assign]
     while svc.next_cycle < cfg.run.num_cycles:
         cycle = svc.next_cycle
-        from services.learner.bus_side import BusSide
-        from services.learner.cycle import samples_from_groups
 
         assert isinstance(svc.bus_side, BusSide)
         collected = svc.bus_side.collect(cycle, stop=lambda: False)
@@ -176,8 +177,6 @@ def _service(
 
 def _release_memory() -> None:
     """Free the finished path's model before the next loads (one GPU holds one at a time)."""
-    import gc
-
     import torch
 
     gc.collect()
@@ -218,9 +217,6 @@ def run_learner_bench(
     Its model, data and Redis live in a scratch folder under ``work_dir`` (default: the system's
     temporary folder), removed at the end, also when the bench is interrupted.
     """
-    import shutil
-    import tempfile
-
     if cycles < 2:
         raise ValueError("cycles must be >= 2: the first cycle of each path is a warm-up")
     if work_dir is not None:
@@ -256,9 +252,6 @@ def _measure(
     intermediate: int | None, vocab: int | None, overrides: Sequence[str], repeats: int,
     packing: bool, service_vs_bare: bool, out_path: str | Path | None,
 ) -> dict:  # fmt: skip
-    from common.bus.server import EmbeddedRedis
-    from common.config.load import load_config
-    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = str(
         build_tiny_model(

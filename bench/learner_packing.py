@@ -15,12 +15,16 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+
+from services.learner import objective, optim
+from services.learner.cycle import Sample, assign_advantages
+from services.learner.main import training_settings
+from services.learner.model import load_policy, setup_distributed
+from services.learner.train_step import train_step
+
 
 def _samples(cfg: Any, *, n: int, max_tokens: int, prompt_share: float, seed: int) -> list[Any]:
-    import numpy as np
-
-    from services.learner.cycle import Sample, assign_advantages
-
     rng = np.random.default_rng(seed)
     out = []
     per = cfg.run.responses_per_prompt
@@ -43,11 +47,6 @@ def _samples(cfg: Any, *, n: int, max_tokens: int, prompt_share: float, seed: in
 def _steps(cfg: Any, model_dir: str, samples: list[Any], steps: int) -> tuple[float, int]:
     """Seconds of ``steps`` timed optimizer steps (after one warm-up) and the token slots of one."""
     import torch
-
-    from services.learner import objective, optim
-    from services.learner.main import training_settings
-    from services.learner.model import load_policy, setup_distributed
-    from services.learner.train_step import train_step
 
     _, _, device = setup_distributed()
     ln = cfg.learner

@@ -34,6 +34,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.episodes import provenance
+from bench.lora_checks import family_row
+from bench.workload import machine_info, report
+from common.weights.publisher import WeightPublisher
+from common.weights.receiver import WeightReceiver
+from fixtures.model_families import FAMILIES
+from services.learner import lora
+from services.learner.gather import full_state_dict_cpu
+from services.learner.model import (
+    load_policy,
+    load_reference,
+    setup_distributed,
+    token_logprobs_and_entropy,
+)
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
+from tether.demo.tiny_model import build_tiny_model
+
 RANK, ALPHA = 16, 32
 
 
@@ -44,8 +62,6 @@ def _shape(quick: bool) -> dict[str, Any]:
 
 
 def _receiver(port: int, count: int) -> None:
-    from common.weights.receiver import WeightReceiver
-
     rx = WeightReceiver("127.0.0.1", port, "bench-lora", timeout_s=300.0)
     rx.join()
     for _ in range(count):
@@ -64,8 +80,6 @@ def _batch(*, responses: int, tokens: int, vocab: int) -> dict[str, Any]:
 
 
 def _loss(model: Any, mb: Any) -> Any:
-    from services.learner.model import token_logprobs_and_entropy
-
     logp, _ = token_logprobs_and_entropy(
         model, mb["input_ids"], mb["attention_mask"], mb["response_mask"]
     )
@@ -83,13 +97,6 @@ def _tensor_bytes(tensors: Any) -> int:
 def measure(mode: str, model_dir: str, *, quick: bool, steps: int, repeats: int) -> dict:
     """One mode in this process: memory, step time, publish bytes and time."""
     import torch
-
-    from common.weights.publisher import WeightPublisher
-    from services.learner import lora
-    from services.learner.gather import full_state_dict_cpu
-    from services.learner.model import load_policy, load_reference, setup_distributed
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
 
     _, _, device = setup_distributed()
     settings = lora.LoraSettings(rank=RANK, alpha=ALPHA) if mode == "lora" else None
@@ -175,10 +182,6 @@ def run_lora_bench(
     work_dir: str | Path = "bench/work",
 ) -> dict:  # fmt: skip
     """Both modes, full then LoRA, each in its own process; the ratios; JSON to ``out_path``."""
-    from bench.episodes import provenance
-    from bench.workload import machine_info, report
-    from tether.demo.tiny_model import build_tiny_model
-
     shape = _shape(quick)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -236,8 +239,6 @@ def _families(quick: bool) -> list[dict[str, Any]]:
     """LoRA parity on the model families (``bench.lora_checks.family_row``), each in a process
     of its own (one engine and one learner model at a time); quick: the three dense ones CI
     runs too."""
-    from fixtures.model_families import FAMILIES
-
     names = ["llama3", "qwen2.5", "qwen3"] if quick else list(FAMILIES)
     rows = []
     for name in names:
@@ -262,9 +263,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.family:
-        from bench.lora_checks import family_row
-        from services.learner.model import setup_distributed
-
         _, _, device = setup_distributed()
         result = family_row(args.family, device=device)
     else:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from bench.family_checks import (
     EXT,
+    PARITY_MEAN_ABS,
     PROMPTS,
     Sampled,
     compare,
@@ -30,7 +32,25 @@ from bench.family_checks import (
     learner_logprobs,
     prompt_ids,
     rpc,
+    stop_engine,
 )
+from common.engine import (
+    ADAPTER_ID,
+    ADAPTER_NAME,
+    IN_MEMORY_PATH,
+    SamplingSettings,
+    sample_from_completion,
+)
+from common.weights.publisher import WeightPublisher
+from services.learner.lora import (
+    LoraSettings,
+    adapter_disabled,
+    adapter_params,
+    adapter_state,
+    load_adapter_state,
+    publish_state,
+)
+from services.learner.model import load_policy
 
 ADAPTER_STD = 0.05  # the noise put into lora_A and lora_B (their values after some training)
 
@@ -56,8 +76,6 @@ def perturb_adapter(model: Any, *, seed: int, std: float = ADAPTER_STD) -> list[
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from services.learner.lora import adapter_params
-
     for module in model.modules():  # a forward without backward leaves the root unsharded
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -75,9 +93,6 @@ def publish_adapter(llm: Any, model: Any, *, version: int, timeout_s: float = 60
     """One real adapter-only update: ``lora.publish_state`` through ``WeightPublisher`` into the
     engine's worker extension. Returns the worker's answer with the publisher's report, the
     published names and the bytes the learner sent."""
-    from common.weights.publisher import WeightPublisher
-    from services.learner.lora import publish_state
-
     state = publish_state(model)
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=timeout_s, auto_accept=False)
     try:
@@ -105,8 +120,6 @@ def lora_request() -> Any:
     """The request's adapter, as ``GenerationEngine._request`` names it."""
     from vllm.lora.request import LoRARequest
 
-    from common.engine import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH
-
     return LoRARequest(ADAPTER_NAME, ADAPTER_ID, IN_MEMORY_PATH)
 
 
@@ -123,8 +136,6 @@ def sample_lora(
 ) -> list[Sampled]:
     """``n`` responses to each of ``PROMPTS`` (or ``prompts``) through the adapter, at
     temperature 1 with behaviour log-probs, salted with ``version`` as the generator does."""
-    from common.engine import SamplingSettings, sample_from_completion
-
     params = SamplingSettings(n=n, max_tokens=max_tokens, seed=seed).to_vllm()
     ids = prompts or [prompt_ids(tokenizer, p) for p in PROMPTS]
     extra = {"cache_salt": f"tether-adapter-v{version}"} if salt else {}
@@ -146,8 +157,6 @@ def parity(llm: Any, tokenizer: Any, policy: Any, *, version: int, seed: int) ->
     """``compare`` of the engine's behaviour log-probs (through the adapter) against the
     learner's LoRA model, and against the base model (the adapter must matter: the gap to the
     base is reported as ``base_mean_abs``)."""
-    from services.learner.lora import adapter_disabled
-
     samples = sample_lora(llm, tokenizer, version=version, seed=seed)
     result = compare(samples, learner_logprobs(policy, samples))
     with adapter_disabled(policy):
@@ -168,9 +177,6 @@ def in_flight_parity(
     under the adapter of the version it carries. Returns ``compare``'s numbers and the
     versions seen. ``policy`` ends on the new adapter."""
     from vllm.sampling_params import RequestOutputKind
-
-    from common.engine import SamplingSettings
-    from services.learner.lora import adapter_state
 
     core = llm.llm_engine.engine_core
     llm.llm_engine.set_weight_version(str(version))
@@ -204,9 +210,6 @@ def in_flight_parity(
 def _score_by_version(ids: dict, done: dict, policy: Any, before: dict) -> dict[str, Any]:
     """``compare`` with each token scored under the adapter of its version label: ``policy``'s
     current adapter for the newest label, ``before`` (put back for the pass) for the others."""
-    from common.engine import sample_from_completion
-    from services.learner.lora import adapter_state, load_adapter_state
-
     samples, labels = [], []
     for rid, p in ids.items():
         s = sample_from_completion(done[rid].outputs[0], 0.0)
@@ -235,14 +238,9 @@ def family_row(name: str, *, device: Any, rank: int = 8) -> dict[str, Any]:
     ``learner.lora_target_modules`` defaults): ✓ when the engine took the adapter and the
     generator's log-probs match the learner's (mean |Δ| < 1e-3) before, during and after an
     in-flight update; else the error, e.g. a module vLLM cannot put LoRA on."""
-    import time
-
     from transformers import AutoTokenizer
 
-    from bench.family_checks import PARITY_MEAN_ABS, stop_engine
-    from fixtures.model_families import FAMILIES, build_family, default_root
-    from services.learner.lora import LoraSettings, adapter_params
-    from services.learner.model import load_policy
+    from fixtures.model_families import FAMILIES, build_family, default_root  # noqa: PLC0415 - looked up when called: tests replace build_family
 
     t0 = time.monotonic()
     row: dict[str, Any] = {"family": name, "title": FAMILIES[name].title}

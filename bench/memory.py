@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.episodes import provenance
+from bench.memory_worker import MALLOC_ENV
+from tether.demo.tiny_model import build_tiny_model
+
 log = logging.getLogger(__name__)
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -52,7 +56,6 @@ def _run(world: int, model: Path, out: Path, *, seq: int, lora: int = 0) -> list
     if lora:  # the adapter's publish and export are a few MB: start-up, step and save
         cmd += ["--lora", str(lora), "--phases", "startup,step,save"]
     t0 = time.monotonic()
-    from bench.memory_worker import MALLOC_ENV
 
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **MALLOC_ENV})
     if proc.returncode != 0:
@@ -95,13 +98,11 @@ def run_memory_bench(
     base: start-up, step and save), ``scale`` (``bench.memory_scale``: the learner step at the
     32B shapes under fake tensors, world size 8, against ``tether plan --memory``)."""
     if mode == "scale":
-        from bench.memory_scale import run_scale_bench
+        from bench.memory_scale import run_scale_bench  # noqa: PLC0415 - loads torch
 
         return run_scale_bench(out_path=out_path, quick=quick)
     if mode not in ("full", "lora"):
         raise ValueError(f"bench memory --size {mode!r}: choose full, lora or scale")
-    from bench.episodes import provenance
-    from tether.demo.tiny_model import build_tiny_model
 
     lora = LORA_RANK if mode == "lora" else 0
     shape_name = "quick" if quick else "qwen2.5-0.5b"

@@ -42,7 +42,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: TID253 - the fake-tensor step: torch is what it measures
+
+from bench.episodes import provenance
+from common.config.shared import BUCKET_MB
+from common.weights.layout import build_layout
+from services.learner import checkpoint_state, gather, shard_loading
+from services.learner import model as model_mod
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
+from tether.runs.memory_plan import MODELS, phase_peaks
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +131,6 @@ def hf_config(name: str) -> Any:
     """The Hugging Face config of a ``memory_plan.MODELS`` shape (its config.json values)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from tether.runs.memory_plan import MODELS
-
     m = MODELS[name]
     common: dict[str, Any] = dict(hidden_size=m.hidden, num_hidden_layers=m.layers, num_attention_heads=m.heads,
                   num_key_value_heads=m.kv_heads, head_dim=m.head_dim, vocab_size=m.vocab,
@@ -202,13 +209,6 @@ def _measure(name: str, *, offload: bool, tokens: int, world: int) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
 
-    from common.config.shared import BUCKET_MB
-    from common.weights.layout import build_layout
-    from services.learner import checkpoint_state, gather, shard_loading
-    from services.learner import model as model_mod
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
-
     mesh = init_device_mesh("cpu", (world,))  # outside fake mode (it reads its rank list)
     device = torch.device("cpu")
     config = hf_config(name)
@@ -279,8 +279,6 @@ def _measure(name: str, *, offload: bool, tokens: int, world: int) -> dict:
 
 def compare(measured: dict[str, Any]) -> dict[str, Any]:
     """The plan's per-phase GPU bytes (without the runtime it assumes) beside the measured."""
-    from tether.runs.memory_plan import MODELS, phase_peaks
-
     plan = phase_peaks(MODELS[measured["model"]], ranks=measured["world_size"],
                        offload=measured["offload"],
                        tokens_per_micro_batch=measured["tokens_per_micro_batch"])  # fmt: skip
@@ -299,8 +297,6 @@ def within(plan: int, measured: int) -> bool:
 
 
 def run_scale_bench(*, out_path: Path, quick: bool = False) -> dict[str, Any]:
-    from bench.episodes import provenance
-
     shapes = ("qwen3-30b-a3b",) if quick else SHAPES
     runs = []
     for name in shapes:

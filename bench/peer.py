@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -23,6 +24,9 @@ from typing import Any
 
 from bench import child_process
 from bench import workload as wl
+from bench.pipeline import train_and_analyse
+from common.bus.server import EmbeddedRedis
+from tether.demo.tasks import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +36,6 @@ def _trl_child(spec_path: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from tether.demo.tasks import read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
     w = wl.Workload(**spec["workload"])
@@ -179,9 +181,6 @@ def tether_settings(c: Contest) -> dict[str, Any]:
 
 
 def run_tether(c: Contest, *, work: Path, off_policy: str = "decoupled") -> dict[str, Any]:
-    from bench.pipeline import train_and_analyse
-    from common.bus.server import EmbeddedRedis
-
     server = EmbeddedRedis(work / "redis", appendonly=False).start()
     try:
         return {
@@ -347,8 +346,6 @@ def steady_ratio(v: dict[str, Any]) -> float | None:
     """TRL's median step time ÷ Tether's median cycle time. The mean (``ratio_tether_over_trl``)
     counts Tether's last timed cycle, which has no next cycle to generate beside it and so
     trains on an idle machine; the medians leave that cycle out on three timed cycles."""
-    import statistics
-
     trl, tether = v["trl"].get("step_seconds_each"), v["tether"].get("cycle_seconds_each")
     if not trl or not tether:
         return None

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from bench import child_process
 from bench.workload import (
     Workload,
@@ -33,7 +35,9 @@ from bench.workload import (
     report,
     result_head,
 )
+from common.bus.server import EmbeddedRedis
 from common.protocol import streams
+from tether.runs.supervisor import tether_command
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +133,6 @@ def drive_run(
 ) -> dict[str, Any]:
     """Run ``tether train``; snapshot the status hash when step 1 (the warm-up) is done and at the
     last step. Returns the snapshots, step records and the wall time."""
-    import redis
-
-    from tether.runs.supervisor import tether_command
-
     cmd = tether_command("train", "--config", str(config), "--redis-url", redis_url)
     r = redis.Redis.from_url(redis_url, socket_timeout=10)
     t0 = time.monotonic()
@@ -271,8 +271,6 @@ def run_pipeline_bench(
     timeout_s: float = 3600, threads: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the workload async and sync; print, return and (optionally) write the JSON result."""
-    from common.bus.server import EmbeddedRedis
-
     w = workload or preset(quick, size)
     root = Path(work_dir).resolve()
     model, train = prepare(root, w)

@@ -5,6 +5,7 @@ device it ran on."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,6 @@ def stamp(
 
 def device_name() -> str:
     """The device torch computes on: the GPU's name, or the CPU's cores and threads."""
-    import os
-
     import torch
 
     if torch.cuda.is_available():

@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import child_process
+from bench.workload import child_env, machine_info, trl_task
+from common.data.prompts import encode_prompt
+from tether.demo.run import prepare_assets
+from tether.demo.tasks import is_correct, read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +90,6 @@ def _trl_child(spec_path: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from bench.workload import trl_task
-    from common.data.prompts import encode_prompt
-    from tether.demo.tasks import is_correct, read_jsonl
 
     spec = json.loads(Path(spec_path).read_text())
     torch.manual_seed(spec["seed"])
@@ -155,7 +155,6 @@ def _trl_child(spec_path: str) -> None:
 
 def _trl_run(root: Path, assets: Any, *, steps: int, eval_every: int, seed: int,
              timeout_s: float, threads: int | None) -> dict[str, Any]:  # fmt: skip
-    from bench.workload import child_env
 
     work = root / "trl"
     work.mkdir(parents=True, exist_ok=True)
@@ -187,9 +186,6 @@ def run_quality_bench(
     size: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the three and report each accuracy curve and the time to ``target``."""
-    from bench.workload import machine_info
-    from tether.demo.run import prepare_assets
-
     del size  # one size: the demo's
     if quick:
         cycles, eval_every = 6, 4

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fixtures.model_families import FAMILIES
+
 
 @dataclass(frozen=True, kw_only=True)
 class RealModel:
@@ -38,6 +40,4 @@ def family_names(*, quick: bool = False) -> list[str]:
     """Every family `tether bench models` runs, in order: the fixture families, then the real
     pretrained models. ``quick`` (the smoke run's default): the fixture families only, since
     staging a real model downloads and converts it (``--families`` names one to include it)."""
-    from fixtures.model_families import FAMILIES
-
     return [*FAMILIES, *([] if quick else REAL_MODELS)]

@@ -25,11 +25,28 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bench import child_process
 from bench import family_checks as fc
+from bench.bus import _bus_pass, _make_groups
+from common.bus.client import Bus
+from common.bus.server import EmbeddedRedis
+from common.bus.settings import BusSettings
+from common.data.model_paths import moe_routing_shape
+from common.engine import SamplingSettings, sample_from_completion
+from common.engine_routing import records_from_rpc
+from common.protocol.routing import RoutingShape
+from common.protocol.wire import encode
+from services.learner.model import load_policy, setup_distributed
+from tether.runs.supervisor import tether_command
 
 MAX_TOKENS = 24
 N = 4  # responses per prompt (4 prompts: 16 responses per seed)
@@ -41,7 +58,7 @@ def _routing_batch(samples: list[fc.Sampled], records: list[Any], layers: int, t
     record at its positions, ``NOT_RECORDED`` where there is none, ``PADDING`` past its end."""
     import torch
 
-    from services.learner.router_replay import NOT_RECORDED, PADDING
+    from services.learner.router_replay import NOT_RECORDED, PADDING  # noqa: PLC0415 - loads torch
 
     width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
     out = torch.full((len(samples), width, layers, top_k), PADDING, dtype=torch.long)
@@ -55,9 +72,6 @@ def _routing_batch(samples: list[fc.Sampled], records: list[Any], layers: int, t
 def _sample_recorded(llm: Any, tokenizer: Any, *, seed: int) -> tuple[list[fc.Sampled], list]:
     """``family_checks.sample``, and each response's routing record from the worker extension
     (empty lists for a dense model)."""
-    from common.engine import SamplingSettings, sample_from_completion
-    from common.engine_routing import records_from_rpc
-
     params = SamplingSettings(n=N, max_tokens=MAX_TOKENS, seed=seed).to_vllm()
     prompts = [fc.prompt_ids(tokenizer, p) for p in fc.PROMPTS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -108,9 +122,7 @@ def _arm(model_dir: Path, *, dtype: str, seeds: tuple[int, ...], update: bool) -
     published into it."""
     from transformers import AutoTokenizer
 
-    from common.data.model_paths import moe_routing_shape
-    from services.learner.model import load_policy, setup_distributed
-    from services.learner.router_replay import RouterReplay
+    from services.learner.router_replay import RouterReplay  # noqa: PLC0415 - loads torch
 
     started = time.perf_counter()
     moe = moe_routing_shape(str(model_dir)) is not None
@@ -180,11 +192,6 @@ block_ms = 200
 
 def _rl_run(work: Path, model: Path, data: Path, *, replay: str, seed: int) -> dict[str, Any]:
     """One short run; each optimizer step's mismatch and replay statistics from its step log."""
-    import subprocess
-
-    from bench import child_process
-    from tether.runs.supervisor import tether_command
-
     work.mkdir(parents=True, exist_ok=True)
     config = _run_config(work / f"{replay}-s{seed}.toml", model=model, data=data,
                          run_dir=work / "runs", replay=replay, seed=seed)  # fmt: skip
@@ -245,18 +252,6 @@ def bus_costs(*, messages: int, repeats: int) -> dict[str, Any]:
     """Groups through the real bus (``Bus.publish``, ``Consumer.read`` with validation, ``ack``)
     with and without routing at Qwen3-30B-A3B's shape on every prompt and response token,
     interleaved, best of ``repeats``: what routing costs the bus at that model's size."""
-    import tempfile
-    import uuid
-
-    import numpy as np
-
-    from bench.bus import _bus_pass, _make_groups
-    from common.bus.client import Bus
-    from common.bus.server import EmbeddedRedis
-    from common.bus.settings import BusSettings
-    from common.protocol.routing import RoutingShape
-    from common.protocol.wire import encode
-
     shape = RoutingShape(48, 8, 128)
     prompt, response, samples = 256, 1024, 4
     plain = _make_groups(messages, prompt_tokens=prompt, response_tokens=response, samples=samples)
@@ -298,10 +293,6 @@ def bus_costs(*, messages: int, repeats: int) -> dict[str, Any]:
 
 def wire_costs() -> dict[str, Any]:
     """Bytes per token of the routing on the wire, at the fixture's shape and at 30B-A3B's."""
-    import numpy as np
-
-    from common.protocol.routing import RoutingShape
-
     out = {}
     for name, shape in (
         ("fixture", RoutingShape(2, 2, 8)),
@@ -314,7 +305,7 @@ def wire_costs() -> dict[str, Any]:
 
 
 def run_replay_bench(*, out_path: Path, work_dir: Path, quick: bool = False) -> dict[str, Any]:
-    from fixtures.model_families import build_family
+    from fixtures.model_families import build_family  # noqa: PLC0415 - looked up when called: tests replace build_family
 
     dtypes = ("bfloat16",) if quick else ("float32", "bfloat16")
     seeds = (0,) if quick else (0, 1, 2)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from bench import child_process
 from bench.workload import child_env, machine_info, report
+from tether.demo.run import DEMO_CONFIG, prepare_assets
+from tether.runs.supervisor import tether_command
 
 SIZES = {"full": 10, "quick": 3}  # cycles of 2 optimizer steps (16 prompts × 8 responses)
 
@@ -29,9 +32,6 @@ def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, se
                timeout_s: float = 1200.0) -> list[dict[str, Any]]:  # fmt: skip
     """One `tether train` run with ``generators`` generator processes (``sets``: more
     ``--set`` settings); its step records."""
-    from tether.demo.run import DEMO_CONFIG
-    from tether.runs.supervisor import tether_command
-
     sets = {
         "run.run_dir": json.dumps(str(root / "runs")),
         "run.name": json.dumps(name),
@@ -52,8 +52,6 @@ def train_once(root: Path, assets: Any, *, name: str, mode: str, cycles: int, se
         sets["run.max_staleness"] = "1"  # S − 1 with the demo's 2 steps per cycle
     run_dir = root / "runs" / name
     if run_dir.exists():  # a leftover checkpoint would resume instead of training
-        import shutil
-
         shutil.rmtree(run_dir)
     cmd = tether_command("train", "--config", str(DEMO_CONFIG),
                          *(x for k, v in sets.items() for x in ("--set", f"{k}={v}")))  # fmt: skip
@@ -112,7 +110,6 @@ def run_reproducibility_bench(
     *, out_path: str | Path | None = None, work_dir: str | Path = "bench/work",
     quick: bool = False, size: str | None = None, **_: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    from tether.demo.run import prepare_assets
 
     cycles = SIZES[size or ("quick" if quick else "full")]
     root = Path(work_dir).resolve() / "reproducibility"

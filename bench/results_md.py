@@ -8,11 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from bench.episodes import readme_row as row_episodes
+from bench.learner_packing import row_packing
 from bench.lora import readme_row as row_lora
+from bench.memory import row_memory
 from bench.models_table import bench_readme_row
+from bench.peer import row_variable
+from bench.replay import readme_row as row_replay
+from bench.reproducibility import readme_row as row_reproducibility
 from bench.results_sections import gpu_section, memory_section, plan_section
 from bench.staleness_report import readme_row as row_staleness
 from bench.staleness_report import readme_section as staleness_section
+from bench.weights import readme_row as row_weights
+from bench.weights_hosts import readme_row as row_weights_hosts
+from bench.weights_slow_link import readme_row as row_weights_slow_link
 
 HEADER = """# Tether benchmarks
 
@@ -192,11 +200,6 @@ def _row_generic(name: str, r: dict[str, Any]) -> list[str]:
 
 def _rows(name: str, r: dict[str, Any]) -> list[str]:
     """The table rows of one result, by its benchmark."""
-    from bench.learner_packing import row_packing
-    from bench.memory import row_memory
-    from bench.peer import row_variable
-    from bench.reproducibility import readme_row as row_reproducibility
-
     kind = r.get("bench")
     if kind == "pipeline":
         return _row_pipeline(r)
@@ -217,26 +220,18 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
     if kind == "memory":
         return [row_memory(r)]
     if kind == "memory_scale":
-        from bench.memory_scale import row_scale
+        from bench.memory_scale import row_scale  # noqa: PLC0415 - loads torch
 
         return [row_scale(r)]
     if kind == "lora":
         return row_lora(r)
     if kind == "weights":
-        from bench.weights import readme_row as row_weights
-
         return [row_weights(r)]
     if kind == "replay":
-        from bench.replay import readme_row as row_replay
-
         return [row_replay(r)]
     if kind == "weights_slow_link":
-        from bench.weights_slow_link import readme_row as row_weights_slow_link
-
         return [row_weights_slow_link(r)]
     if kind == "weights_hosts":
-        from bench.weights_hosts import readme_row as row_weights_hosts
-
         return [row_weights_hosts(r)]
     packing_only = r.get("benchmark") == "learner" and "service_seconds" not in r
     return ([] if packing_only else _row_generic(name, r)) + row_packing(r)

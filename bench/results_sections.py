@@ -8,7 +8,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tether.runs.plan import GPU_ASSUMED
+from bench.memory import format_memory
+from tether.runs.memory_plan import format_rows, memory_plan
+from tether.runs.plan import (
+    GPU_ASSUMED,
+    ClusterShape,
+    StageRates,
+    gpu_rates,
+    plan,
+    rates_from_pipeline,
+)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -86,8 +95,6 @@ PROMPT_TOKENS = 53  # the arithmetic prompt with the chat template, byte-level t
 
 
 def _plan_rows(r: dict[str, Any]) -> list[str]:
-    from tether.runs.plan import ClusterShape, plan, rates_from_pipeline
-
     w = r["workload"]
     rates = rates_from_pipeline(r, prompt_tokens=PROMPT_TOKENS)
     rows = []
@@ -110,14 +117,10 @@ def _plan_rows(r: dict[str, Any]) -> list[str]:
 
 
 def _gpu_rates(results_dir: Path) -> tuple[dict[str, float], bool]:
-    from tether.runs.plan import gpu_rates
-
     return gpu_rates(results_dir)
 
 
 def _gpu_rows(gpu_rates: dict[str, float]) -> list[str]:
-    from tether.runs.plan import ClusterShape, StageRates, plan
-
     rates = StageRates(**gpu_rates)
     rows = []
     for label, shape, resp in (
@@ -204,9 +207,6 @@ def plan_section(results_dir: Path) -> str:
 def memory_section(results_dir: Path) -> str:
     """Each rank's memory (`tether bench memory`) and the plan beyond this machine
     (`tether plan --memory`), if the benchmark has run."""
-    from bench.memory import format_memory
-    from tether.runs.memory_plan import format_rows, memory_plan
-
     r = _load(results_dir / "memory.json") or _load(results_dir / "memory_quick.json")
     if not r:
         return ""

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import CLONE, git_state, stamp
+from bench.real_models import family_names
+from bench.results_md import write_readme
+from bench.staleness_design import OF_RECORD
+from bench.workload import machine_info
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +139,6 @@ def run_one(
     e2e = what in ("pipeline", "peer", "quality", "staleness", "reproducibility")
     suffix = f"_{size}" if size and e2e else "_quick" if quick else ""
     if what == "staleness":  # the study of record is staleness.json, a smaller one _smoke / _slice
-        from bench.staleness_design import OF_RECORD
-
         suffix = "" if (size or "full") in OF_RECORD and not quick else f"_{size or 'smoke'}"
     if what == "memory" and size in ("lora", "scale"):
         suffix = f"_{size}" + ("_quick" if quick else "")
@@ -176,7 +178,6 @@ def run_one(
         kwargs["lr"] = lr
     if what == "staleness" and size is None and quick:
         kwargs["size"] = "smoke"
-    from bench.workload import machine_info
 
     machine = machine_info()  # its load average is the load when the benchmark started
     result = fn(out_path=out, **kwargs)
@@ -220,7 +221,6 @@ def families_problem(what: str, families: tuple[str, ...]) -> str:
         return ""
     if what != "models":
         return f"--families picks the families of `tether bench models`, not of {what}; drop it"
-    from bench.real_models import family_names
 
     known = family_names()
     unknown = [f for f in families if f not in known]
@@ -244,8 +244,6 @@ def run_bench(args: Any) -> int:
     ``args.quick``; optional ``args.size`` (quick|medium|full, pipeline and peer), ``args.threads`` (OMP threads per benchmarked process, pipeline and
     peer only), ``args.lr`` (the staleness study's learning rate) and ``args.work_dir``. Returns
     the exit code."""
-    from bench.results_md import write_readme
-
     what = args.what
     if what not in (*ORDER, "all"):
         raise ValueError(f"bench {what!r}: choose one of {', '.join(ORDER)} or all")

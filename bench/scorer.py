@@ -23,15 +23,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
+from bench.scorer_rule import run_rule_bench
+from common.engine import EngineSettings, GenerationEngine
+from fixtures.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
+from services.scorer.grader_pool import GraderPool
+from services.scorer.rewards import ScoreItem
+from services.scorer.solver import Solver, SolverSettings
+
 log = logging.getLogger(__name__)
 DEFAULT_SOLVER_DIR = Path("bench/work/cache/copy_solver")  # inside the clone (git-ignored)
 
 
 def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
     """``n`` solver items (question, guideline, ground truth); every other one has a wrong number."""
-    from fixtures.solver_fixture import copy_example
-    from services.scorer.rewards import ScoreItem
-
     rng = random.Random(seed)
     items, expected = [], []
     for i in range(n):
@@ -46,10 +52,6 @@ def _items(n: int, *, seed: int = 0) -> tuple[list[Any], list[float]]:
 async def _solver_pass(
     model: str, items: list[Any], pool: Any, *, max_tokens: int, fixed_length: bool
 ) -> dict:
-    from common.engine import EngineSettings, GenerationEngine
-    from fixtures.solver_fixture import COPY_TEMPLATE
-    from services.scorer.solver import Solver, SolverSettings
-
     engine = GenerationEngine(
         EngineSettings(model=model, dtype="float32", max_model_len=512, kv_cache_gib=1.0,
                        gpu_memory_utilization=0.2, max_num_seqs=256)
@@ -93,12 +95,6 @@ def run_scorer_bench(
     (about 5 tokens, stops at end-of-sequence, ``max_tokens`` cap), N = every answer runs to N
     tokens (``SolverSettings.ignore_eos``), the cost of a solver that reasons before it answers.
     The first entry is the headline figure; every length is in ``by_answer_length``."""
-    from prometheus_client import CollectorRegistry
-
-    from bench.scorer_rule import run_rule_bench
-    from fixtures.solver_fixture import build_copy_solver
-    from services.scorer.grader_pool import GraderPool
-
     n = groups * per_group
     model = str(build_copy_solver(solver_dir or DEFAULT_SOLVER_DIR))
     items, expected = _items(n)

@@ -13,6 +13,10 @@ import json
 import random
 import time
 
+from prometheus_client import CollectorRegistry
+
+from services.scorer.grader_pool import GraderPool
+
 
 def make_items(n_items: int, *, seed: int = 0, group_size: int = 4) -> list[tuple[str, str]]:
     rng = random.Random(seed)
@@ -39,10 +43,6 @@ def make_items(n_items: int, *, seed: int = 0, group_size: int = 4) -> list[tupl
 
 def run_rule_bench(*, n_items: int, workers: int, timeout_s: float = 10.0) -> dict:
     """Grade ``n_items`` with a fresh pool of ``workers``; returns and prints the numbers."""
-    from prometheus_client import CollectorRegistry
-
-    from services.scorer.grader_pool import GraderPool
-
     items = make_items(n_items)
     with GraderPool(workers, timeout_s, registry=CollectorRegistry()) as pool:
         pool.wait_ready()

@@ -25,6 +25,12 @@ from typing import Any
 
 from bench.provenance import CLONE, git_state
 from bench.staleness_design import PREREGISTERED, SIZES, Arm, Study
+from bench.staleness_report import format_staleness, write_report
+from bench.staleness_stats import exploratory, per_arm, verdicts
+from bench.workload import machine_info, report
+from common.data.prompts import encode_prompt
+from tether.demo.run import PRESETS, prepare_assets
+from tether.demo.tasks import ArithmeticTask, make_problems
 
 ASSETS_PRESET = "demo"  # the demo's tiny model, task and supervised warm-up
 
@@ -32,9 +38,6 @@ ASSETS_PRESET = "demo"  # the demo's tiny model, task and supervised warm-up
 def prepare(root: Path, study: Study) -> dict[str, Any]:
     """The warmed-up demo model and task (``tether demo``'s), and ``study.held_out`` problems
     never trained on: the demo's held-out split, then problems drawn after its train split."""
-    from tether.demo.run import PRESETS, prepare_assets
-    from tether.demo.tasks import ArithmeticTask, make_problems
-
     assets = prepare_assets(root.parent / "demo-assets", preset=ASSETS_PRESET, seed=0)
     task = ArithmeticTask(seed=0, **PRESETS[ASSETS_PRESET]["task"])
     extra = ArithmeticTask(**{**task.__dict__, "num_train": task.num_train + study.held_out})
@@ -43,8 +46,6 @@ def prepare(root: Path, study: Study) -> dict[str, Any]:
     path = root / f"held_out_{study.held_out}.jsonl"
     if not path.exists():
         from transformers import AutoTokenizer
-
-        from common.data.prompts import encode_prompt
 
         tok = AutoTokenizer.from_pretrained(str(assets.model_dir))
         style = task.prompt_style
@@ -70,7 +71,7 @@ def prepare(root: Path, study: Study) -> dict[str, Any]:
 def _initial_accuracy(assets: dict[str, Any], study: Study) -> float:
     """Held-out accuracy of the warm-up model, the same step-0 point of every run (measured
     once here instead of in each of them)."""
-    from bench.staleness_run import held_out_accuracy
+    from bench.staleness_run import held_out_accuracy  # noqa: PLC0415 - loads torch
 
     return held_out_accuracy(assets, study)
 
@@ -90,7 +91,7 @@ def fingerprint(study: Study, assets: dict[str, Any]) -> str:
 
 def _one(job: tuple[Arm, int, Study, dict[str, Any], str, dict[str, Any]]) -> dict[str, Any]:
     """A worker's task: one run, written atomically to its file."""
-    from bench.staleness_run import run_arm
+    from bench.staleness_run import run_arm  # noqa: PLC0415 - loads torch
 
     arm, seed, study, assets, path, commit = job
     got = {
@@ -195,8 +196,6 @@ def derive(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Everything in a result that is computed from its runs: the per-arm summaries, the
     pre-registered verdicts, the exploratory comparisons and the runs' totals. The runner writes
     these, and a test recomputes them from the committed result's ``runs`` and compares."""
-    from bench.staleness_stats import exploratory, per_arm, verdicts
-
     arms = per_arm(runs)
     return {
         "arms": arms,
@@ -213,9 +212,6 @@ def run_staleness_bench(
 ) -> dict[str, Any]:  # fmt: skip
     """Run the study (``size``: full, or smoke; ``quick`` means smoke; ``lr`` replaces the
     design's learning rate: a different study, with its own runs), test, write JSON + report."""
-    from bench.staleness_report import format_staleness, write_report
-    from bench.workload import machine_info, report
-
     size = size or ("smoke" if quick else "full")
     if study is None:
         if size not in SIZES:

@@ -31,10 +31,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch  # noqa: TID253 - a training arm's worker: it lives on torch
 
 from bench.staleness_design import Arm, Study
 from bench.staleness_sampler import generate
+from common.config.load import load_config
+from common.service.settings import prompt_sets_for
+from services.generator.seeds import request_seed
+from services.learner import logprobs, objective, optim
+from services.learner.batching import collate
+from services.learner.cycle import Sample, assign_advantages, steps_of_cycle
+from services.learner.losses import merge_stats
+from services.learner.main import training_settings
+from services.learner.model import load_policy
+from services.learner.train_step import train_step
+from tether.demo.run import DEMO_CONFIG
+from tether.demo.tasks import is_correct, read_jsonl
 
 REPLICATE_STRIDE = 1_000_003  # sampling-stream seed of a replicate: seed + replicate × this
 # Where the learner recomputes no proximal log-probs (uncorrected PPO; one step per cycle), the
@@ -45,9 +57,6 @@ DIAGNOSED = 16
 
 def arm_config(arm: Arm, study: Study, *, seed: int, model_dir: Path, train_path: Path) -> Any:
     """The demo's config with this arm's cycle shape, lag bound, correction and seed."""
-    from common.config.load import load_config
-    from tether.demo.run import DEMO_CONFIG
-
     s = arm.steps_per_cycle
     sets = {
         "run.model": json.dumps(str(model_dir)),
@@ -79,9 +88,6 @@ class _Policies:
     def __init__(self, cfg: Any, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        from services.learner import optim
-        from services.learner.model import load_policy
-
         ln = cfg.learner
         self.policy = load_policy(
             model_dir, device=torch.device("cpu"), fsdp=False, pack_sequences=ln.pack_sequences
@@ -94,8 +100,6 @@ class _Policies:
         self.probe_dists: torch.Tensor | None = None
 
     def set_probe(self, cfg: Any, samples: list, *, pad_id: int) -> None:
-        from services.learner.batching import collate
-
         fields = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids} for s in samples]
         self.probe = collate(fields, list(range(len(fields))), pad_id=pad_id)
         self.probe_dists = _log_dists(self.policy, cfg, self.probe)
@@ -157,9 +161,6 @@ def _weight_stats(samples: list, idx: list[int], prox: dict[int, list[float]]) -
 
 
 def _cycle_samples(cfg, records, responses, *, tokenizer, cycle: int, version: int) -> list:
-    from services.learner.cycle import Sample
-    from tether.demo.tasks import is_correct
-
     n = cfg.run.responses_per_prompt
     out = []
     for j, resp in enumerate(responses):
@@ -177,8 +178,6 @@ def _cycle_samples(cfg, records, responses, *, tokenizer, cycle: int, version: i
 
 
 def _accuracy(model: Any, held_out: list[tuple[list[int], str]], *, tokenizer, cfg) -> float:
-    from tether.demo.tasks import is_correct
-
     was = model.training
     model.eval()
     right = 0
@@ -201,8 +200,6 @@ def held_out_accuracy(assets: dict[str, Any], study: Study) -> float:
     """Greedy held-out accuracy of the model in ``assets`` (the warm-up model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.demo.tasks import read_jsonl
-
     torch.set_num_threads(1)
     model_dir = str(assets["model_dir"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -221,10 +218,6 @@ def run_arm(arm: Arm, study: Study, *, seed: int, assets: dict[str, Any]) -> dic
     the held-out curve and the per-step records. ``assets``: model_dir, train_path,
     held_out_path, and optionally initial_accuracy (the model's, measured once)."""
     from transformers import AutoTokenizer
-
-    from common.service.settings import prompt_sets_for
-    from services.generator.seeds import request_seed
-    from tether.demo.tasks import read_jsonl
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -293,12 +286,6 @@ def _train_cycle(
     """``LearnerService.train_cycle`` without the service: the proximal log-probs, the
     advantages, then each optimizer step; with the study's diagnostics around each step and
     ``on_step(n)`` after it, n the run's optimizer steps so far."""
-    from services.learner import logprobs, objective
-    from services.learner.cycle import assign_advantages, steps_of_cycle
-    from services.learner.losses import merge_stats
-    from services.learner.main import training_settings
-    from services.learner.train_step import train_step
-
     run, ln, ts = cfg.run, cfg.learner, training_settings(cfg)
     device = torch.device("cpu")
     policy = models.policy

@@ -34,15 +34,20 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from datetime import timedelta
 from pathlib import Path
+
+from bench.weights_hosts import GENERATORS, run_hosts_bench
+from bench.weights_slow_link import run_slow_link_bench
+from common.weights.checksum import tensors_checksum
+from common.weights.group import broadcast, make_pair_group
+from common.weights.publisher import WeightPublisher
+from common.weights.receiver import WeightReceiver
+from services.generator.update_stream import LoadStream
 
 
 def _receiver(port: int, bare_port: int, total_bytes: int, repeats: int) -> None:
     import torch
-
-    from common.weights.group import broadcast, make_pair_group
-    from common.weights.receiver import WeightReceiver
-    from services.generator.update_stream import LoadStream
 
     rx = WeightReceiver("127.0.0.1", port, "bench", timeout_s=120.0)
     rx.join()
@@ -67,8 +72,6 @@ def run_weights_bench(
     ``slow_link`` too one generator behind a link that many times slower (``bench.
     weights_slow_link``)."""
     if hosts_mbit and slow_link:
-        from bench.weights_slow_link import run_slow_link_bench
-
         return run_slow_link_bench(
             out_path=out_path,
             mbit=hosts_mbit,
@@ -77,16 +80,10 @@ def run_weights_bench(
             **({"publishes": 4} if quick else {}),
         )
     if hosts_mbit:
-        from bench.weights_hosts import GENERATORS, run_hosts_bench
-
         small = {"mb": 32, "repeats": 1} if quick else {}
         return run_hosts_bench(out_path=out_path, mbit=hosts_mbit, work_dir=work_dir,
                                generators=generators or GENERATORS, **small)  # fmt: skip
     import torch
-
-    from common.weights.checksum import tensors_checksum
-    from common.weights.group import broadcast, make_pair_group
-    from common.weights.publisher import WeightPublisher
 
     if total_mb <= 0 or num_tensors <= 0 or repeats <= 0 or pair_repeats <= 0:
         raise ValueError("total_mb, num_tensors, repeats and pair_repeats must be positive")
@@ -169,9 +166,6 @@ def _loopback_sent() -> int:
 
 
 def _member(port: int, name: str, count: int) -> None:
-    from common.weights.receiver import WeightReceiver
-    from services.generator.update_stream import LoadStream
-
     rx = WeightReceiver("127.0.0.1", port, name, timeout_s=120.0)
     rx.join()
     for _ in range(count):  # as a generator takes it (see _receiver)
@@ -181,11 +175,7 @@ def _member(port: int, name: str, count: int) -> None:
 
 
 def _bcast_member(port: int, rank: int, world: int, nbytes: int) -> None:
-    from datetime import timedelta
-
     import torch
-
-    from common.weights.group import broadcast
 
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
     pg = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
@@ -202,11 +192,7 @@ def _spawn(target, args_list: list[tuple]) -> list:
 
 def _gloo_root_bytes(n: int, nbytes: int) -> float:
     """What gloo's own broadcast sends from its root to ``n`` others, in copies of the buffer."""
-    from datetime import timedelta
-
     import torch
-
-    from common.weights.group import broadcast
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = _spawn(_bcast_member, [(store.port, r, n + 1, nbytes) for r in range(1, n + 1)])
@@ -222,8 +208,6 @@ def _gloo_root_bytes(n: int, nbytes: int) -> float:
 
 def _scaling(named: list, generators: tuple[int, ...], repeats: int) -> dict:
     """Per N: pairwise and chain publishes to the same N receiver processes, alternating."""
-    from common.weights.publisher import WeightPublisher
-
     load_before = os.getloadavg()
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     gloo = {str(n): _gloo_root_bytes(n, 64 << 20) for n in generators}

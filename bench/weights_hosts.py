@@ -41,6 +41,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.hosts import Hosts
+from bench.workload import child_env
+from common.weights.handshake import secret_from_env
+from common.weights.publisher import WeightPublisher
+from common.weights.receiver import WeightReceiver
+from services.generator.update_stream import LoadStream
+
 PORT = 29650  # the learner's weight store, inside its own namespace (nothing else there)
 GENERATORS = (1, 2, 4, 8)
 
@@ -78,9 +85,6 @@ def learner_main(a: argparse.Namespace) -> None:
     member has verified it; writes JSON to ``out``."""
     import torch
 
-    from common.weights.handshake import secret_from_env
-    from common.weights.publisher import WeightPublisher
-
     numel = a.mb * (1 << 20) // 4 // a.tensors
     g = torch.Generator().manual_seed(0)
     named = [(f"w{i}", torch.randn(numel, generator=g)) for i in range(a.tensors)]
@@ -113,10 +117,6 @@ def learner_main(a: argparse.Namespace) -> None:
 
 def member_main(a: argparse.Namespace) -> None:
     """A generator's host: takes ``count`` updates a unit at a time, each verified."""
-    from common.weights.handshake import secret_from_env
-    from common.weights.receiver import WeightReceiver
-    from services.generator.update_stream import LoadStream
-
     rx = WeightReceiver(a.learner, PORT, a.name, timeout_s=a.timeout_s, secret=secret_from_env())
     rx.join()
     log = Path(a.progress_dir) / f"{a.name}.jsonl"
@@ -157,8 +157,6 @@ def run_on_hosts(net, learner_argv: list[str], members: list[tuple[str, int]], *
     take: ``member_main``) on its own, all with ``--timeout-s`` and a fresh ``--progress-dir``
     and this run's weights secret; wait up to ``wait_s`` each for the learner and the first
     ``waited`` members (all by default), kill what is left. Returns their exit codes."""
-    from bench.workload import child_env
-
     shutil.rmtree(progress, ignore_errors=True)
     progress.mkdir(parents=True)
     common = ["--timeout-s", str(timeout_s), "--progress-dir", str(progress)]
@@ -206,7 +204,6 @@ def run_hosts_bench(
     mb: int = 128, tensors: int = 16, chunk_mb: float = 1.0, repeats: int = 2,
     work_dir: str | Path = "bench/work", **_: Any,
 ) -> dict:  # fmt: skip
-    from bench.hosts import Hosts
 
     generators = tuple(sorted(set(generators)))
     work = Path(work_dir).resolve() / "weights_hosts"

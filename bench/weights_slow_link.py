@@ -35,7 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.hosts import Hosts
 from bench.weights_hosts import PORT, _wait_verified, run_on_hosts
+from common.weights.handshake import secret_from_env
+from common.weights.publisher import WeightPublisher
+from common.weights.roster import MEASURE_MIN_BYTES
 
 ARMS = ("fast_only", "rule_on", "rule_off", "rule_on_again")
 SLOW = "g0"  # first in the chain's order (by name): the fast ones are g1, g2, ...
@@ -46,9 +50,6 @@ def learner_main(a: argparse.Namespace) -> None:
     """The learner's host: ``publishes`` versions down the chain, each timed until the fast
     members verified it, then waits for the slow member (if any) to have the last one."""
     import torch
-
-    from common.weights.handshake import secret_from_env
-    from common.weights.publisher import WeightPublisher
 
     numel = a.mb * (1 << 20) // 4 // a.tensors
     g = torch.Generator().manual_seed(0)
@@ -130,9 +131,6 @@ def run_slow_link_bench(
     work_dir: str | Path = "bench/work", **_: Any,
 ) -> dict:  # fmt: skip
     """The four arms (module docstring); returns and writes the JSON."""
-    from bench.hosts import Hosts
-    from common.weights.roster import MEASURE_MIN_BYTES
-
     if publishes <= SETTLED:
         raise ValueError(f"publishes must be over {SETTLED} (the ones that find the slow link)")
     if mb * (1 << 20) < MEASURE_MIN_BYTES:

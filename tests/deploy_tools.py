@@ -187,8 +187,6 @@ def start_redis_with_users(script: str, data_dir: Path, *, port: int, env: dict[
     ``bind``:``port``, its data in ``data_dir`` (the script's ``--dir /data`` pointed there);
     ``wrap`` makes the command line run elsewhere (an emulated host: ``Hosts.argv``); ``extra``:
     more of redis-server's options (``--replicaof``...)."""
-    import os
-
     text = script.replace("--dir /data", f"--dir {data_dir}")
     args = ["sh", "-c", text, "redis-server", "--port", str(port), "--bind", bind,
             "--appendonly", "no", "--save", "", "--logfile", str(data_dir / "redis.log"),

@@ -23,6 +23,10 @@ from typing import Any
 import redis
 
 from common.bus.server import pid_running
+from common.config.load import load_config
+from tether.demo.run import prepare_assets
+from tether.runs.status import load_status_snapshot
+from tether.runs.status_view import enrich
 from tether.runs.supervisor import tether_command
 
 METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{|\s)")
@@ -282,10 +286,6 @@ CHECKPOINT_HOOK_LINE = "sleeping before this checkpoint (a test hook)"
 def books(r: RunResult) -> dict[str, int]:
     """The run's accounting in trajectories as `tether status` computes it, from the status
     snapshot the launcher saved at the end (``unaccounted`` is 0 when the books balance)."""
-    from common.config.load import load_config
-    from tether.runs.status import load_status_snapshot
-    from tether.runs.status_view import enrich
-
     snap = load_status_snapshot(r.run_dir)
     assert snap is not None, f"no status.json in {r.run_dir}"
     cfg = load_config(config_file=r.run_dir / "config.toml", env={}).config
@@ -306,8 +306,6 @@ def recovery_config(
     """A short run's config on the CI preset's warmed-up model (shared by the recovery tests);
     ``extra``: lines for the [bus] table; ``assets``: the name of a model + data directory
     shared between tests (built and warmed up once), default one per run name."""
-    from tether.demo.run import prepare_assets
-
     built = prepare_assets(tmp_path.parent / f"e2e-assets-{assets or name}", preset="ci")
     return write_config(
         tmp_path / f"{name}.toml",

@@ -8,12 +8,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.bus.settings import BusSettings
+from common.chat.tool_calls import FORMATS
+from common.engine import EngineSettings, GenerationEngine
+from services.generator.agent.runner import AgentRunner
+from services.generator.loop import GeneratorService
+from services.generator.main import agent_settings, sampling_plan
+from services.generator.settings import GeneratorSettings
+from tests import agents_for_tests as agents
+
 
 def module_engine(model_dir: Path | str, **settings: Any) -> Iterator[Any]:
     """Yield a started engine on ``model_dir`` (fp32, 1 GiB of KV cache, seed 0 unless
     ``settings`` say otherwise); for a module-scoped fixture: ``yield from module_engine(...)``."""
-    from common.engine import EngineSettings, GenerationEngine
-
     loop = asyncio.new_event_loop()
     defaults = {"dtype": "float32", "max_model_len": 512, "kv_cache_gib": 1,
                 "gpu_memory_utilization": 0.2, "max_num_seqs": 64, "seed": 0}  # fmt: skip
@@ -35,12 +42,6 @@ def generator_without_engine(cfg: Any, sid: str = "g0") -> Any:
     """A ``GeneratorService`` with ``cfg``'s sampling and prompt settings and no model behind it
     (its engine, tokenizer and Redis are never reached: its bus connects at the first command),
     for tests of what it does around the engine."""
-    from common.bus.settings import BusSettings
-    from common.engine import EngineSettings
-    from services.generator.loop import GeneratorService
-    from services.generator.main import sampling_plan
-    from services.generator.settings import GeneratorSettings
-
     settings = GeneratorSettings(
         bus=BusSettings(url="redis://127.0.0.1:1/0", run=cfg.run.name),
         engine=EngineSettings(model="(no model)"), tokenizer="(no tokenizer)",
@@ -58,11 +59,6 @@ def module_agent_runner(
     generator builds them (Hermes-style calls, the tokenizer's end of turn); ``runner.tok`` is
     its tokenizer. For a module-scoped fixture: ``yield from module_agent_runner(...)``."""
     from transformers import AutoTokenizer
-
-    from common.chat.tool_calls import FORMATS
-    from services.generator.agent.runner import AgentRunner
-    from services.generator.main import agent_settings
-    from tests import agents_for_tests as agents
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     r = AgentRunner(settings=agent_settings(cfg, model_dir), engine=engine, tokenizer=tok,

@@ -4,6 +4,7 @@ compose and Kubernetes start it (no launcher), with its real settings."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -49,8 +50,6 @@ def start_service(net: Hosts, host: str, kind: str, config: Path, url: str, log_
 def tether_json(config: Path, url: str, *verb: str) -> dict:
     """`tether <verb> --json` of the run in ``config``, from this (the machine's) namespace, with
     the Redis URL ``url``: its parsed output (a failure shows its stderr)."""
-    import json
-
     proc = subprocess.run(
         tether_command(*verb, "--json", "--config", str(config), "--redis-url", url),
         capture_output=True, text=True, timeout=120,

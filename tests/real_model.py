@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.data import staging
 from tests.conftest import TEST_CACHE
 
 NAME = "smollm2-135m-instruct"
@@ -16,8 +17,6 @@ CACHE = TEST_CACHE / "gguf"
 
 def staged_smollm2() -> Path:
     """The staged Hugging Face directory (config, fp32 safetensors, tokenizer, ChatML)."""
-    from common.data import staging
-
     dest = CACHE / NAME
     staging.stage_model(NAME, dest, cache=CACHE / "cache")
     return dest

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import torch
+import torch  # noqa: TID253 - tests of torch tensors on the wire
 
+from common.weights.handshake import SECRET_ENV
 from common.weights.publisher import WeightPublisher
 from tests.paths import REPO
 
@@ -32,8 +34,6 @@ def weights(seed: int, n: int = 8, mb: float = 4.0) -> list:
 
 def start_receiver(tmp_path: Path, port: int, member: str, *extra: str, secret: str = ""):
     """A receiver process (tests/procs/weight_receiver.py); ``secret``: its weights secret."""
-    from common.weights.handshake import SECRET_ENV
-
     log = tmp_path / f"{member}-{time.monotonic_ns()}.jsonl"
     cmd = [sys.executable, str(RECEIVER), "--port", str(port), "--member", member]
     cmd += ["--log", str(log), "--timeout", "20", *extra]
@@ -91,8 +91,6 @@ def stream(pub: WeightPublisher, named, version: int):
 def stop_all(procs: list, pub: WeightPublisher) -> None:
     """End the receiver processes still running (woken first, in case one was SIGSTOPped) and
     the publisher."""
-    import signal
-
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGCONT)

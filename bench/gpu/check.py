@@ -22,12 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from bench.learner import run_learner_bench
+from common.weights.checksum import tensors_checksum
+from common.weights.layout import WeightSyncError, build_layout
+from common.weights.publisher import WeightPublisher
+from common.weights.receiver import WeightReceiver
+from services.learner.gather import full_state_dict_cpu, publish_items, publish_specs, stream_units
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+from tether.demo.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -47,9 +57,6 @@ def step_env(tiny: bool) -> dict:
 
 def step_mixed(tiny: bool) -> dict:
     import torch
-
-    from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
-    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     hidden, layers, prompt, resp, batch = (64, 2, 8, 16, 2) if tiny else (512, 6, 64, 256, 8)
@@ -94,8 +101,6 @@ def step_mixed(tiny: bool) -> dict:
 
 
 def _learner(tiny: bool, **kwargs) -> dict:
-    from bench.learner import run_learner_bench
-
     if tiny:
         kwargs = {
             "cycles": 2,
@@ -138,18 +143,6 @@ def step_publish3b(tiny: bool) -> dict:
     second GPU for NCCL)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from common.weights.checksum import tensors_checksum
-    from common.weights.layout import build_layout
-    from common.weights.publisher import WeightPublisher
-    from services.learner.gather import (
-        full_state_dict_cpu,
-        publish_items,
-        publish_specs,
-        stream_units,
-    )
-    from services.learner.model import load_policy, setup_distributed
-    from tether.demo.tiny_model import build_tiny_model
 
     _, _, device = setup_distributed()
     shape: dict[str, Any] = (
@@ -207,9 +200,6 @@ def step_publish3b(tiny: bool) -> dict:
 
 
 def _same_gpu_receiver(port: int, q) -> None:
-    from common.weights.layout import WeightSyncError
-    from common.weights.receiver import WeightReceiver
-
     try:
         WeightReceiver("127.0.0.1", port, "same-gpu", timeout_s=30.0).join()
         q.put("joined")
@@ -220,10 +210,6 @@ def _same_gpu_receiver(port: int, q) -> None:
 def step_nccl_same_gpu(tiny: bool) -> dict:
     """An NCCL publisher and a generator on the same GPU: the generator must refuse at join with
     a message naming the fix (NCCL itself would fail later with "Duplicate GPU detected")."""
-    import multiprocessing as mp
-
-    from common.weights.publisher import WeightPublisher
-
     pub = WeightPublisher("127.0.0.1", 0, backend="nccl", timeout_s=30.0)
     try:
         q = mp.get_context("spawn").Queue()

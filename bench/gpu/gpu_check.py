@@ -36,6 +36,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.memory_worker import _publish, _start_receiver
+from bench.provenance import device_name, git_state
+from common.ports import free_port
+from common.service.stack import stack_problems
+from common.weights.publisher import WeightPublisher
+from services.learner import packing
+from services.learner.checkpoint import load_checkpoint, save_checkpoint
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
+from tether.demo.tiny_model import build_tiny_model
+from tether.runs.memory_plan import ModelShape, phase_peaks
+
 SHAPE_3B: dict[str, Any] = {"hidden_size": 2048, "num_layers": 36, "num_heads": 16, "num_kv_heads": 2,
             "intermediate_size": 11008, "vocab_size": 151936}  # fmt: skip
 SHAPE_TINY: dict[str, Any] = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -67,8 +80,6 @@ class Memory:
 
 
 def _shape(dry_run: bool) -> Any:
-    from tether.runs.memory_plan import ModelShape
-
     s = SHAPE_TINY if dry_run else SHAPE_3B
     return ModelShape(name="gpu-check", hidden=s["hidden_size"], layers=s["num_layers"],
                       heads=s["num_heads"], kv_heads=s["num_kv_heads"],
@@ -87,8 +98,6 @@ def _batch(vocab: int, tokens: int, device: Any) -> dict[str, Any]:
 
 
 def _loss_fn(tokens: float) -> Callable[[Any, Any], Any]:
-    from services.learner.model import token_logprobs_and_entropy
-
     def loss(m: Any, mb: Any) -> Any:
         logp, _ = token_logprobs_and_entropy(m, mb["ids"], mb["attn"], mb["resp"])
         return -(logp * mb["resp"]).sum() / tokens
@@ -97,8 +106,6 @@ def _loss_fn(tokens: float) -> Callable[[Any, Any], Any]:
 
 
 def _versus_plan(mem: Memory, shape: Any, *, offload: bool, tokens: int) -> dict[str, Any]:
-    from tether.runs.memory_plan import phase_peaks
-
     plan = phase_peaks(shape, ranks=1, offload=offload, tokens_per_micro_batch=tokens)
     pairs = {"step": "forward_backward", "save": "checkpoint", "publish": "publish"}
     out = {}
@@ -110,14 +117,6 @@ def _versus_plan(mem: Memory, shape: Any, *, offload: bool, tokens: int) -> dict
 
 
 def section_full(ctx: dict[str, Any]) -> dict[str, Any]:
-    from bench.memory_worker import _publish, _start_receiver
-    from common.ports import free_port
-    from common.weights.publisher import WeightPublisher
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
-
     device, tokens, work = ctx["device"], ctx["tokens"], ctx["work"]
     mem = Memory(device)
     batch = _batch(ctx["shape"].vocab, tokens, device)
@@ -167,11 +166,6 @@ def section_full(ctx: dict[str, Any]) -> dict[str, Any]:
 def section_offload(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from services.learner.checkpoint import save_checkpoint
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
-
     device, tokens, work = ctx["device"], ctx["tokens"], ctx["work"]
     mem = Memory(device)
     batch = _batch(ctx["shape"].vocab, tokens, device)
@@ -197,9 +191,6 @@ def section_offload(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_packing(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
-
-    from services.learner import packing
-    from services.learner.model import load_policy, token_logprobs_and_entropy
 
     device, tokens = ctx["device"], ctx["tokens"]
     model = load_policy(ctx["model_dir"], device=device, pack_sequences=True)
@@ -241,11 +232,6 @@ SECTIONS = {"full": section_full, "offload": section_offload, "packing": section
 
 def run_check(*, out_path: Path, dry_run: bool, work: Path | None = None) -> dict[str, Any]:
     import torch
-
-    from bench.provenance import device_name, git_state
-    from common.service.stack import stack_problems
-    from services.learner.model import setup_distributed
-    from tether.demo.tiny_model import build_tiny_model
 
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu-check: no CUDA device here; run it on a GPU machine or --dry-run")

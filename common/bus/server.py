@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+import redis
+
 from common.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -158,8 +160,6 @@ class EmbeddedRedis:
         raise RuntimeError(f"{self.binary} did not start on port {self.port}; log tail:\n{tail}")
 
     def _wait_ready(self) -> bool:
-        import redis
-
         assert self.proc is not None
         deadline = time.monotonic() + self.start_timeout_s
         assert self.port is not None

@@ -4,6 +4,7 @@ test keeps the README in step with the schema."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, get_args
 
 from common.config.schema import SECTIONS
@@ -38,8 +39,6 @@ def reference_markdown() -> str:
 
 def write(path: str) -> None:
     """Replace the table between the markers in ``path`` with the current one."""
-    from pathlib import Path
-
     text = Path(path).read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
     Path(path).write_text(text[:start] + reference_markdown() + text[end:])

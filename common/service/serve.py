@@ -4,12 +4,17 @@ code 0 when the learner says the run is finished (``run_end``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any
 
+from common.bus.settings import BusStopping
+from common.service.exit_codes import EXIT_STOPPED
+from common.service.run_end import RunEndWatch
 from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
@@ -44,13 +49,6 @@ def serve_async(
     run of ``num_cycles`` cycles: at start, or seen while serving), ``EXIT_STOPPED`` (75) when a
     signal stopped it before that, so that whoever restarts services (a Kubernetes Job's
     pod failure policy, a supervisor) can tell a finished run from a stopped replica."""
-    import asyncio
-    import signal
-
-    from common.bus.settings import BusStopping
-    from common.service.exit_codes import EXIT_STOPPED
-    from common.service.run_end import RunEndWatch
-
     watch = RunEndWatch(svc.bus, num_cycles=num_cycles)
     if watch.check():
         log.info(

@@ -12,6 +12,7 @@ library to it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -189,8 +190,6 @@ def check_router_replay(cfg: TetherConfig, *, engine: bool) -> None:
 
 def missing_trackers(cfg: TetherConfig) -> list[str]:
     """Configured trackers whose package is not importable, each with how to install it."""
-    import importlib.util
-
     return [  # each tracker's package has the tracker's name
         f"learner.trackers includes {name!r} but the {name!r} package is not installed: "
         f"{INSTALL_HINTS[name]}, or remove {name!r} from learner.trackers."

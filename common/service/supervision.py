@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -19,13 +22,9 @@ def stop_with_supervisor() -> None:
     only (``prctl(PR_SET_PDEATHSIG)``); elsewhere, and outside `tether train`, a no-op. The signal
     follows the parent process: for learner ranks under ``torchrun`` that is torchrun, which the
     launcher starts through ``tether.runs.supervised`` so that it, too, stops with the launcher."""
-    import signal
-    import sys
-
     supervisor = os.environ.get(SUPERVISOR_ENV)
     if not supervisor or not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     pr_set_pdeathsig = 1
     if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0):

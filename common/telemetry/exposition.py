@@ -20,6 +20,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from prometheus_client.metrics_core import Metric
+
+from common.telemetry.metrics import metric
+
 IDENTITY_LABELS = ("run", "kind", "replica")
 INFO_METRIC = "tether_service_info"
 
@@ -35,8 +39,6 @@ class Identified:
         self.registry, self.identity = registry, dict(identity)
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.metrics_core import Metric
-
         for family in self.registry.collect():
             out = Metric(family.name, family.documentation, family.type, family.unit)
             for s in family.samples:
@@ -47,8 +49,6 @@ class Identified:
 
 def identity(*, run: str, kind: str, replica: str) -> dict[str, str]:
     """The identity labels of one service process; starts its ``tether_service_info`` series."""
-    from common.telemetry.metrics import metric
-
     metric(
         "Gauge",
         INFO_METRIC,

@@ -17,6 +17,10 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from common.telemetry.exposition import Identified
+
 log = logging.getLogger(__name__)
 
 
@@ -64,10 +68,6 @@ class HealthServer:
     ) -> None:
         """``identity``: the ``run``, ``kind`` and ``replica`` labels every served series
         carries (``exposition.identity``); without it the registry is served as it is."""
-        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-
-        from common.telemetry.exposition import Identified
-
         outer = self
         served: Any = Identified(REGISTRY, identity) if identity else REGISTRY
 

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import prometheus_client as pc
+
 _METRICS: dict[tuple[int, str], Any] = {}
 _LOCK = threading.Lock()
 
@@ -35,8 +37,6 @@ def metric(
     ``initial``: label values (a string for one label, a tuple for several) whose series exist
     from the start at 0, so a dashboard shows 0 rather than "No data" and ``increase()`` sees
     the first event. Counters and histograms only: a gauge at 0 would claim a measurement."""
-    import prometheus_client as pc
-
     registry = pc.REGISTRY if registry is None else registry
     key = (id(registry), name)
     with _LOCK:

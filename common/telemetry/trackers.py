@@ -12,6 +12,7 @@ environment (``WANDB_API_KEY``, ``WANDB_MODE``, ``WANDB_DIR``); ``learner.wandb_
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -83,8 +84,6 @@ class Trackers:
 
 def _wandb_run_id(run_dir: Path) -> str:
     """One W&B run per Tether run directory, so ``tether train --resume`` continues it."""
-    import uuid
-
     path = run_dir / "wandb" / "tether_run_id"
     if path.exists():
         return path.read_text().strip()

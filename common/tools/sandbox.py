@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from common.tools.functions import ToolArgumentError, ToolSpec, check_arguments
+from common.tools.jail import make_undumpable
 from common.tools.worker import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -202,8 +203,6 @@ class ToolSandbox:
     async def start(self) -> None:
         """Start every worker (about 0.15 s each); ``isolation`` says what they run with. The
         generator becomes non-dumpable first (module docstring)."""
-        from common.tools.jail import make_undumpable
-
         make_undumpable()
         for slot in self._slots:
             await self._start_slot(slot)

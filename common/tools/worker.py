@@ -35,6 +35,10 @@ import sys
 import time
 from typing import Any, BinaryIO
 
+from common.tools import jail
+from common.tools.functions import ToolSpec
+from common.tools.registry import callable_of
+
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 _SIGNALS: dict[int, str] = {signal.SIGXCPU: "its CPU time limit", signal.SIGKILL: "SIGKILL"}
 
@@ -89,9 +93,6 @@ class Worker:
     # ------------------------------------------------------------------ start-up
     def start(self) -> dict[str, Any]:
         global _VM_AT_START
-        from common.tools import jail
-        from common.tools.functions import ToolSpec
-        from common.tools.registry import callable_of
 
         for t in self.cfg["tools"]:
             spec = ToolSpec(**t)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from common.weights.group import CANCEL_CHECK_S, broadcast, finish, make_pair_group
@@ -64,8 +65,6 @@ def link(host: str, port: int, epoch: int, position: int, rank: int, *, backend:
 
     It meets over a store client of its own: a rendezvous holds its client's lock while it waits
     for the other end, and the learner's watch and a member's checks must go on meanwhile."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))

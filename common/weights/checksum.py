@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import xxhash
+
 from common.weights.buckets import tensor_bytes
+from common.weights.layout import WeightSyncError
 
 XXH3 = "xxh3-128"
 WSUM = "wsum64"
@@ -44,8 +47,6 @@ def hash_tensor(h, name: str, t) -> None:
 
 def tensors_checksum(named_tensors: Iterable[tuple[str, Any]]) -> str:
     """Checksum of tensors by name order (``xxh3-128``, see the module docstring)."""
-    import xxhash
-
     h = xxhash.xxh3_128()
     for name, t in sorted(named_tensors, key=lambda nt: nt[0]):
         hash_tensor(h, name, t)
@@ -61,12 +62,8 @@ class UpdateHasher:
     padding; ``wsum64`` takes each unit whole when its last byte is in (padding included)."""
 
     def __init__(self, layout: dict) -> None:
-        import xxhash
-
         self.kind = layout.get("checksum", XXH3)
         if self.kind not in (XXH3, WSUM):
-            from common.weights.layout import WeightSyncError
-
             raise WeightSyncError(f"header names unknown checksum {self.kind!r}")
         self.tensors, self.units = layout["tensors"], layout["units"]
         self.h = xxhash.xxh3_128()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from datetime import timedelta
 
@@ -49,8 +50,6 @@ def probe(host: str, port: int, *, timeout_s: float) -> None:
     restarted elsewhere): a TCPStore client keeps retrying a refused connection for up to
     ~2 × its timeout (measured: 18.6 s for 10 s), which kept a generator from stopping or
     re-reading the address for minutes with the default 120 s."""
-    import socket
-
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:

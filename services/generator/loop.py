@@ -53,11 +53,18 @@ import logging
 import time
 from typing import Any
 
+from common.bus.client import Bus
 from common.bus.consumer import Consumer, let_go
+from common.data.model_paths import moe_routing_shape
+from common.data.prompts import encode_prompt, prompt_of
+from common.engine import GenerationEngine
 from common.protocol import streams, wire
+from common.protocol.routing import RoutingShape
 from common.protocol.staleness import usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
+from services.generator.agent.runner import start_agents
+from services.generator.agent.tool_loop import start_runner
 from services.generator.claims import ClaimKeeper
 from services.generator.settings import GeneratorSettings
 from services.generator.trajectories import (
@@ -129,8 +136,6 @@ class _Metrics:
 
 class GeneratorService:
     def __init__(self, settings: GeneratorSettings, *, sid: str) -> None:
-        from common.bus.client import Bus
-
         self.settings, self.sid = settings, sid
         self.bus = Bus(settings.bus, service="generator")
         self.timer = PhaseTimer("generator")
@@ -154,13 +159,8 @@ class GeneratorService:
 
     # ------------------------------------------------------------------ start-up
     async def _start_engine(self) -> None:
-        from common.engine import GenerationEngine
-
         settings = self.settings.engine
         if settings.return_routed_experts:
-            from common.data.model_paths import moe_routing_shape
-            from common.protocol.routing import RoutingShape
-
             shape = moe_routing_shape(settings.model)
             assert shape is not None, "preflight refuses router_replay for a dense model"
             self.routing = RoutingShape(*shape)
@@ -174,15 +174,11 @@ class GeneratorService:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer)
         if self.settings.agent is not None:  # your agent's code, through the endpoint
-            from services.generator.agent.runner import start_agents
-
             self.episodes = await start_agents(
                 self.settings.agent, engine=self.engine, tokenizer=self.tokenizer,
                 version=lambda: int(self.version or 0),
             )  # fmt: skip
         elif self.settings.tool_loop is not None:  # generator.max_turns > 1
-            from services.generator.agent.tool_loop import start_runner
-
             self.episodes = await start_runner(
                 self.settings.tool_loop, engine=self.engine, tokenizer=self.tokenizer,
                 generator_id=self.sid,
@@ -208,8 +204,6 @@ class GeneratorService:
     def _prompt_ids(self, msg: wire.PromptMsg) -> list[int]:
         """What vLLM receives: the loader's encoding (``encode_prompt``), which the learner's
         length check counted, so the two cannot differ. ValueError when it cannot be encoded."""
-        from common.data.prompts import encode_prompt, prompt_of
-
         return encode_prompt(
             self.tokenizer,
             prompt_of(msg),

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from common.config.schema import TetherConfig
+from common.protocol.run_dir import RunDir
+from common.service.preflight import check_server, preflight
 from common.service.serve import serve_async, service_id
-from services.generator.settings import AgentSettings, GeneratorSettings, SamplingPlan
+from common.service.settings import bus_settings_for, policy_engine_settings, policy_paths
+from services.generator.agent.tool_loop import EpisodeSettings
+from services.generator.loop import GeneratorService
+from services.generator.settings import (
+    WORKER_EXT,
+    AgentSettings,
+    GeneratorSettings,
+    SamplingPlan,
+    ToolLoopSettings,
+)
 
 
 def generator_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> GeneratorSettings:
     """The generator's settings from the run's config (the cycle rules already applied): the bus,
     the policy's engine and tokenizer (their directories checked on disk), sampling, weights, and
     the tool loop or your agent when the config turns one on."""
-    from common.protocol.run_dir import RunDir
-    from common.service.settings import bus_settings_for, policy_engine_settings, policy_paths
-    from services.generator.agent.tool_loop import EpisodeSettings
-    from services.generator.settings import WORKER_EXT, ToolLoopSettings
-
     g, run = cfg.generator, cfg.run
     engine = policy_engine_settings(cfg, worker_extension_cls=WORKER_EXT)
     model_dir, tokenizer_dir = policy_paths(cfg)
@@ -48,8 +54,6 @@ def generator_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Ge
 
 def agent_settings(cfg: TetherConfig, model_dir: str) -> AgentSettings:
     """Your agent's settings (``[agent]``, the run's lengths, the model's tool-call format)."""
-    from services.generator.settings import AgentSettings
-
     run = cfg.run
     return AgentSettings(
         agent=cfg.agent, model_dir=str(model_dir), tool_format=cfg.generator.tool_format,
@@ -59,8 +63,6 @@ def agent_settings(cfg: TetherConfig, model_dir: str) -> AgentSettings:
 
 def sampling_plan(cfg: TetherConfig) -> SamplingPlan:
     """How the generator samples every prompt (``[generator]``, the run's group and length)."""
-    from services.generator.settings import SamplingPlan
-
     g, run = cfg.generator, cfg.run
     return SamplingPlan(
         run_seed=run.seed, responses_per_prompt=run.responses_per_prompt,
@@ -71,10 +73,7 @@ def sampling_plan(cfg: TetherConfig) -> SamplingPlan:
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import check_server, preflight
-
     preflight(cfg, "generator")  # model, tokenizer, Redis: exit 2 before the engine starts
-    from services.generator.loop import GeneratorService
 
     sid = service_id("generator", getattr(args, "service_id", None))
     svc = GeneratorService(generator_settings(cfg), sid=sid)

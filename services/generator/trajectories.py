@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from common.protocol import wire
 
 
@@ -19,8 +21,6 @@ class RolledBack(Exception):
 
 
 def _check_order(versions: Any) -> None:
-    import numpy as np
-
     v = np.asarray(versions)
     if len(v) > 1 and bool((np.diff(v) < 0).any()):
         raise RolledBack([int(x) for i, x in enumerate(v) if i == 0 or x != v[i - 1]])
@@ -35,8 +35,6 @@ def check_samples_order(samples: list[Any]) -> None:
 
 def check_episodes_order(trajectories: list[wire.Trajectory]) -> None:
     """``RolledBack`` if an episode's sampled tokens' versions go down (across turns)."""
-    import numpy as np
-
     for t in trajectories:
         _check_order(np.asarray(t.token_versions)[np.asarray(t.loss_mask) == 1])
 
@@ -46,8 +44,6 @@ def split_routing(shape: Any, routed: Any, n_prompt: int, n_response: int) -> tu
     wire's prompt and response parts (``common.protocol.routing``), each as long as its ids: a
     token the engine did not run (a response's last: nothing is sampled after it) is not
     recorded. ``(None, None)`` without a shape or routing."""
-    import numpy as np
-
     if shape is None or routed is None:
         return None, None
     arr = np.asarray(routed)
@@ -105,8 +101,6 @@ def to_group(
     trajectory's ``policy_version`` is its oldest sampled token's — the one staleness is judged
     by. ``routing``: the model's ``RoutingShape`` (routing replay on; v3), ``prompt_routing``
     the prompt's experts as the engine ran it."""
-    import numpy as np
-
     return wire.TrajectoryGroup(
         group_id=msg.prompt_id,
         prompt_id=msg.prompt_id,

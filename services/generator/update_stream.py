@@ -24,6 +24,9 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from common.weights.layout import WeightSyncError, dtype_of
+from common.weights.transfer import StagingBuffer, tensor_at
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,9 +101,6 @@ def tp_units(receipt: Any, error: str, group: Any) -> Iterator[tuple[int, list]]
     any) over the group's CPU group, then the unit's bytes over its device group. Any worker
     raises ``WeightSyncError`` when rank 0's receipt failed."""
     import torch
-
-    from common.weights.layout import WeightSyncError, dtype_of
-    from common.weights.transfer import StagingBuffer, tensor_at
 
     if group is None or group.world_size == 1:
         if receipt is None:

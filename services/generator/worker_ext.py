@@ -46,6 +46,13 @@ import time
 from typing import Any
 
 from common.engine_routing import RoutingRecorder
+from common.weights.adapter import ADAPTER_CONFIG, split_adapter
+from common.weights.checksum import tensors_checksum
+from common.weights.handshake import secret_from_env
+from common.weights.layout import WeightSyncError
+from common.weights.receiver import WeightReceiver
+from services.generator import adapter
+from services.generator.update_stream import LoadStream, tp_units, vllm_held
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +64,6 @@ class TetherWorkerExtension(RoutingRecorder):
     _tether_layout: list | None = None  # [(name, dtype, shape)] of the last update
 
     def tether_join(self, host: str, port: int, member_id: str, timeout_s: float = 60.0) -> dict:
-        from common.weights.handshake import secret_from_env
-        from common.weights.receiver import WeightReceiver
-
         if _tp_rank() != 0:  # the engine joins once, through its TP rank 0
             return {"member_id": member_id, "epoch": None, "behind": None}
         rx = self._tether_rx
@@ -77,8 +81,6 @@ class TetherWorkerExtension(RoutingRecorder):
         return {"member_id": member_id, "epoch": epoch, "behind": behind}
 
     def tether_poll(self) -> dict:
-        from common.weights.layout import WeightSyncError
-
         try:
             if _tp_rank() != 0:
                 return {"pending": None, "error": None}  # TP rank 0 answers for the engine
@@ -93,9 +95,6 @@ class TetherWorkerExtension(RoutingRecorder):
         """Receive the pending update and load it a unit at a time as it arrives (see the module
         docstring); every TP worker takes part."""
         from vllm.distributed.parallel_state import get_tp_group
-
-        from common.weights.adapter import ADAPTER_CONFIG, split_adapter
-        from services.generator.update_stream import LoadStream, tp_units, vllm_held
 
         t0 = time.monotonic()
         receipt, error = None, ""
@@ -173,8 +172,6 @@ class TetherWorkerExtension(RoutingRecorder):
 
     def _tether_load_adapter(self, config: dict, named: list, version: int) -> str | None:
         """Swap the engine's LoRA adapter (``services.generator.adapter``); the error, or None."""
-        from services.generator import adapter
-
         try:
             modules = adapter.load(self.model_runner, config, named)
         except Exception as e:  # noqa: BLE001 - returned: the previous adapter stays loaded
@@ -185,8 +182,6 @@ class TetherWorkerExtension(RoutingRecorder):
         return None
 
     def tether_check_lora(self) -> str | None:
-        from services.generator import adapter
-
         try:
             adapter.check(self.model_runner)
         except adapter.AdapterLoadError as e:
@@ -205,8 +200,6 @@ class TetherWorkerExtension(RoutingRecorder):
         update's. Fused vLLM parameters (qkv_proj, gate_up_proj) are split back by their
         ``output_sizes``; padded vocabulary rows are cut; a tied lm_head reads the head's own
         packed GEMM weight where it has one (CPU), else the embedding."""
-        from common.weights.checksum import tensors_checksum
-
         layout = layout if layout is not None else self._tether_layout
         if layout is None:
             raise ValueError(

@@ -16,13 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.bus.client import Bus
 from common.bus.consumer import Consumer
 from common.bus.dead_letters import DeadLetters
 from common.protocol import streams, wire
 from common.protocol.run_dir import RunDir
 from common.service import run_end
+from common.service.preflight import check_server
 from common.telemetry.metrics import PhaseTimer
 from common.telemetry.trackers import Trackers
+from services.learner import sampling
+from services.learner.dispatch import Dispatcher
 from services.learner.evaluation import HeldOut
 from services.learner.metrics import LearnerMetrics
 from services.learner.watchdog import Watchdog
@@ -47,9 +51,6 @@ class BusSide:
         datasets: tuple[PromptSet, PromptSet | None],
         trackers: Trackers | None = None,
     ) -> None:
-        from common.bus.client import Bus
-        from services.learner.dispatch import Dispatcher
-
         self.settings, self.run_dir, self.timer = settings, run_dir, timer
         run = settings.run
         self.metrics = LearnerMetrics()
@@ -236,8 +237,6 @@ class BusSide:
     def _collect_dynamic(
         self, cycle: int, *, stop: Callable[[], bool], idle: Callable[[], None]
     ) -> list[wire.ScoredGroup] | None:
-        from services.learner import sampling
-
         need, n = self.settings.run.prompts_per_cycle, self.settings.run.responses_per_prompt
         with self.watchdog.waiting(), self.timer.phase("waiting_input"):
             while True:
@@ -346,8 +345,6 @@ class BusSide:
     def check_server(self) -> None:
         """At start: refuse a Redis whose ``maxmemory-policy`` can evict Tether's keys (exit 2,
         ``common.service.preflight.check_server``)."""
-        from common.service.preflight import check_server
-
         check_server(self.bus)
 
     @property

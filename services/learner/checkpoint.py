@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from common.protocol.run_dir import RunDir
 from services.learner import checkpoint_state, checkpoint_v1, lora
 from services.learner.checkpoint_disk import disk_full, no_room, remove_leftovers
@@ -91,7 +93,6 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    import numpy as np
     import torch
 
     np_state: Any = np.random.get_state()
@@ -108,7 +109,6 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
     import torch
 
     torch.set_rng_state(

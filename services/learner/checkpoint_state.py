@@ -23,6 +23,8 @@ taken so that training can go on while the copy is written).
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,8 +105,6 @@ def _compact_stager() -> Any:
     ranks > 0 of an FSDP2 model is the whole parameter's buffer with the shard as a view into
     it; that copy fails ("Attempted to call copy_() on an invalid python storage"; found by
     tests/e2e/test_e2e_ranks.py) and would copy every rank's storage whole anyway."""
-    import copy
-
     import torch
     from torch.distributed.checkpoint.staging import BlockingAsyncStager
     from torch.distributed.tensor import DTensor
@@ -207,8 +207,6 @@ def full_tensors(directory: Path, *, prefix: str = MODEL) -> Iterator[tuple[str,
     """Each whole tensor under ``prefix`` (prefix removed), assembled from the slices every rank
     wrote, one tensor at a time, in name order: what an export reads (at most one whole tensor
     in memory at a time, besides the memory-mapped files)."""
-    import json
-
     import torch
     from safetensors import safe_open
 

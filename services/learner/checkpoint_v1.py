@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from services.learner import lora
 from services.learner.checkpoint_state import joined_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,6 @@ def load_state(checkpoint_dir: Path, *, model: Any, optimizer: Any) -> None:
     )
     options = StateDictOptions(full_state_dict=True)
     if (checkpoint_dir / ADAPTER_FILE).exists():  # LoRA: the adapter; the base is run.model
-        from services.learner import lora
-
         lora.load_adapter_state(model, load_file(str(checkpoint_dir / ADAPTER_FILE)))
     else:
         tied = bool(getattr(model.config, "tie_word_embeddings", False))

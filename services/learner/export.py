@@ -24,8 +24,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.learner import lora
+from services.learner import checkpoint_state, checkpoint_v1, gather, lora
+from services.learner.checkpoint import STATE_DIR, latest_checkpoint
 from services.learner.checkpoint_v1 import ADAPTER_FILE
+from services.learner.dist import rank_world
+from services.learner.model import attention_kwargs
+from services.learner.shard_loading import build_meta_from_config
 
 if TYPE_CHECKING:
     import torch
@@ -38,8 +42,6 @@ _LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
 
 
 def _resolve_checkpoint(path: Path) -> Path:
-    from services.learner.checkpoint import latest_checkpoint
-
     if (path / "meta.json").exists():
         return path
     latest = latest_checkpoint(path)
@@ -74,9 +76,6 @@ def _checked_tokenizer(tok_dir: Path | None) -> Path:
 
 
 def _checkpoint_tensors(ckpt: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from services.learner import checkpoint_state, checkpoint_v1
-    from services.learner.checkpoint import STATE_DIR
-
     if checkpoint_v1.is_v1(ckpt):  # format 1 holds the whole model in one file anyway
         yield from sorted(checkpoint_v1.read_model_state(ckpt, tie_word_embeddings=False).items())
         return
@@ -198,8 +197,6 @@ def _write_lora(
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.learner.model import attention_kwargs
-
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     adapter_dir, merged_dir = tmp / "adapter", tmp / "merged"
     adapter_dir.mkdir(parents=True)
@@ -238,8 +235,6 @@ def export_hf(
     file (and so about the writer's memory beyond one decoder layer).
     Returns ``out_dir`` (``None`` on ranks other than 0 for a live sharded model).
     """
-    from services.learner.dist import rank_world
-
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export output {out} already exists and is not empty: pick a new path")
@@ -249,8 +244,6 @@ def export_hf(
     tok_dir: Path | None
     if isinstance(source, str | Path):
         from transformers import AutoConfig
-
-        from services.learner.shard_loading import build_meta_from_config
 
         ckpt = _resolve_checkpoint(Path(source))
         tok_dir = _checked_tokenizer(
@@ -275,8 +268,6 @@ def export_hf(
         _write_lora(base, state, config_doc, out=out, tokenizer_dir=tok)
         return out
     else:
-        from services.learner import gather
-
         config, meta_model = source.config, source
         named = gather.whole_tensors(source)  # a collective under FSDP: every rank iterates
         rank0 = rank_world()[0] == 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from services.learner.dist import broadcast_int, rank_world
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,8 +27,6 @@ def full_state_dict_cpu(
     ``lm_head.weight`` of a tied-embedding model is left out (HF and vLLM loaders re-tie it).
     """
     from torch.distributed.tensor import DTensor
-
-    from services.learner.dist import rank_world
 
     rank0 = rank_world()[0] == 0
     tied = drop_tied and getattr(model.config, "tie_word_embeddings", False)
@@ -102,8 +102,6 @@ def stream_publish(
     the session, which sends it while the next is gathered. ``items``: ``publish_items`` of
     the model; ``layout``: the update's (the same on every rank: ``build_layout`` of
     ``publish_specs``)."""
-    from services.learner.dist import broadcast_int, rank_world
-
     rank0 = rank_world()[0] == 0
     while True:
         feed = session.next_pass() if session is not None else None
@@ -119,8 +117,6 @@ def whole_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     tensor)`` on rank 0 (fp32 master weights, on CPU), ``(name, None)`` elsewhere. What an
     export of the live model writes (a tied ``lm_head.weight`` included)."""
     from torch.distributed.tensor import DTensor
-
-    from services.learner.dist import rank_world
 
     rank0 = rank_world()[0] == 0
     for name, tensor in sorted(model.state_dict().items(), key=lambda nt: nt[0]):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from services.learner import batching, packing
 from services.learner.cycle import Sample
 from services.learner.dist import all_reduce, rank_world
+from services.learner.model import token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +50,6 @@ def recompute_logprobs(
     so every rank ends with all of them (FSDP needs every rank in every forward pass).
     """
     import torch
-
-    from services.learner.model import token_logprobs_and_entropy
 
     rank, world = rank_world()
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]

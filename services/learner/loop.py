@@ -54,9 +54,12 @@ from common.protocol.books import LearnerBooks
 from common.protocol.staleness import oldest_usable, usable
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer
-from services.learner import logprobs, objective
+from common.weights.layout import build_layout
+from services.learner import gather, logprobs, lora, objective, optim
+from services.learner import model as model_mod
 from services.learner.bus_side import BusSide, LostCycle, NoBusSide
 from services.learner.cadence import CheckpointCadence
+from services.learner.checkpoint import load_checkpoint, start_checkpoint
 from services.learner.cycle import (
     Sample,
     assign_advantages,
@@ -69,10 +72,11 @@ from services.learner.cycle import (
     steps_of_cycle,
 )
 from services.learner.dist import CATCH_UP, GO, STOP, WAITING, control, set_cpu_threads
-from services.learner.lora import LoraSettings
+from services.learner.lora import LoraSettings, adapter_disabled
 from services.learner.lora import publish_state as lora_publish_state
 from services.learner.publishing import NoPublishing, WeightPublishing
 from services.learner.step_log import NoStepLog, StepLog, step_record
+from services.learner.train_step import train_step
 
 if TYPE_CHECKING:
     from common.data.datasets import PromptSet
@@ -127,8 +131,6 @@ class LearnerService:
     def setup_io_first(self) -> None:
         """Process group, then (rank 0) datasets, Redis and the weight store: the cheap parts
         that can fail on bad input, before the model is loaded."""
-        from services.learner import model as model_mod
-
         ln = self.settings.learner
         self.rank, self.world, self.device = model_mod.setup_distributed(
             timeout_s=ln.collective_timeout_s, offload=ln.cpu_offload or ln.reference_cpu_offload
@@ -145,9 +147,6 @@ class LearnerService:
 
     def setup(self) -> None:
         import torch
-
-        from services.learner import model as model_mod
-        from services.learner import optim
 
         if not hasattr(self, "rank"):
             self.setup_io_first()
@@ -183,7 +182,7 @@ class LearnerService:
                 offload=ln.reference_cpu_offload,
             )  # fmt: skip
         if ln.router_replay != "off":
-            from services.learner.router_replay import RouterReplay
+            from services.learner.router_replay import RouterReplay  # noqa: PLC0415 - loads torch
 
             for m in {id(x): x for x in (self.model, self.ref_model) if x is not None}.values():
                 m.router_replay = RouterReplay(m)
@@ -201,8 +200,6 @@ class LearnerService:
         )
 
     def _log_lora(self, settings: LoraSettings) -> None:
-        from services.learner import lora
-
         adapter, frozen = lora.trainable_counts(self.model)
         log.info(
             "LoRA rank %d (alpha %g): %d adapter parameters train (%.3f%% of %d)%s",
@@ -218,8 +215,6 @@ class LearnerService:
         )
 
     def resume(self) -> None:
-        from services.learner.checkpoint import load_checkpoint
-
         extra = load_checkpoint(
             self.run_dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
         )
@@ -236,9 +231,6 @@ class LearnerService:
         """Every rank: send the current weights to the generators, streamed (rank 0 holds at
         most a window of ``weights.bucket_mb`` units, never the model: ``gather``).
         ``catch_up``: the same version again, to the generators that joined since."""
-        from common.weights.layout import build_layout
-        from services.learner import gather
-
         with self.timer.phase("syncing_weights"):
             if self.lora is not None:  # adapter only (megabytes): gathered whole, sent from memory
                 if not catch_up:  # (kept by the publisher: it serves late joiners itself)
@@ -260,8 +252,6 @@ class LearnerService:
         """Save a checkpoint (every rank). ``wait=False`` with ``learner.async_checkpoint``:
         return once the shards are copied; ``poll_checkpoint`` (between cycles) and the next
         save finish it. The trained entries are acknowledged when it is published."""
-        from services.learner.checkpoint import start_checkpoint
-
         self.finish_checkpoint()  # one save at a time (a collective: every rank is here)
         self.live.beat()
         with self.timer.phase("checkpointing"):
@@ -353,8 +343,6 @@ class LearnerService:
 
     def _reference_mode(self) -> AbstractContextManager[None]:
         """LoRA: the reference is the policy with its adapter off; else a model of its own."""
-        from services.learner.lora import adapter_disabled
-
         return adapter_disabled(self.model) if self.lora is not None else nullcontext()
 
     def _apply_staleness(self, samples: list[Sample], idx: list[int]) -> int:
@@ -369,8 +357,6 @@ class LearnerService:
         return dropped
 
     def train_cycle(self, cycle: int, samples: list[Sample]) -> None:
-        from services.learner.train_step import train_step
-
         run, ln = self.settings.run, self.settings.learner
         with self.timer.phase("working"):
             self._prepare(samples)

@@ -31,6 +31,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.service.preflight import require_peft
+from common.weights.adapter import adapter_update
+from services.learner.dist import rank_world
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,8 +75,6 @@ def attach(model: Any, settings: LoraSettings, *, seed: int | None) -> Any:
     ``seed``: initialise the adapter now (``init_adapter``, on whole tensors); ``None`` for a
     model on the meta device (the sharded start-up: the adapter's parameters have no values
     yet; ``init_adapter`` runs on the shards once they exist)."""
-    from common.service.preflight import require_peft
-
     require_peft()  # ConfigError naming the `lora` extra
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -200,8 +202,6 @@ def adapter_state(model: Any, *, dtype: torch.dtype | None = None) -> dict[str, 
     ``dtype``: cast floating tensors (a publish in the generators' dtype); default fp32."""
     from torch.distributed.tensor import DTensor
 
-    from services.learner.dist import rank_world
-
     rank0 = rank_world()[0] == 0
     state: dict[str, Any] = {}
     for fqn, param in adapter_params(model):
@@ -290,8 +290,6 @@ def _global_numel(param: Any) -> int:
 def publish_state(model: Any, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """What an adapter-only publish sends (``common.weights.adapter``): the adapter's tensors
     and its config, on rank 0 (``{}`` elsewhere). A collective under FSDP."""
-    from common.weights.adapter import adapter_update
-
     state = adapter_state(model, dtype=dtype)
     if not state:
         return {}

@@ -22,9 +22,14 @@ from common.protocol import streams
 from common.protocol.run_dir import RunDir
 from common.service import process_exit
 from common.service.exit_codes import EXIT_REFUSED, EXIT_STOPPED
+from common.service.preflight import preflight
+from common.service.settings import bus_settings_for, policy_paths, tracker_settings
 from common.telemetry.exposition import identity
 from common.telemetry.health import HealthServer
 from common.telemetry.heartbeat import StatusReporter
+from services.learner.bus_side import BusSide, LostCycle
+from services.learner.checkpoint_disk import DiskFull
+from services.learner.loop import LearnerService
 from services.learner.settings import LearnerSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
@@ -33,8 +38,6 @@ log = logging.getLogger(__name__)
 def learner_settings(cfg: TetherConfig) -> LearnerSettings:
     """The learner's settings from the run's config (the cycle rules already applied): its
     sections, the bus, the trackers, and the policy's directories (checked on disk)."""
-    from common.service.settings import bus_settings_for, policy_paths, tracker_settings
-
     model_dir, tokenizer_dir = policy_paths(cfg)
     return LearnerSettings(
         run=cfg.run,
@@ -61,15 +64,10 @@ def training_settings(cfg: TetherConfig) -> TrainingSettings:
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import preflight
-
     # gloo's worker threads may still drop a collective's tensors as the process ends
     process_exit.skip_finalization("the learner's gloo process groups")
     # trackers, model, tokenizer, every dataset row, Redis: exit 2 before the model loads
     checked = preflight(cfg, "learner")
-    from services.learner.bus_side import BusSide, LostCycle
-    from services.learner.checkpoint_disk import DiskFull
-    from services.learner.loop import LearnerService
 
     run_dir = RunDir.of(cfg.run).root
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ The mask composes with either correction (it applies before the weight).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -62,8 +63,6 @@ def mismatch_mask(
     tokens masked / valid tokens) and mismatch_masked_seqs_count / mismatch_seqs_count
     (sequences with any masked token / sequences with a valid token).
     """
-    import math
-
     import torch
 
     with torch.no_grad():

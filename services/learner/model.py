@@ -12,6 +12,7 @@ sums the same micro-batch losses (tested in ``tests/services/test_learner_fsdp.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from common.ports import free_port
 from services.learner import lora as lora_mod
 from services.learner import packing, shard_loading
+from services.learner.dist import rank_world
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +126,6 @@ def _shard(
         MixedPrecisionPolicy,
         fully_shard,
     )
-
-    from services.learner.dist import rank_world
 
     mesh = mesh or init_device_mesh(device.type, (rank_world()[1],))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -308,8 +308,6 @@ def _probe_packing(model: Any, *, device: torch.device) -> None:
     forward (for the backward it expects), and an optimizer built then would hold the gathered
     tensors instead of the shards. On CUDA under bf16 autocast (flash-attn has no fp32
     kernels)."""
-    import contextlib
-
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -416,7 +414,7 @@ def token_logprobs_and_entropy(
     pred_mask = response_mask[:, 1:].bool()
     replay = getattr(model, "router_replay", None)
     if routing is not None and replay is not None:
-        from services.learner.router_replay import flat_routing
+        from services.learner.router_replay import flat_routing  # noqa: PLC0415 - loads torch
 
         with replay.replaying(flat_routing(routing, attention_mask, packed)):
             return token_logprobs_and_entropy(

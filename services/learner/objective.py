@@ -17,6 +17,7 @@ from services.learner import batching, losses, mismatch, packing
 from services.learner.cycle import Sample, as_batch_fields, sampled_tokens
 from services.learner.dist import all_reduce, rank_world
 from services.learner.logprobs import collate, micro_batches, proximal_is_current
+from services.learner.model import token_logprobs_and_entropy
 
 if TYPE_CHECKING:
     import torch
@@ -87,8 +88,6 @@ def make_loss_fn(
 
     ``proximal_from_forward`` (default: ``proximal_is_current(ts)``): anchor the ratio to this
     forward pass's own log-probs, detached, instead of the micro-batch's recomputed ``old_logp``."""
-
-    from services.learner.model import token_logprobs_and_entropy
 
     ln = ts.learner
     want_entropy = ln.entropy_coef != 0

@@ -22,8 +22,11 @@ than padding for long micro-batches. Rows of the longest width never pay more th
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from services.learner import batching
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +118,6 @@ def varlen_attention_available(device: torch.device) -> bool:
     """flash-attn's varlen kernel can run: a CUDA device and the ``flash_attn`` package."""
     if device.type != "cuda":
         return False
-    import importlib.util
 
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -131,8 +133,6 @@ def check_packing(model: Any, *, device: torch.device, vocab_size: int, toleranc
         about 1e-3 in fp32, 5e-2 in bf16.
     """
     import torch
-
-    from services.learner import batching
 
     gen = torch.Generator().manual_seed(0)
     fields = [

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from common.config.shared import WeightsConfig
 from common.ports import free_port
 from common.protocol import streams
+from common.weights.handshake import secret_from_env
+from common.weights.publisher import WeightPublisher
 from services.learner.metrics import LearnerMetrics
 
 if TYPE_CHECKING:
@@ -26,9 +28,6 @@ log = logging.getLogger(__name__)
 
 class WeightPublishing:
     def __init__(self, w: WeightsConfig, *, bus: Bus) -> None:
-        from common.weights.handshake import secret_from_env
-        from common.weights.publisher import WeightPublisher
-
         self.bus, self.metrics = bus, LearnerMetrics()
         self.publisher = WeightPublisher(
             w.host,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from common.telemetry.metrics import metric
 from services.scorer.grading_worker import (
     BAD_GROUND_TRUTH,
     ERROR,
@@ -69,8 +70,6 @@ class _Worker:
 
 def _metrics(registry) -> dict:
     """The pool's metrics in ``registry`` (None: the global one), made on first use."""
-    from common.telemetry.metrics import metric
-
     return {
         "seconds": metric(
             "Histogram",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import signal
 import sys
 import time
@@ -58,8 +59,6 @@ def _grade_pair(
 def worker_main(conn: Connection, memory_limit_bytes: int | None, sleep_hook: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool owns shutdown, not Ctrl-C
     if memory_limit_bytes:
-        import resource
-
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.ERROR)  # "timeout is disabled" warnings

@@ -25,11 +25,16 @@ import os
 import time
 from typing import Any
 
+from common.bus.client import Bus
 from common.bus.consumer import Consumer, let_go
 from common.protocol import streams, wire
 from common.telemetry.health import Liveness
 from common.telemetry.metrics import PhaseTimer, metric
+from services.scorer.grader_pool import GraderPool
+from services.scorer.grading_worker import GRADING_REASONS
+from services.scorer.rewards import RewardScorer, ScoredItem, ScoreItem
 from services.scorer.settings import ScorerSettings
+from services.scorer.solver import Solver
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,6 @@ TEST_ONLY_SLEEP_ENV = "TETHER_TEST_ONLY_GRADER_SLEEP"
 
 class _Metrics:
     def __init__(self) -> None:
-        from services.scorer.grading_worker import GRADING_REASONS
-
         self.items = metric(
             "Counter",
             "tether_scorer_items_total",
@@ -109,8 +112,6 @@ class ScorerService:
     ) -> None:
         """``solver_engine``: a started ``GenerationEngine`` serving the solver model, shared
         instead of starting one (tests, benchmarks); the service does not shut it down."""
-        from common.bus.client import Bus
-
         self.settings, self.sid = settings, sid
         self.bus = Bus(settings.bus, service="scorer")
         self.timer = PhaseTimer("scorer")
@@ -124,9 +125,6 @@ class ScorerService:
         self.solver_engine = solver_engine
 
     def _build(self) -> None:
-        from services.scorer.grader_pool import GraderPool
-        from services.scorer.rewards import RewardScorer
-
         s = self.settings
         sleep_hook = os.environ.get(TEST_ONLY_SLEEP_ENV) == "1"
         if sleep_hook:
@@ -137,8 +135,6 @@ class ScorerService:
         self.rewards = RewardScorer(s.rewards, pool=self.pool)
 
     async def _start_solver(self) -> None:
-        from services.scorer.solver import Solver
-
         s = self.settings
         assert s.solver is not None and s.solver_engine_settings is not None  # solver mode
         self.solver = Solver(s.solver, pool=self.pool, engine=self.solver_engine,
@@ -147,8 +143,6 @@ class ScorerService:
 
     # ------------------------------------------------------------------ scoring
     def _items(self, group: wire.TrajectoryGroup) -> list[Any]:
-        from services.scorer.rewards import ScoreItem
-
         return [
             ScoreItem(
                 prompt=group.prompt_text,
@@ -167,8 +161,6 @@ class ScorerService:
         An agent's episode that returned its own reward (``Trajectory.agent_reward``) is not
         graded: its reward is the sum of those components (reason ``agent``); one whose agent
         failed gets 0 (reason ``agent_failed``: the learner never trains it)."""
-        from services.scorer.rewards import ScoredItem
-
         samples = [s for g in groups for s in g.samples]
         graded = [i for i, s in enumerate(samples) if s.agent_reward is None and not s.failed]
         flat_all = [it for g in groups for it in self._items(g)]

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from common.config.schema import TetherConfig
+from common.service.preflight import check_server, preflight
 from common.service.serve import serve_async, service_id
+from common.service.settings import bus_settings_for, solver_engine_settings
+from services.scorer.loop import ScorerService
+from services.scorer.rewards import RewardSpec
 from services.scorer.settings import ScorerSettings
+from services.scorer.solver import SolverSettings
 
 
 def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> ScorerSettings:
     """The scorer's settings from the run's config (the cycle rules already applied): the bus,
     the graders, the reward, and in solver mode the solver and its engine (its model directory
     checked on disk)."""
-    from common.service.settings import bus_settings_for, solver_engine_settings
-    from services.scorer.rewards import RewardSpec
-    from services.scorer.solver import SolverSettings
-
     s, run = cfg.scorer, cfg.run
     rewards = RewardSpec(
         correct_weight=s.correct_weight,
@@ -51,10 +52,7 @@ def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Score
 
 
 def main(cfg: TetherConfig, args) -> int:
-    from common.service.preflight import check_server, preflight
-
     preflight(cfg, "scorer")  # solver model (solver mode), Redis: exit 2 before workers start
-    from services.scorer.loop import ScorerService
 
     sid = service_id("scorer", getattr(args, "service_id", None))
     svc = ScorerService(scorer_settings(cfg), sid=sid)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.config.scorer import ScorerConfig
+from common.data.prompts import encode_prompt
+from common.engine import GenerationEngine, SamplingSettings
 from services.scorer.extract import extract_answer
 from services.scorer.rewards import Correctness, ScoreItem
 
@@ -82,8 +84,6 @@ class Solver:
     async def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from common.engine import GenerationEngine
-
         self.tokenizer = AutoTokenizer.from_pretrained(self.s.model)
         if self.engine is not None:
             return
@@ -95,8 +95,6 @@ class Solver:
         await self.engine.start()
 
     def prompt_ids(self, question: str, response: str) -> list[int]:
-        from common.data.prompts import encode_prompt  # the policy's prompt encoding (BOS included)
-
         text = self.s.template.format(question=question, response=response)
         chat = bool(self.s.apply_chat_template and getattr(self.tokenizer, "chat_template", None))
         ids = encode_prompt(self.tokenizer, text, apply_chat_template=chat)
@@ -112,8 +110,6 @@ class Solver:
 
     async def answers(self, items: Sequence[ScoreItem]) -> list[list[str]]:
         """``samples`` solver answers per item; all requests go to the engine concurrently."""
-        from common.engine import SamplingSettings
-
         assert self.engine is not None, "Solver.start() first"
         sampling = SamplingSettings(
             n=self.s.samples,

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from common.config.load import load_config
+from tether.demo.result import DemoResult, config_digest
+from tether.demo.run import PRESETS
+from tether.demo.tasks import ArithmeticTask, make_problems
+from tether.runs.provenance import git_state
+
 CYCLES = 10  # 20 optimizer steps of 64 responses
 
 
 def test_demo_task_options_short_prompts_and_mixed_lengths():
-    from tether.demo.tasks import ArithmeticTask, make_problems
-
     task = ArithmeticTask(
         digits=2, num_train=500, num_eval=50, prompt_style="short", mixed_lengths=True
     )
@@ -76,11 +80,6 @@ def test_reduced_demo_prints_accuracy_before_and_after(tmp_path: Path):
 
 def _check_result(run_dir: Path, *, cmd: list[str], steps: list[dict], evals: list[dict]) -> None:
     """The demo's result file holds what the run measured, where it came from and what it cost."""
-    from common.config.load import load_config
-    from tether.demo.result import DemoResult, config_digest
-    from tether.demo.run import PRESETS
-    from tether.runs.provenance import git_state
-
     raw = json.loads((run_dir / "demo_result.json").read_text())
     result = DemoResult.from_dict(raw)  # every field known, the schema this code reads
     assert (result.kind, result.task, result.agent, result.lora_rank) == (

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from tether.demo.tasks import read_jsonl
+from tether.demo.tool_task import GUESS, ToolTask, call_text, estimate, write_tool_task
+from tether.runs.report.data import accounting_rows
+
 CYCLES = 2  # 4 optimizer steps of 64 episodes (the README's demo runs 12 cycles)
 
 
 def test_the_tool_task_and_its_sloppy_teacher(tmp_path: Path):
-    from tether.demo.tasks import read_jsonl
-    from tether.demo.tool_task import GUESS, ToolTask, call_text, estimate, write_tool_task
-
     paths = write_tool_task(tmp_path, ToolTask(num_train=400, num_eval=50, teacher_tool_rate=0.3))
     train, held_out = read_jsonl(paths["train"]), read_jsonl(paths["eval"])
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
@@ -48,8 +49,6 @@ def test_the_tool_task_and_its_sloppy_teacher(tmp_path: Path):
 
 @pytest.mark.slow
 def test_reduced_tools_demo_calls_the_calculator_and_trains_on_it(tmp_path: Path):
-    from tether.runs.report.data import accounting_rows
-
     cmd = [
         sys.executable, "-m", "tether.cli", "demo", "--task", "tools",
         "--num-cycles", str(CYCLES),

@@ -4,6 +4,7 @@ learner on gloo, weight broadcast), a tiny warmed-up model and the arithmetic ta
 from __future__ import annotations
 
 import pytest
+import redis
 
 from common.protocol import streams
 
@@ -43,8 +44,6 @@ def test_weights_were_published_and_received(short_run):
 def test_rank0_records_the_published_version_and_chain_epoch_in_redis(short_run, redis_server):
     """What `tether status` reads: the learner's last published version and the weight chain's
     membership epoch (the generator joined, then took its updates down the chain)."""
-    import redis
-
     r = redis.Redis.from_url(redis_server.url)
     assert int(r.get(f"e2e:{streams.LEARNER_VERSION}")) == CYCLES * STEPS_PER_CYCLE
     assert int(r.get(f"e2e:{streams.WEIGHTS_PUBLISHING}")) == CYCLES * STEPS_PER_CYCLE
@@ -105,8 +104,6 @@ def test_trackers_got_the_per_step_metrics(short_run):
 def test_learner_trims_what_every_group_acknowledged(short_run, redis_server):
     """Streams do not grow for the whole run: the learner's housekeeping trimmed the prompts the
     generators had acknowledged (the run dispatched one prompt per group, plus evaluations)."""
-    import redis
-
     r = redis.Redis.from_url(redis_server.url)
     dispatched = CYCLES * PROMPTS  # train prompts; held-out prompts come on top
     assert r.xlen(f"e2e:{streams.PROMPTS}") < dispatched

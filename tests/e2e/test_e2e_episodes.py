@@ -8,6 +8,7 @@ import pytest
 
 from tests.e2e_support import assert_trained_exactly_once, leftover_processes, run_training
 from tests.paths import REPO
+from tether.demo.run import prepare_assets
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +18,6 @@ CYCLES, PROMPTS, RESPONSES = 4, 4, 4
 def tools_config(tmp_path, name: str, *, cycles: int, tools: str) -> object:
     """A short episodes run on the tools task's model after a short warm-up (it calls the
     calculator in the teacher's format; the demo's warm-up, until it copies, costs CI minutes)."""
-    from tether.demo.run import prepare_assets
-
     assets = prepare_assets(tmp_path.parent / "e2e-assets-tools-ci", preset="tools-ci")
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""

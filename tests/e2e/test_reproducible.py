@@ -17,13 +17,13 @@ import pytest
 
 from bench.reproducibility import compare, train_once
 from tests.conftest import TEST_CACHE
+from tether.demo.run import prepare_assets
+from tether.runs.status import load_status_snapshot
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_synchronous_runs_of_one_seed_train_the_same_responses_with_two_generators(tmp_path):
-    from tether.demo.run import prepare_assets
-
     assets = prepare_assets(TEST_CACHE / "ci-assets", preset="ci")
     # at most 4 of a cycle's 16 prompts in flight per generator: both generators take part of
     # every cycle once both are up (with the default 64 the first to read takes a whole cycle)
@@ -55,8 +55,6 @@ def test_two_synchronous_runs_of_one_seed_train_the_same_responses_with_two_gene
 
 def _groups_per_generator(run_dir: Path) -> list[int]:
     """Groups each generator of the run published (its status at the run's end)."""
-    from tether.runs.status import load_status_snapshot
-
     snap = load_status_snapshot(run_dir)
     assert snap is not None, f"no status.json in {run_dir}"
     gens = [s for s in snap["services"] if s["service"] == "generator"]

@@ -13,6 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.learner.checkpoint import TEST_HOOK_SLEEP_ENV, start_checkpoint
+from services.learner.model import load_policy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -23,10 +27,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
-    from services.learner.checkpoint import TEST_HOOK_SLEEP_ENV, start_checkpoint
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     model = load_policy(args.model, device=torch.device("cpu"), fsdp=False)
     optimizer = build_optimizer(model, lr=1e-3)

@@ -20,6 +20,12 @@ import json
 from pathlib import Path
 
 from common.service import process_exit
+from common.weights.layout import build_layout
+from services.learner.checkpoint import load_checkpoint, save_checkpoint
+from services.learner.gather import full_state_dict_cpu, publish_items, publish_specs, stream_units
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
 
 LR = 1e-3
 GRAD_CLIP = 1.0
@@ -27,8 +33,6 @@ GRAD_CLIP = 1.0
 
 def token_mean_nll(model, micro_batch):
     """Test loss: -sum(logp * weight) / global_tokens (pre-normalised by the whole batch)."""
-    from services.learner.model import token_logprobs_and_entropy
-
     logp, _ = token_logprobs_and_entropy(
         model, micro_batch["input_ids"], micro_batch["attention_mask"], micro_batch["response_mask"]
     )
@@ -51,9 +55,6 @@ def build_training(
 ):
     """Policy + AdamW + warm-up/cosine schedule, as the learner builds them."""
     import torch
-
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     model = load_policy(
         model_dir,
@@ -83,17 +84,6 @@ def main() -> None:
 
     import torch
     from safetensors.torch import load_file, save_file
-
-    from common.weights.layout import build_layout
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.gather import (
-        full_state_dict_cpu,
-        publish_items,
-        publish_specs,
-        stream_units,
-    )
-    from services.learner.model import setup_distributed
-    from services.learner.train_step import train_step
 
     rank, world_size, _ = setup_distributed()
     torch.manual_seed(1234)

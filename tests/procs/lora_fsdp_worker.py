@@ -18,6 +18,11 @@ import json
 from pathlib import Path
 
 from common.service import process_exit
+from services.learner.checkpoint import load_checkpoint, save_checkpoint
+from services.learner.lora import LoraSettings, adapter_state
+from services.learner.model import load_policy, setup_distributed
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
 
 RANK, ALPHA, SEED = 8, 16, 3
 LR = 1e-2
@@ -36,10 +41,6 @@ def fsdp_worker():
 def build_training(model_dir: str, *, fsdp: bool, gradient_checkpointing: bool):
     """A LoRA policy + AdamW + constant schedule, as the learner builds them."""
     import torch
-
-    from services.learner.lora import LoraSettings
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     model = load_policy(
         model_dir,
@@ -63,11 +64,6 @@ def main() -> None:
 
     from safetensors.torch import load_file, save_file
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.lora import adapter_state
-    from services.learner.model import setup_distributed
-    from services.learner.train_step import train_step
 
     base = fsdp_worker()
     rank, world, _ = setup_distributed()

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     """(sample name, labels, value) of every sample in Prometheus text format."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     return [
         (s.name, dict(s.labels), float(s.value))
         for family in text_string_to_metric_families(text)

@@ -27,6 +27,13 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from common.weights.layout import build_layout
+from services.learner import gather
+from services.learner.checkpoint import load_checkpoint, save_checkpoint
+from services.learner.model import process_group_backend
+from services.learner.train_step import train_step
+from tests.procs.fsdp_worker import build_training, micro_batch, token_mean_nll
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -49,11 +56,6 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from services.learner import gather
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.model import process_group_backend
-    from tests.procs.fsdp_worker import build_training, micro_batch, token_mean_nll
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
@@ -74,13 +76,11 @@ def main() -> None:
     resp[:, 6:] = 1
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": resp}
     batch["response_mask"] = resp
-    from services.learner.train_step import train_step
 
     stats = train_step(model, optimizer, scheduler, [micro_batch(batch, slice(0, 2))],
                        token_mean_nll, grad_clip=1.0)  # fmt: skip
     save_checkpoint(out / "run", 1, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra_state={})  # fmt: skip
-    from common.weights.layout import build_layout
 
     items = gather.publish_items(model)
     layout = build_layout(gather.publish_specs(items, None), 1, 1 << 20)

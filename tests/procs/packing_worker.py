@@ -9,20 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from common.config.load import load_config
 from common.service import process_exit
+from services.learner import objective, optim
+from services.learner.checkpoint_state import optimizer_state
+from services.learner.cycle import Sample, assign_advantages
+from services.learner.main import training_settings
+from services.learner.model import load_policy, setup_distributed
+from services.learner.train_step import train_step
 
 
 def main() -> None:
     import torch
     import torch.distributed as dist
-
-    from common.config.load import load_config
-    from services.learner import objective, optim
-    from services.learner.checkpoint_state import optimizer_state
-    from services.learner.cycle import Sample, assign_advantages
-    from services.learner.main import training_settings
-    from services.learner.model import load_policy, setup_distributed
-    from services.learner.train_step import train_step
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)

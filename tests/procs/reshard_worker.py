@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 from common.service import process_exit
+from services.learner.checkpoint import load_checkpoint, start_checkpoint
+from services.learner.model import setup_distributed
+from services.learner.train_step import train_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -47,10 +50,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
-    from services.learner.checkpoint import load_checkpoint, start_checkpoint
-    from services.learner.model import setup_distributed
-    from services.learner.train_step import train_step
 
     rank, world, _ = setup_distributed()
     batch = _batch()

@@ -16,14 +16,14 @@ import json
 from pathlib import Path
 
 from common.service import process_exit
+from services.learner import batching, packing
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
 
 
 def check(model_dir: str, device) -> dict:
     import torch
 
-    from services.learner import batching, packing
-    from services.learner.model import load_policy, token_logprobs_and_entropy
-    from services.learner.router_replay import RouterReplay
+    from services.learner.router_replay import RouterReplay  # noqa: PLC0415 - loads torch
 
     model = load_policy(model_dir, device=device, pack_sequences=True)
     model.router_replay = replay = RouterReplay(model)
@@ -66,8 +66,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("model")
     args = parser.parse_args()
-
-    from services.learner.model import setup_distributed
 
     rank, _, device = setup_distributed()
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(check(args.model, device)))

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from common.service import process_exit
+from services.learner.model import attention_kwargs, load_policy, load_reference, setup_distributed
 
 
 def _local_mismatches(model, whole) -> tuple[list[str], int]:
@@ -58,8 +59,6 @@ def check(model_dir: Path, device) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.learner.model import attention_kwargs, load_policy, load_reference
-
     whole = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, **attention_kwargs(model_dir)
     )
@@ -92,8 +91,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
-
-    from services.learner.model import setup_distributed
 
     rank, _, device = setup_distributed()
     result = {str(m): check(Path(m), device) for m in args.models}

@@ -10,6 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from common.weights.checksum import tensors_checksum
+from common.weights.layout import dtype_of, largest_unit
+from common.weights.receiver import WeightReceiver
+from services.generator.update_stream import LoadStream
+
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -24,11 +29,6 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
-
-    from common.weights.checksum import tensors_checksum
-    from common.weights.layout import dtype_of, largest_unit
-    from common.weights.receiver import WeightReceiver
-    from services.generator.update_stream import LoadStream
 
     with open(a.specs) as f:
         specs = json.load(f)

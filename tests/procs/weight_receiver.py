@@ -18,6 +18,11 @@ import argparse
 import json
 import time
 
+from common.weights.checksum import tensors_checksum
+from common.weights.handshake import secret_from_env
+from common.weights.layout import WeightSyncError
+from common.weights.receiver import WeightReceiver
+
 
 def _log(path: str, **event) -> None:
     with open(path, "a") as f:
@@ -38,11 +43,6 @@ def main() -> None:
     p.add_argument("--unit-seconds", type=float, default=0.0)
     p.add_argument("--save", default="")
     a = p.parse_args()
-
-    from common.weights.checksum import tensors_checksum
-    from common.weights.handshake import secret_from_env
-    from common.weights.layout import WeightSyncError
-    from common.weights.receiver import WeightReceiver
 
     rx = WeightReceiver(a.host, a.port, a.member, timeout_s=a.timeout, secret=secret_from_env())
     try:

@@ -17,16 +17,19 @@ import json
 import time
 
 import aiohttp
-import openai
+import openai  # noqa: TID253 - the agent extra, which these tests drive
 import pytest
 
 from common.config.load import load_config
+from common.data.prompts import encode_prompt
 from common.engine import SamplingSettings
 from common.protocol import wire
 from services.generator.agent.gym import GymAgent
+from services.generator.agent.openai_api import Sampling
 from tests import agents_for_tests as agents
 from tests.engine_support import module_agent_runner, module_engine
 from tests.waiting import until
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 QUESTION = "What is 3+4?"
@@ -34,8 +37,6 @@ QUESTION = "What is 3+4?"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3, tools=True)
 
 
@@ -67,8 +68,6 @@ def _prompt(n: int = 1) -> wire.PromptMsg:
 
 
 def _run(engine, runner, agent, n=1, temperature=1.0):
-    from common.data.prompts import encode_prompt
-
     runner.agent = agent
     msg = _prompt()
     ids = encode_prompt(runner.tok, QUESTION)
@@ -235,8 +234,6 @@ def test_each_bad_request_gets_its_4xx_and_touches_no_other_episode(engine, runn
 
 
 def _how():
-    from services.generator.agent.openai_api import Sampling
-
     return Sampling(temperature=1.0, top_p=1.0, top_k=0)
 
 

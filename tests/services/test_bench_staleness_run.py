@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from bench.staleness import run_all
 from bench.staleness_design import Arm, Study
-from bench.staleness_run import run_arm
+from bench.staleness_report import write_report
+from bench.staleness_run import _Policies, arm_config, run_arm
+from bench.staleness_stats import per_arm
+from common.data.prompts import encode_prompt
+from tether.demo.tasks import ArithmeticTask, write_task
+from tether.demo.tiny_model import build_tiny_model
+from tether.demo.warmup import warmup_sft
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from common.data.prompts import encode_prompt
-    from tether.demo.tasks import ArithmeticTask, write_task
-    from tether.demo.tiny_model import build_tiny_model
-    from tether.demo.warmup import warmup_sft
-
     root = tmp_path_factory.mktemp("toy")
     base = build_tiny_model(root / "base", hidden_size=32, num_layers=1, num_heads=2)
     task = ArithmeticTask(digits=1, num_train=40, num_eval=8, prompt_style="short")
@@ -61,11 +63,7 @@ def test_a_lagged_run_records_its_diagnostics_and_repeats_exactly(assets):
 def test_the_behaviour_policy_is_the_one_eta_cycles_back(assets):
     """η = 2: cycles 0 and 1 sample from themselves, cycle c ≥ 2 from the weights at the start
     of cycle c − 2, and only the weights a later cycle needs are kept."""
-    from pathlib import Path
-
     import torch
-
-    from bench.staleness_run import _Policies, arm_config
 
     arm = Arm(correction="none", eta=2, steps_per_cycle=1)
     study = Study(arms=(arm,), steps=4, prompts_per_step=2, eval_every=4)
@@ -87,10 +85,6 @@ def test_the_behaviour_policy_is_the_one_eta_cycles_back(assets):
 def test_the_driver_keeps_finished_runs_and_resumes(assets, tmp_path):
     """Two arms × two seeds in worker processes; a second invocation finds all four and runs
     nothing (an interrupted study resumes from the files); the tests and report run on them."""
-    from bench.staleness import run_all
-    from bench.staleness_report import write_report
-    from bench.staleness_stats import per_arm
-
     arms = (Arm(correction="sync", eta=0, steps_per_cycle=1),
             Arm(correction="none", eta=1, steps_per_cycle=1))  # fmt: skip
     study = Study(arms=arms, seeds=(0, 1), steps=2, prompts_per_step=2, eval_every=2,

@@ -11,6 +11,7 @@ import uuid
 
 import msgpack
 import numpy as np
+import prometheus_client as pc
 import pytest
 import redis
 from prometheus_client import REGISTRY
@@ -303,10 +304,6 @@ def test_inspect_reports_streams_groups_and_dead_letters(redis_server) -> None:
 
 def test_counters_of_a_consumer_group_exist_before_their_first_event(redis_server):
     # Dashboards and increase() need a series at 0 before the first dead letter, claim, wait
-    import prometheus_client as pc
-
-    from common.bus.client import Bus
-    from common.bus.settings import BusSettings
 
     bus = Bus(BusSettings(url=redis_server.url, run="zero-series"), service="test")
     Consumer(bus, "groups", "scorers", "scorer-z")

@@ -13,25 +13,35 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from services.learner.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_model_state,
+    save_checkpoint,
+    start_checkpoint,
+)
+from services.learner.checkpoint_disk import DiskFull
+from services.learner.export import export_hf
+from services.learner.model import load_policy, token_logprobs_and_entropy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
+from tests.fs_faults import resize, small_tmpfs, used_kb
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 WRITER = REPO / "tests" / "procs" / "checkpoint_writer.py"
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 
 
 def _training(model_dir: Path):
     import torch
-
-    from services.learner.model import load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     model = load_policy(model_dir, device=torch.device("cpu"), fsdp=False)
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
@@ -42,11 +52,7 @@ def _training(model_dir: Path):
 def _step(model, optimizer, scheduler):
     """One step on a batch drawn from the torch, numpy and python RNGs (so resume must restore
     all three for the next batch to be the uninterrupted run's)."""
-    import numpy as np
     import torch
-
-    from services.learner.model import token_logprobs_and_entropy
-    from services.learner.train_step import train_step
 
     rows = 2 + random.randrange(2)
     seq_len = 10 + int(np.random.randint(0, 4))
@@ -63,7 +69,6 @@ def _step(model, optimizer, scheduler):
 
 
 def _seed(seed: int) -> None:
-    import numpy as np
     import torch
 
     torch.manual_seed(seed)
@@ -72,8 +77,6 @@ def _seed(seed: int) -> None:
 
 
 def test_resume_equals_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-
     _seed(7)
     model, optimizer, scheduler = _training(tiny_model_dir)
     straight = [_step(model, optimizer, scheduler) for _ in range(4)]
@@ -116,8 +119,6 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -
 def test_async_save_holds_the_state_it_was_started_at(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Training goes on while an async save is written: the checkpoint is the state at its
     start, and resuming from it retraces the uninterrupted run."""
-    from services.learner.checkpoint import latest_checkpoint, load_checkpoint, start_checkpoint
-
     _seed(7)
     model, optimizer, scheduler = _training(tiny_model_dir)
     straight = [_step(model, optimizer, scheduler) for _ in range(3)]
@@ -169,8 +170,6 @@ def _write_format1(model, optimizer, scheduler, ckpt: Path, *, step: int) -> Non
 
 
 def test_format1_checkpoint_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-
     _seed(7)
     model, optimizer, scheduler = _training(tiny_model_dir)
     straight = [_step(model, optimizer, scheduler) for _ in range(3)]
@@ -196,15 +195,11 @@ def test_format1_checkpoint_resumes(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 def test_load_without_checkpoint_returns_none(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.learner.checkpoint import load_checkpoint
-
     model, optimizer, scheduler = _training(tiny_model_dir)
     assert load_checkpoint(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) is None
 
 
 def test_extra_state_must_be_json(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from services.learner.checkpoint import save_checkpoint
-
     model, optimizer, scheduler = _training(tiny_model_dir)
     with pytest.raises(ValueError, match="JSON"):
         save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -217,8 +212,6 @@ def test_extra_state_must_be_json(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_sigkill_during_save_keeps_previous_checkpoint(
     tiny_model_dir: Path, tmp_path: Path, async_save: bool
 ) -> None:
-    from services.learner.checkpoint import load_checkpoint, read_model_state, save_checkpoint
-
     run_dir = tmp_path / "run"
     cmd = [sys.executable, str(WRITER), "--model", str(tiny_model_dir), "--run-dir", str(run_dir)]
     cmd += ["--async"] if async_save else []
@@ -261,9 +254,6 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_run_can_go_on(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     # A real full filesystem: a tmpfs with room for one checkpoint and a half.
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-    from services.learner.checkpoint_disk import DiskFull
-    from tests.fs_faults import resize, small_tmpfs, used_kb
 
     ckpts = tmp_path / "run" / "checkpoints"
     model, optimizer, scheduler = _training(tiny_model_dir)
@@ -299,8 +289,6 @@ def test_a_full_disk_fails_the_save_cleanly_and_the_run_can_go_on(
 
 
 def test_leftovers_of_killed_saves_are_removed_at_start(tiny_model_dir: Path, tmp_path: Path):
-    from services.learner.checkpoint import load_checkpoint, save_checkpoint
-
     model, optimizer, scheduler = _training(tiny_model_dir)
     save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, scheduler=scheduler,
                     extra_state={})  # fmt: skip
@@ -316,8 +304,6 @@ def test_leftovers_of_killed_saves_are_removed_at_start(tiny_model_dir: Path, tm
 def test_broken_latest_pointer_falls_back_to_newest_complete(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from services.learner.checkpoint import latest_checkpoint, save_checkpoint
-
     model, optimizer, scheduler = _training(tiny_model_dir)
     for step in (3, 5):
         save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -332,9 +318,6 @@ def test_export_loads_with_transformers_and_gives_identical_logits(
 ) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from services.learner.checkpoint import save_checkpoint
-    from services.learner.export import export_hf
 
     _seed(3)
     model, optimizer, scheduler = _training(tiny_model_dir)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 WORKER = REPO / "tests" / "procs" / "reshard_worker.py"
 pytestmark = pytest.mark.slow
@@ -20,8 +21,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     # 259-row embedding: uneven shards over 2 ranks (the padded path)
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 

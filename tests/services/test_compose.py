@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from common.config.load import load_config
 from tests import deploy_tools as dt
+from tether.demo import run as demo
 
 COMPOSE_DIR = dt.DEPLOY / "compose"
 BASE = yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
@@ -55,9 +58,6 @@ def test_cpu_demo_prepare_calls_the_demo_asset_builder(tmp_path):
     """The `prepare` service runs a Python snippet against tether.demo: it must still compile and
     name a function that takes (root, preset=, seed=) with a known preset, and its outputs must be
     what cpu-demo.toml points at."""
-    from common.config.load import load_config
-    from tether.demo import run as demo
-
     snippet = DEMO["services"]["prepare"]["entrypoint"][2]
     compile(snippet, "prepare", "exec")
     assert "from tether.demo.run import prepare_assets" in snippet
@@ -136,7 +136,6 @@ def test_smoke_targets_check_fails_on_a_down_or_missing_job(tmp_path):
 
 
 def test_smoke_names_check_fails_when_a_dashboard_metric_is_absent(tmp_path):
-    import pytest
 
     pytest.importorskip("promql_parser", reason="pip install promql-parser (the dev extra)")
 

@@ -13,6 +13,7 @@ import re
 import pytest
 import yaml
 
+from common.config.load import load_config
 from tests import deploy_tools as dt
 
 COMPOSE = dt.DEPLOY / "compose" / "docker-compose.yml"
@@ -103,8 +104,6 @@ def test_compose_replica_ids_are_fixed_per_service():
     ids=["compose", "k8s-configmap"],
 )
 def test_deployed_tether_config_loads(toml_text, tmp_path):
-    from common.config.load import load_config
-
     path = tmp_path / "tether.toml"
     path.write_text(toml_text)
     cfg = load_config(config_file=str(path), overrides=[], flags={}).config

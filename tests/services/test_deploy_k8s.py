@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import yaml
@@ -244,7 +245,6 @@ def test_the_staging_job_stages_model_and_data_with_the_hub_token_from_a_secret(
     # a failed staging Job, its pods and their logs stay until someone deletes the Job
     assert "ttlSecondsAfterFinished" not in job["spec"]
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    import tomllib
 
     cm = tomllib.loads(_doc("ConfigMap", "tether-config")["data"]["tether.toml"])
     assert cm["data"]["train_path"].startswith("/models/data/")

@@ -12,6 +12,7 @@ not installed."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import re
 
@@ -383,8 +384,6 @@ def test_a_crd_schema_check_can_fail():
 
 
 def test_the_prometheusrule_is_rules_yml():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(
         "prometheusrule", dt.DEPLOY / "prometheus" / "prometheusrule.py"
     )

@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from common.ports import free_port
+from common.service import run_end
 from tests import deploy_tools as dt
+from tests.procs.scorer_proc import test_bus
 
 # ------------------------------------------------------------------------------ Prometheus
 
@@ -201,9 +203,6 @@ def test_real_prometheus_scrapes_a_real_scorer_and_keys_alerts_on_its_labels(
     replica the scorer emits; with no learner for that run, TetherLearnerAbsent goes pending for
     it (it would fire after 10 minutes); when the run finishes the scorer exits 0 and the
     pending alert is gone (not a learner absent mid-run)."""
-    from common.service import run_end
-    from tests.procs.scorer_proc import test_bus
-
     prometheus = dt.tool("prometheus", apt="prometheus")
     metrics_port, prom_port = free_port(), free_port()
     run, sid = "deploy-prom-test", "scorer-deploy-test"

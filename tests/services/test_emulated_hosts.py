@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.hosts import NETNS_ETC, Hosts, unavailable
+from bench.weights_hosts import readme_row, run_hosts_bench
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
 
@@ -71,8 +72,6 @@ def test_links_are_shaped_cut_blocked_healed_and_removed():
 
 
 def test_weight_chain_on_hosts_sends_the_model_once_from_the_learner(tmp_path: Path):
-    from bench.weights_hosts import readme_row, run_hosts_bench
-
     out = tmp_path / "weights_hosts.json"
     r = run_hosts_bench(out_path=out, mbit=400, generators=(1, 2), mb=16, chunk_mb=2.0,
                         repeats=1, work_dir=tmp_path)  # fmt: skip

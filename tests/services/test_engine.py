@@ -17,6 +17,7 @@ from common.protocol.wire import PromptMsg, ScoredGroup
 from services.generator.trajectories import single_turn_trajectories, to_group
 from services.learner.cycle import samples_from_groups
 from tests.engine_support import module_engine
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,6 @@ LOGPROB_TOLERANCE = 1e-4
 def model_dir(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
-
-    from tether.demo.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)

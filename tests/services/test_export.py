@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from fixtures.model_families import FAMILIES, build_family, default_root
+from services.learner.checkpoint import save_checkpoint
+from services.learner.export import export_hf
+from services.learner.model import attention_kwargs, load_policy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -17,11 +21,6 @@ def test_export_of_a_checkpoint_is_the_saved_layout(family: str, tmp_path: Path)
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-
-    from services.learner.checkpoint import save_checkpoint
-    from services.learner.export import export_hf
-    from services.learner.model import attention_kwargs, load_policy
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     model_dir = build_family(family, default_root())
     model = load_policy(model_dir, device=torch.device("cpu"), fsdp=False)

@@ -19,8 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.bus.server import pid_running
+from common.config.shared import RunConfig
 from common.data.prompts import encode_prompt
 from common.protocol import streams, wire
+from common.service import run_end
 from common.weights.publisher import WeightPublisher
 from tests.procs.generator_proc import (
     GeneratorProc,
@@ -38,6 +41,7 @@ from tests.procs.generator_proc import (
     status_doc,
     wait_until,
 )
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow  # two vLLM engines in subprocesses
 
@@ -56,8 +60,6 @@ LIVENESS_S = (
 def cluster(redis_server, tmp_path_factory):
     """Two generators joined to this test's weight publisher and running v0. Records what
     /readyz said before the engine was up and after it was up but before any weights."""
-    from tether.demo.tiny_model import build_tiny_model
-
     base = tmp_path_factory.mktemp("gen")
     # a tokenizer that adds BOS (like Llama's): its chat template writes <s>, and vLLM must run
     # exactly the ids the generator sends, with that one BOS
@@ -328,10 +330,6 @@ def test_run_finished_the_generator_stops_by_itself_with_its_engine(cluster):
     """The learner's run-finished record: the surviving generator exits 0 within a bounded time,
     although a prompt of it waits at the staleness gate for weights that never come, and its
     vLLM engine-core process goes with it (on Kubernetes: the pod completes, the GPU is free)."""
-    from common.bus.server import pid_running
-    from common.config.shared import RunConfig
-    from common.service import run_end
-
     c = cluster
     gen = c.procs[SIDS[1]]
     assert gen.proc.poll() is None

@@ -5,17 +5,18 @@ engine's behaviour log-probs are the learner's (the same check as the single-wor
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench import family_checks as fc
 from fixtures.model_families import build_family, default_root
+from services.learner.model import load_policy, setup_distributed
 
 pytestmark = pytest.mark.slow
 
 
 def test_tensor_parallel_engine_receives_once_and_each_worker_loads_its_part(monkeypatch) -> None:
-    import os
-
     import torch.distributed as dist
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -26,8 +27,6 @@ def test_tensor_parallel_engine_receives_once_and_each_worker_loads_its_part(mon
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
     from transformers import AutoTokenizer
     from vllm import LLM
-
-    from services.learner.model import load_policy, setup_distributed
 
     model_dir = build_family("qwen2.5", default_root())  # 4 heads, 2 KV heads: 2 + 1 per worker
     created = not dist.is_initialized()

@@ -21,7 +21,13 @@ import math
 import pytest
 
 from bench import family_checks as fc
+from common.config.load import load_config
 from common.data import gguf_models, staging
+from services.learner import objective, optim
+from services.learner.cycle import Sample, assign_advantages
+from services.learner.main import training_settings
+from services.learner.model import load_policy, setup_distributed
+from services.learner.train_step import train_step
 from tests.real_model import CACHE, NAME, staged_smollm2
 
 pytestmark = pytest.mark.slow
@@ -142,8 +148,6 @@ def policy(staged):
     """The learner's model of the staged directory: FSDP2 on a one-rank gloo group here."""
     import torch.distributed as dist
 
-    from services.learner.model import load_policy, setup_distributed
-
     created = not dist.is_initialized()
     _, _, device = setup_distributed()
     yield load_policy(staged, device=device)
@@ -183,12 +187,6 @@ def test_a_learner_step_on_responses_the_engine_sampled(engine, tokenizer, polic
     the engine's responses with their behaviour log-probs: a finite loss, a gradient, and
     weights that moved."""
     import torch
-
-    from common.config.load import load_config
-    from services.learner import objective, optim
-    from services.learner.cycle import Sample, assign_advantages
-    from services.learner.main import training_settings
-    from services.learner.train_step import train_step
 
     n = 2  # two prompts' groups of two responses: the step's cost is the model, not the batch
     sampled = fc.sample(engine, tokenizer, n=n, max_tokens=12, seed=2)[: 2 * n]

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
-from common.bus.server import pid_running
+import pytest
+
+from common.bus.server import EmbeddedRedis, pid_running, valkey_binary
 from tests.paths import REPO
+from tether.runs.supervised import main
 from tether.runs.supervisor import Child
 
 # The leader starts a grandchild that ignores SIGTERM and outlives it (as vLLM's engine core
@@ -61,8 +65,6 @@ time.sleep(300)
 
 def _child_stops_with_sigkilled_launcher(tmp_path, launcher_source: str) -> None:
     """Run a stand-in launcher, wait for its child, SIGKILL the launcher: the child must go."""
-    import subprocess
-
     pid_file, up_file = tmp_path / "child.pid", tmp_path / "child.up"
     launcher = subprocess.Popen([sys.executable, "-c", launcher_source, str(pid_file), str(up_file)],
                                 cwd=REPO)  # fmt: skip
@@ -113,8 +115,6 @@ def test_a_foreign_program_started_through_the_shim_stops_with_the_launcher(tmp_
 
 
 def test_supervised_shim_without_a_program_is_a_usage_error():
-    from tether.runs.supervised import main
-
     assert main([]) == 2
 
 
@@ -124,8 +124,6 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
     """`tether train --resume` after a SIGKILLed launcher: the old server (still running, by
     design: it is not ours to signal) is stopped first, so two servers never share one AOF.
     With Debian's redis-server too, whose /proc exe names redis-check-rdb (a symlink)."""
-    from common.bus.server import EmbeddedRedis
-
     old = EmbeddedRedis(tmp_path / "data", binary=server_binary).start()
     orphan = old.pid
     assert orphan is not None
@@ -146,8 +144,6 @@ def test_a_server_orphaned_on_the_run_directory_is_stopped_before_a_new_one_star
 def test_a_server_of_another_directory_is_not_taken_for_an_orphan(tmp_path):
     """The pid file names a live server, but one started on another directory (a pid file
     copied along with a run directory, say): it is left alone."""
-    from common.bus.server import EmbeddedRedis
-
     other = EmbeddedRedis(tmp_path / "other").start()
     try:
         here = EmbeddedRedis(tmp_path / "here")
@@ -165,9 +161,6 @@ def test_a_server_of_another_directory_is_not_taken_for_an_orphan(tmp_path):
 def test_the_embedded_server_is_the_wheels_unless_another_is_named(tmp_path, monkeypatch):
     """A `redis-server` on PATH is not picked up silently; naming one (a path or a program on
     PATH, `run.redis_server_binary`) is how a user asks for it; a wrong name is an error."""
-    import pytest
-
-    from common.bus.server import EmbeddedRedis, valkey_binary
 
     impostor = tmp_path / "bin" / "redis-server"
     impostor.parent.mkdir()

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
 from tests.paths import REPO
+from tests.real_model import staged_smollm2
+from tether.demo.tiny_model import build_tiny_model
 
 WORKER = REPO / "tests" / "procs" / "fsdp_worker.py"
 # fp32 on CPU; reduction order and the matmuls' blocking differ between 1 and 2 ranks (one
@@ -49,15 +54,11 @@ def _worker_module():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2-135m"])
 def model_dir(request, tiny_model_dir) -> Path:
-    from tests.real_model import staged_smollm2
-
     return tiny_model_dir if request.param == "tiny" else staged_smollm2()
 
 
@@ -89,8 +90,6 @@ def _norm(tensors) -> float:
 @pytest.mark.slow
 def test_two_rank_fsdp_matches_single_process(model_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
-
-    from services.learner.train_step import train_step
 
     worker = _worker_module()
     batch = _make_batch()
@@ -167,9 +166,6 @@ def _grads_via_train_step(model_dir: Path, batch: dict, splits: list[slice]) -> 
     """Run train_step with SGD(lr=1) so the weight change is exactly minus the gradient."""
     import torch
 
-    from services.learner.model import load_policy
-    from services.learner.train_step import train_step
-
     worker = _worker_module()
     model = load_policy(model_dir, device=torch.device("cpu"), fsdp=False)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -195,8 +191,6 @@ def test_gradient_independent_of_micro_batch_split(tiny_model_dir: Path) -> None
 
 def test_lr_schedule_boundaries() -> None:
     import torch
-
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     sched = build_schedule(warmup_steps=4, total_steps=14, decay="cosine", min_lr_ratio=0.1)
     assert [sched(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -231,16 +225,12 @@ def test_lr_schedule_boundaries() -> None:
     ],
 )
 def test_lr_schedule_rejects_bad_settings(kwargs: dict) -> None:
-    from services.learner.optim import build_schedule
-
     with pytest.raises(ValueError):
         build_schedule(**kwargs)
 
 
 def test_token_logprobs_match_log_softmax(tiny_model_dir: Path) -> None:
     import torch
-
-    from services.learner.model import load_policy, token_logprobs_and_entropy
 
     model = load_policy(tiny_model_dir, device=torch.device("cpu"), fsdp=False)
     batch = _make_batch(seed=2)
@@ -268,9 +258,6 @@ def test_cpu_offload_trains_as_without_it(tiny_model_dir: Path) -> None:
     CPU the shards are in host memory either way; on a GPU the same code keeps them there)."""
     import torch
     import torch.distributed as dist
-
-    from services.learner.model import setup_distributed
-    from services.learner.train_step import train_step
 
     worker = _worker_module()
     batch = _make_batch()

@@ -4,6 +4,7 @@ dispatch gate, the step schedule of a cycle, and the cycle broadcast encoding.""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,12 @@ import pytest
 from common.bus.client import Bus
 from common.config.load import load_config
 from common.data.datasets import load_prompts
+from common.protocol import wire
 from common.protocol.staleness import min_policy_version
-from common.protocol.streams import PROMPTS
+from common.protocol.streams import PROMPTS, SCORED
 from common.service.settings import bus_settings_for
+from common.telemetry.metrics import PhaseTimer
+from services.learner.bus_side import BusSide
 from services.learner.cycle import Sample, decode_samples, encode_samples, steps_of_cycle
 from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService
@@ -136,8 +140,6 @@ def test_dispatch_positions_are_a_function_of_the_cycle(redis_server, tmp_path):
 
 
 def _scored(cycle: int, index: int):
-    from common.protocol import wire
-
     trajectories = [
         wire.Trajectory.single_turn(
             sample_id=f"c{cycle}/{index}/{i}", sample_index=i,
@@ -159,10 +161,6 @@ def test_ack_trained_acknowledges_only_cycles_below_next_cycle(redis_server, tmp
     """A checkpoint holds the training of the cycles below ``next_cycle``: only their scored
     entries are acknowledged; a cycle collected but not trained stays pending (redelivered
     after a crash)."""
-    from common.protocol.streams import SCORED
-    from common.telemetry.metrics import PhaseTimer
-    from services.learner.bus_side import BusSide
-
     c = cfg(
         f"run.redis_url={json.dumps(redis_server.url)}",
         'run.name="acks"',
@@ -196,12 +194,6 @@ def test_no_scored_entry_is_acked_before_a_checkpoint_whatever_claim_idle_s(redi
     """With bus.claim_idle_s shorter than the time the learner holds a cycle's entries, the
     learner's own consumer used to claim them back (XAUTOCLAIM) and ack them as duplicates
     before any checkpoint held their training. It does not claim: they stay pending."""
-    import time
-
-    from common.protocol.streams import SCORED
-    from common.telemetry.metrics import PhaseTimer
-    from services.learner.bus_side import BusSide
-
     c = cfg(
         f"run.redis_url={json.dumps(redis_server.url)}",
         'run.name="acks_claim"',

@@ -28,6 +28,7 @@ from common.ports import free_port
 from common.service.exit_codes import EXIT_STOPPED
 from services.learner.checkpoint import TEST_ONLY_DELAY_ENV
 from tests.procs.httpget import http_get
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -112,8 +113,6 @@ def _code(port: int, path: str) -> int:
 def test_idle_past_the_collective_timeout_then_sigterm_lands_a_slow_checkpoint(
     redis_server, tmp_path
 ):
-    from tether.demo.tiny_model import build_tiny_model
-
     model = build_tiny_model(tmp_path / "tiny", seed=1)
     config = _config(tmp_path, model, redis_server.url)
     ports = [free_port(), free_port()]

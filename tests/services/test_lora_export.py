@@ -11,6 +11,11 @@ import pytest
 
 from bench import family_checks as fc
 from bench import lora_checks as lc
+from common.engine import SamplingSettings, sample_from_completion
+from services.learner.export import export_hf
+from services.learner.lora import LoraSettings
+from services.learner.model import load_policy, setup_distributed
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -18,11 +23,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     import torch.distributed as dist
-
-    from services.learner.export import export_hf
-    from services.learner.lora import LoraSettings
-    from services.learner.model import load_policy, setup_distributed
-    from tether.demo.tiny_model import build_tiny_model
 
     created = not dist.is_initialized()
     _, _, device = setup_distributed()
@@ -39,8 +39,6 @@ def exported(tmp_path_factory):
 
 def _check(llm, policy, tokenizer_dir: Path, *, lora_request=None) -> dict:
     from transformers import AutoTokenizer
-
-    from common.engine import SamplingSettings, sample_from_completion
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     params = SamplingSettings(n=4, max_tokens=24, seed=0).to_vllm()

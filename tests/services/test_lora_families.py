@@ -14,6 +14,9 @@ import pytest
 from bench import family_checks as fc
 from bench import lora_checks as lc
 from fixtures.model_families import build_family, default_root
+from services.learner.lora import LoraSettings
+from services.learner.model import load_policy, setup_distributed
+from tests.real_model import staged_smollm2
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +27,6 @@ FAMILIES = ("llama3", "qwen2.5", "qwen3", "smollm2-135m")
 @pytest.fixture(scope="module")
 def learner_device():
     import torch.distributed as dist
-
-    from services.learner.model import setup_distributed
 
     created = not dist.is_initialized()
     _, _, device = setup_distributed()
@@ -38,12 +39,7 @@ def learner_device():
 def test_lora_parity_before_and_after_an_in_flight_update(family: str, learner_device) -> None:
     from transformers import AutoTokenizer
 
-    from services.learner.lora import LoraSettings
-    from services.learner.model import load_policy
-
     if family == "smollm2-135m":
-        from tests.real_model import staged_smollm2
-
         model_dir = staged_smollm2()
     else:
         model_dir = build_family(family, default_root())

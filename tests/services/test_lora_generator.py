@@ -22,7 +22,20 @@ from typing import Any
 import pytest
 
 from bench import lora_checks as lc
-from bench.family_checks import PARITY_MEAN_ABS, Sampled, compare, learner_logprobs
+from bench.family_checks import (
+    PARITY_MEAN_ABS,
+    PROMPTS,
+    Sampled,
+    compare,
+    learner_logprobs,
+    prompt_ids,
+)
+from common.engine import EngineSettings, GenerationEngine, SamplingSettings, sample_from_completion
+from common.weights.publisher import WeightPublisher
+from services.learner.gather import full_state_dict_cpu
+from services.learner.lora import LoraSettings, adapter_disabled, publish_state
+from services.learner.model import load_policy, load_reference, setup_distributed
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +48,6 @@ class Rig:
 
     def __init__(self, model_dir: Path, device: Any) -> None:
         from transformers import AutoTokenizer
-
-        from common.engine import EngineSettings, GenerationEngine
-        from services.learner.lora import LoraSettings
-        from services.learner.model import load_policy
 
         self.model_dir, self.device = model_dir, device
         self.loop = asyncio.new_event_loop()
@@ -62,9 +71,6 @@ class Rig:
     def publish(self, version: int, *, clear_cache: bool = True, relabel: bool = True,
                 state: dict | None = None) -> dict:  # fmt: skip
         """One adapter-only update, applied as the generator applies it."""
-        from common.weights.publisher import WeightPublisher
-        from services.learner.lora import publish_state
-
         state = state if state is not None else publish_state(self.policy)
         pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0, auto_accept=False)
         try:
@@ -98,8 +104,6 @@ class Rig:
         """Responses with behaviour log-probs; ``salt="engine"``: the production request
         (``generate_group``: the adapter and the engine's salt), else the adapter with the given
         salt (None: no salt), bypassing the engine's."""
-        from common.engine import SamplingSettings, sample_from_completion
-
         sampling = SamplingSettings(n=n, temperature=temperature, max_tokens=8, seed=0)
 
         async def one(i: int, ids: list[int]) -> list[Sampled]:
@@ -135,9 +139,6 @@ def _ids_logprobs(s: Any) -> tuple[list[int], list[float]]:
 def rig(tmp_path_factory):
     import torch.distributed as dist
 
-    from services.learner.model import setup_distributed
-    from tether.demo.tiny_model import build_tiny_model
-
     created = not dist.is_initialized()
     _, _, device = setup_distributed()
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
@@ -153,8 +154,6 @@ def rig(tmp_path_factory):
 def _prompts(rig: Rig, *, long: bool = False) -> list[list[int]]:
     """The parity prompts; ``long``: cut to 400 tokens of a repeated prompt, longer than two
     KV blocks, so full blocks are cached and can be reused."""
-    from bench.family_checks import PROMPTS, prompt_ids
-
     if not long:
         return [prompt_ids(rig.tokenizer, p) for p in PROMPTS]
     return [prompt_ids(rig.tokenizer, (p + " ") * 24)[:400] for p in PROMPTS[:2]]
@@ -166,10 +165,6 @@ def _gap(rig: Rig, samples: list[Sampled]) -> float:
 
 
 def test_engine_takes_adapter_updates_and_only_adapter_bytes_travel(rig: Rig) -> None:
-    from services.learner.gather import full_state_dict_cpu
-    from services.learner.lora import adapter_disabled
-    from services.learner.model import load_reference
-
     assert rig.rpc("tether_check_lora") is None
     lc.perturb_adapter(rig.policy, seed=1)
     res = rig.publish(1)
@@ -190,8 +185,6 @@ def test_engine_takes_adapter_updates_and_only_adapter_bytes_travel(rig: Rig) ->
 
 def test_a_bad_adapter_is_refused_and_the_previous_one_stays(rig: Rig) -> None:
     import torch
-
-    from services.learner.lora import publish_state
 
     prompts = _prompts(rig)
     before = rig.sample(prompts, "keep-before")

@@ -7,6 +7,7 @@ In-process tests run on a one-rank gloo group (``setup_distributed``); the 2-ran
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,14 +16,34 @@ from pathlib import Path
 
 import pytest
 
+from common.weights.adapter import ADAPTER_CONFIG, split_adapter
+from services.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.learner.checkpoint_state import OPTIM, optimizer_state
+from services.learner.export import export_hf
+from services.learner.gather import full_state_dict_cpu
+from services.learner.lora import (
+    LoraSettings,
+    adapter_disabled,
+    adapter_params,
+    adapter_state,
+    publish_state,
+    trainable_counts,
+)
+from services.learner.model import (
+    load_policy,
+    load_reference,
+    setup_distributed,
+    token_logprobs_and_entropy,
+)
+from services.learner.optim import build_optimizer, build_schedule, build_scheduler
+from services.learner.train_step import train_step
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 WORKER = REPO / "tests" / "procs" / "lora_fsdp_worker.py"
 
 
 def _load(path: Path, name: str):
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -34,8 +55,6 @@ def _load(path: Path, name: str):
 def device():
     import torch.distributed as dist
 
-    from services.learner.model import setup_distributed
-
     created = not dist.is_initialized()
     _, _, dev = setup_distributed()
     yield dev
@@ -45,15 +64,10 @@ def device():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 
 
 def _policy(tiny: Path, device, *, rank: int = 8, seed: int = 3, **kw):
-    from services.learner.lora import LoraSettings
-    from services.learner.model import load_policy
-
     return load_policy(tiny, device=device, lora=LoraSettings(rank=rank, alpha=16, **kw), seed=seed)
 
 
@@ -73,8 +87,6 @@ def _batch():
 def _logp(model, batch):
     import torch
 
-    from services.learner.model import token_logprobs_and_entropy
-
     with torch.no_grad():
         logp, _ = token_logprobs_and_entropy(
             model, batch["input_ids"], batch["attention_mask"], batch["response_mask"]
@@ -83,9 +95,6 @@ def _logp(model, batch):
 
 
 def _train(model, batch, steps: int = 2):
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
-    from services.learner.train_step import train_step
-
     fsdp, _ = _batch()
     optimizer = build_optimizer(model, lr=1e-2)
     scheduler = build_scheduler(optimizer, build_schedule(total_steps=10))
@@ -96,9 +105,6 @@ def _train(model, batch, steps: int = 2):
 
 
 def test_only_the_adapter_trains_and_holds_optimizer_state(tiny: Path, device) -> None:
-    from services.learner.checkpoint_state import OPTIM, optimizer_state
-    from services.learner.lora import adapter_params, trainable_counts
-
     model = _policy(tiny, device)
     adapter, frozen = trainable_counts(model)
     names = {n for n, _ in adapter_params(model)}
@@ -119,9 +125,6 @@ def test_only_the_adapter_trains_and_holds_optimizer_state(tiny: Path, device) -
 
 
 def test_the_reference_is_the_base_with_the_adapter_off(tiny: Path, device) -> None:
-    from services.learner.lora import adapter_disabled, adapter_params
-    from services.learner.model import load_reference
-
     model = _policy(tiny, device)
     base = load_reference(tiny, device=device)
     _, batch = _batch()
@@ -136,8 +139,6 @@ def test_the_reference_is_the_base_with_the_adapter_off(tiny: Path, device) -> N
 
 
 def test_init_is_reproducible_and_a_target_that_fits_nothing_is_refused(tiny: Path, device):
-    from services.learner.lora import adapter_state
-
     a, b = adapter_state(_policy(tiny, device)), adapter_state(_policy(tiny, device))
     assert sorted(a) == sorted(b) and all(bool((a[k] == b[k]).all()) for k in a)
     assert any(float(a[k].abs().max()) > 0 for k in a if "lora_A" in k)
@@ -147,11 +148,6 @@ def test_init_is_reproducible_and_a_target_that_fits_nothing_is_refused(tiny: Pa
 
 
 def test_the_publish_holds_the_adapter_and_its_config_only(tiny: Path, device) -> None:
-    from common.weights.adapter import ADAPTER_CONFIG, split_adapter
-    from services.learner.gather import full_state_dict_cpu
-    from services.learner.lora import publish_state
-    from services.learner.model import load_reference
-
     model = _policy(tiny, device)
     state = publish_state(model)
     config, tensors = split_adapter(state.items())
@@ -170,9 +166,6 @@ def test_the_publish_holds_the_adapter_and_its_config_only(tiny: Path, device) -
 
 
 def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny: Path, device, tmp_path):
-    from services.learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from services.learner.lora import adapter_state
-
     _, batch = _batch()
     model = _policy(tiny, device)
     optimizer, scheduler = _train(model, batch, steps=1)
@@ -187,7 +180,6 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny: Path, device, tm
 
     fresh = _policy(tiny, device, seed=99)  # another init: the checkpoint must overwrite it
     fsdp, _ = _batch()
-    from services.learner.optim import build_optimizer, build_schedule, build_scheduler
 
     opt2 = build_optimizer(fresh, lr=1e-2)
     sched2 = build_scheduler(opt2, build_schedule(total_steps=10))
@@ -198,16 +190,12 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny: Path, device, tm
     assert sorted(got) == sorted(expected)
     assert all(bool((got[k] == expected[k]).all()) for k in got), "resume is not exact"
 
-    from services.learner.model import load_policy
-
     full = load_policy(tiny, device=device)
     with pytest.raises(ValueError, match="holds a LoRA adapter"):
         load_checkpoint(tmp_path, model=full, optimizer=opt2, scheduler=sched2)
 
 
 def _continue(model, optimizer, scheduler, batch) -> None:
-    from services.learner.train_step import train_step
-
     fsdp, _ = _batch()
     mbs = [fsdp.micro_batch(batch, slice(0, 4))]
     train_step(model, optimizer, scheduler, mbs, fsdp.token_mean_nll, grad_clip=1.0)
@@ -217,9 +205,6 @@ def test_export_writes_a_merged_model_and_a_peft_adapter(tiny: Path, device, tmp
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from services.learner.checkpoint import save_checkpoint
-    from services.learner.export import export_hf
 
     _, batch = _batch()
     model = _policy(tiny, device)
@@ -244,9 +229,6 @@ def test_export_writes_a_merged_model_and_a_peft_adapter(tiny: Path, device, tmp
 @pytest.mark.slow
 def test_two_rank_lora_matches_one_process_and_resumes_exactly(tiny: Path, tmp_path: Path):
     from safetensors.torch import load_file, save_file
-
-    from services.learner.lora import adapter_state
-    from services.learner.train_step import train_step
 
     worker = _load(WORKER, "lora_fsdp_worker")
     base = _load(REPO / "tests" / "procs" / "fsdp_worker.py", "fsdp_worker")

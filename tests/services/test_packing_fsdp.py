@@ -12,14 +12,13 @@ import sys
 import pytest
 
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 WORKER = REPO / "tests" / "procs" / "packing_worker.py"
 
 
 @pytest.mark.slow
 def test_packed_step_matches_padded_on_two_fsdp_ranks(tmp_path):
-    from tether.demo.tiny_model import build_tiny_model
-
     model = build_tiny_model(tmp_path / "model", hidden_size=64, num_layers=2)
     out = tmp_path / "report.json"
     cmd = [

@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
+from common.bus.server import EmbeddedRedis
+from common.config.load import load_config
 from common.ports import free_port
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 from tether.runs.supervisor import RunFailed, Supervisor
 
 # On-disk checks and one PING take ~2 s on the 2-core machine; the bound leaves room for a busy
@@ -80,8 +84,6 @@ def tether(
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("pf") / "tiny", seed=0)
 
 
@@ -194,10 +196,6 @@ def test_scorer_alone_redis_url_naming_a_replica(tmp_path, redis_server):
     """A URL that names a replica (a failover moved the primary, and the URL names a server, not
     a name that follows the primary) is refused at once, not after bus.reconnect_max_s of
     refused writes."""
-    import redis
-
-    from common.bus.server import EmbeddedRedis
-
     with EmbeddedRedis(tmp_path / "replica") as replica:
         admin = redis.Redis.from_url(replica.url)
         admin.replicaof("127.0.0.1", redis_server.port)
@@ -231,8 +229,6 @@ def test_scorer_alone_missing_solver_model(tmp_path, redis_server):
 def test_a_service_that_refuses_later_stops_the_run_with_exit_2_and_its_reason(tmp_path):
     """Past the preflight, a service exiting 2 still ends `tether train` with code 2 and the
     service's own one-line reason, not only a pointer to its log."""
-    from common.config.load import load_config
-
     cfg = load_config(env={}).config
     sup = Supervisor(cfg, tmp_path, redis_url="redis://127.0.0.1:1/0", config_path=tmp_path / "c")
     sup.learner.log_path.parent.mkdir(parents=True)

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.memory_worker import MALLOC_ENV
 from tests.paths import REPO
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(REPO / ".cache" / "tests" / "memory-110m", hidden_size=768,
                             num_layers=12, num_heads=12, intermediate_size=3072,
                             vocab_size=8192)  # fmt: skip
@@ -33,7 +33,6 @@ def test_rank0_memory_is_bounded_by_shards_and_buckets(model_dir: Path, tmp_path
            "-m", "bench.memory_worker", "--model", str(model_dir), "--out", str(tmp_path),
            "--phases", "startup,publish,export", "--reference", "--bucket-mb", "8",
            "--shard-mb", "32"]  # fmt: skip
-    from bench.memory_worker import MALLOC_ENV
 
     env = {**os.environ, **MALLOC_ENV}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)

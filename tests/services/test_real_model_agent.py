@@ -15,6 +15,7 @@ import time
 import pytest
 
 from common.config.load import load_config
+from common.data.prompts import encode_prompt
 from common.engine import SamplingSettings
 from common.protocol import wire
 from tests.engine_support import module_agent_runner, module_engine
@@ -50,8 +51,6 @@ def runner(engine, model_dir):
 
 
 def test_two_turns_of_real_text_through_the_models_own_template(engine, runner):
-    from common.data.prompts import encode_prompt
-
     seen: list[dict] = []
 
     async def agent(client, task):

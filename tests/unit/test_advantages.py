@@ -3,7 +3,7 @@
 import math
 
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from common.config.load import load_config
 from services.learner.advantages import (

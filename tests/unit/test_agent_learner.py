@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from common.config.load import load_config
 from common.protocol import wire
+from common.protocol.books import LearnerBooks, RunBooks
 from services.learner.advantages import compute_advantages, kl_reward_advantages
 from services.learner.cycle import (
     assign_advantages,
@@ -108,7 +109,6 @@ def test_segments_share_their_episodes_reward_and_failed_episodes_are_not_traine
 
 def test_the_books_balance_with_segments_and_failed_agents():
     # 2 groups of 3 episodes; one episode had 2 segments, one agent failed; all trained else
-    from common.protocol.books import LearnerBooks, RunBooks
 
     books = RunBooks(groups_generated=2, learner=LearnerBooks(
         trained_samples=6, segment_samples=1, agent_failed_samples=1))  # fmt: skip

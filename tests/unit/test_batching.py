@@ -3,7 +3,7 @@
 import random
 
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from services.learner.batching import (
     balance_across_ranks,

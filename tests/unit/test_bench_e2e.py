@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
-from bench.pipeline import analyse, efficiency
+from bench.peer import steady_ratio
+from bench.pipeline import analyse, efficiency, write_bench_config
 from bench.results_md import write_readme
 from bench.runner import run_bench
 from bench.workload import QUICK
+from common.config.load import load_config
+from services.learner.dist import set_cpu_threads
 
 
 def _status(gen: float, score: float, learn: float, wait: float) -> dict:
@@ -115,10 +119,6 @@ def test_unknown_benchmark_is_refused(tmp_path):
 
 
 def test_variable_length_workload_lets_responses_end_at_eos(tmp_path):
-    from dataclasses import replace
-
-    from bench.pipeline import write_bench_config
-
     def generator_section(w) -> str:
         path = write_bench_config(
             tmp_path / "c.toml", name="n", w=w, model=tmp_path, train=tmp_path / "t.jsonl",
@@ -131,9 +131,6 @@ def test_variable_length_workload_lets_responses_end_at_eos(tmp_path):
 
 
 def test_the_peer_contests_token_budget_is_a_padded_micro_batchs_memory(tmp_path):
-    from bench.pipeline import write_bench_config
-    from common.config.load import load_config
-
     (tmp_path / "t.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
     path = write_bench_config(
         tmp_path / "c.toml", name="n", w=QUICK, model=tmp_path, train=tmp_path / "t.jsonl",
@@ -148,8 +145,6 @@ def test_the_peer_contests_token_budget_is_a_padded_micro_batchs_memory(tmp_path
 
 def test_learner_cpu_threads_sets_the_ranks_intra_op_threads():
     import torch
-
-    from services.learner.dist import set_cpu_threads
 
     before = torch.get_num_threads()
     try:
@@ -201,8 +196,6 @@ def test_readme_rows_for_packing_and_variable_lengths(tmp_path):
 
 
 def test_the_steady_ratio_leaves_out_the_uncontended_last_cycle():
-    from bench.peer import steady_ratio
-
     v = {
         "trl": {"step_seconds_each": [140.0, 150.0, 144.0]},
         "tether": {

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bench import child_process
+from bench.lora import readme_row
 from bench.provenance import CLONE, git_state, stamp
-from bench.runner import Interrupted, readme_for, stop_on_signals
+from bench.runner import ORDER, Interrupted, command_line, readme_for, stop_on_signals
+from bench.smoke import LIMITS
 
 
 def test_a_readme_goes_beside_the_results_never_above_them(tmp_path):
@@ -74,15 +77,10 @@ def test_an_interrupted_child_is_asked_to_stop_then_its_group_is_killed(tmp_path
 
 
 def test_make_bench_smoke_covers_every_benchmark_with_a_limit():
-    from bench.runner import ORDER
-    from bench.smoke import LIMITS
-
     assert set(LIMITS) == set(ORDER)
 
 
 def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
-    from bench.lora import readme_row
-
     mode = {"publish_bytes": 1e6, "publish_seconds_median": 0.1, "step_seconds_median": 1.0,
             "learner_state_bytes": 2**20, "peak_rss_bytes": 2**30, "trainable_parameters": 1e6}  # fmt: skip
     long = "vLLM cannot put LoRA on: " + ", ".join(
@@ -105,10 +103,6 @@ def test_the_lora_rows_keep_a_long_family_error_whole_to_a_list_item():
 
 
 def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2():
-    import subprocess
-    import sys
-    from pathlib import Path
-
     tether = Path(sys.executable).with_name("tether")  # the installed command, as a user runs it
     for bad in ("-1", "0", "fast"):
         proc = subprocess.run([str(tether), "bench", "weights", f"--hosts-mbit={bad}"],
@@ -121,8 +115,6 @@ def test_a_bad_hosts_link_rate_is_refused_by_the_cli_with_exit_2():
 
 
 def test_the_slow_link_command_names_what_it_runs():
-    from bench.runner import command_line
-
     cmd = command_line("weights", generators=(1, 2, 4, 8), hosts_mbit=200.0, slow_link=10.0)
     assert cmd == "tether bench weights --hosts-mbit 200 --slow-link 10"
     scaling = command_line("weights", generators=(1, 2, 4, 8), hosts_mbit=200.0)

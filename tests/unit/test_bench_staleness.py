@@ -15,11 +15,13 @@ from bench.staleness_design import AA_LABEL, PREREGISTERED, SIZES, Arm, Study, g
 from bench.staleness_report import (
     CLAIM_BEGIN,
     CLAIM_END,
+    RESULT,
     readme_claim,
     readme_row,
     readme_section,
     verdict_lines,
 )
+from tests.paths import REPO
 
 
 def test_the_full_grid_is_the_issues_grid_and_fits_its_size():
@@ -61,7 +63,7 @@ def test_bad_arms_and_sizes_are_refused():
 
 
 def test_each_arm_runs_the_learner_config_it_names(tmp_path):
-    from bench.staleness_run import arm_config
+    from bench.staleness_run import arm_config  # noqa: PLC0415 - loads torch
 
     study = SIZES["full"]()
     (tmp_path / "m").mkdir()
@@ -201,9 +203,6 @@ def test_each_arm_records_how_off_policy_it_was():
 
 
 def test_the_readme_claim_is_the_one_the_committed_result_gives():
-    from bench.staleness_report import RESULT
-    from tests.paths import REPO
-
     readme = (REPO / "README.md").read_text()
     start, end = readme.index(CLAIM_BEGIN), readme.index(CLAIM_END) + len(CLAIM_END)
     assert readme[start:end] == readme_claim(RESULT), (

@@ -102,8 +102,6 @@ def test_service_dry_run_prints_resolved_config_that_loads_back(service, tmp_pat
 
 
 def test_env_variable_is_a_source():
-    import os
-
     env = dict(os.environ, TETHER_RUN__PROMPTS_PER_CYCLE="5")
     r = tether("config", "check", env=env)
     assert r.returncode == 0 and "5 prompts" in r.stdout

@@ -6,7 +6,9 @@ import pytest
 
 from common.config.errors import ConfigError
 from common.config.load import load_config
+from common.config.reference import BEGIN, END, reference_markdown
 from common.config.schema import TetherConfig
+from common.service.settings import policy_engine_settings, solver_engine_settings
 from tests.paths import REPO
 
 
@@ -250,8 +252,6 @@ def test_missing_file():
 
 
 def test_readme_config_reference_matches_the_schema():
-    from common.config.reference import BEGIN, END, reference_markdown
-
     readme = (REPO / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     assert readme[start:end] == reference_markdown(), (
@@ -292,9 +292,6 @@ def test_std_estimator_and_kl_clamp_defaults_and_rules():
 
 
 def test_health_limits_that_would_kill_healthy_services_are_refused():
-    from common.config.errors import ConfigError
-    from common.config.load import load_config
-
     def load(*sets: str):
         return load_config(flags={}, overrides=list(sets), env={}).config
 
@@ -389,8 +386,6 @@ def test_auto_settings_and_derived_values_are_settled_at_load():
 
 
 def test_engine_settings_are_built_from_the_config_in_one_place(tmp_path):
-    from common.service.settings import policy_engine_settings, solver_engine_settings
-
     model = tmp_path / "model"
     model.mkdir()
     for name in ("config.json", "tokenizer.json"):
@@ -423,10 +418,6 @@ def test_engine_settings_are_built_from_the_config_in_one_place(tmp_path):
 
 
 def test_episode_settings_that_cannot_work_are_refused_at_load():
-    import pytest
-
-    from common.config.errors import ConfigError
-    from common.config.load import load_config
 
     def load(*sets: str):
         return load_config(flags={}, overrides=list(sets), env={}).config

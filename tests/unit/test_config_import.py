@@ -4,6 +4,7 @@ import tomllib
 
 import pytest
 
+from common.config.load import load_config
 from tests.paths import FIXTURES as TEST_FIXTURES
 from tether.config_import.render import render_mapping_table, render_toml
 from tether.config_import.translate import import_peer_config
@@ -170,8 +171,6 @@ def _verl_kl_in_reward(tmp_path, *extra):
 
 
 def test_verl_kl_in_reward_maps_to_a_config_tether_accepts(tmp_path):
-    from common.config.load import load_config
-
     r = _verl_kl_in_reward(tmp_path, "algorithm.adv_estimator=grpo")
     t = r.tether["learner"]
     # verl's reward penalty defaults to kl_penalty=kl (k1), which verl does not clamp

@@ -3,6 +3,7 @@ and verl's tool config file, what maps and what is said not to."""
 
 from __future__ import annotations
 
+from common.config.load import load_config
 from tether.config_import.render import render_toml
 from tether.config_import.translate import import_peer_config
 
@@ -54,8 +55,6 @@ def _unmapped(result) -> dict[str, str]:
 
 
 def test_verl_multi_turn_maps_to_episodes_with_the_python_tool(tmp_path):
-    from common.config.load import load_config
-
     r = _script(
         tmp_path,
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",

@@ -2,9 +2,12 @@
 lexer: arrays, quoting, variables, line continuations) with its errors. verl, OpenRLHF and the
 rendering of every fixture: test_config_import.py."""
 
+import shlex
+
 import pytest
 
 from tests.unit.test_config_import import assert_invariant, load, unmapped_keys
+from tether.config_import.shell import _Shell
 from tether.config_import.translate import import_peer_config
 
 # --------------------------------------------------------------------------- slime
@@ -130,10 +133,6 @@ def test_shell_lexing_rules(tmp_path):
 def test_quotes_inside_words_and_quoted_substitutions():
     """What shlex cannot do in either mode (the lexer's docstring): a quote that opens inside a
     word, a quoted command substitution with quotes inside, and the three ways to write $X."""
-    import shlex
-
-    from tether.config_import.shell import _Shell
-
     text = 'X="a b"\npython3 t.py --q="$X" --r=$X --s=\'$X\' --t="$(date "+%s")" ${X}c\n'
     shell = _Shell(text, {})
     assert shell.commands() == [

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from common.engine_routing import NOT_RECORDED, _Record, records_from_rpc
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from common.config.load import load_config
 from common.protocol import wire
@@ -25,6 +25,8 @@ from services.learner.cycle import (
     samples_from_groups,
 )
 from services.learner.main import training_settings
+from services.learner.model import load_policy
+from tether.demo.tiny_model import build_tiny_model
 
 CPU = torch.device("cpu")
 # prompt 5 ids; response: assistant 3 | tool 4 | assistant 2
@@ -64,15 +66,11 @@ def _episodes(garbage: bool) -> list[Sample]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tether.demo.tiny_model import build_tiny_model
-
     return build_tiny_model(tmp_path_factory.mktemp("m"), hidden_size=32, num_layers=1,
                             num_heads=2)  # fmt: skip
 
 
 def _loss_and_grads(model_dir, cfg, samples):
-    from services.learner.model import load_policy
-
     torch.manual_seed(0)
     model = load_policy(model_dir, device=CPU, fsdp=False)
     stats: list[dict[str, float]] = []

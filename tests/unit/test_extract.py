@@ -1,5 +1,7 @@
 """Answer extraction edge cases (pure Python, no worker processes)."""
 
+import time
+
 import pytest
 
 from services.scorer.extract import Extraction, extract_answer
@@ -58,8 +60,6 @@ def test_unknown_fallback_is_a_clear_error():
 
 
 def test_adversarial_text_stays_fast():
-    import time
-
     start = time.perf_counter()
     assert extract_answer("\\boxed{" * 50_000).method == "no_answer"
     assert extract_answer("9" * 1_000_000 + " the answer is 7").answer == "7"

@@ -11,7 +11,7 @@ from common.config.load import load_config
 from common.engine import Sample
 from common.protocol import wire
 from services.generator.loop import GeneratorService
-from services.generator.seeds import request_seed
+from services.generator.seeds import episode_seed, request_seed
 from tests.engine_support import generator_without_engine
 
 
@@ -71,8 +71,6 @@ def test_a_response_without_spans_carries_the_version_its_request_started_on():
 
 
 def test_every_turn_of_every_episode_has_its_own_seed():
-    from services.generator.seeds import episode_seed
-
     seeds = {episode_seed(99, response=r, turn=t) for r in range(4) for t in range(3)}
     assert len(seeds) == 12 and all(0 <= s < 2**62 for s in seeds if s is not None)
     assert episode_seed(99, response=1, turn=2) == episode_seed(99, response=1, turn=2)

@@ -4,10 +4,16 @@ free port; the clock is a test's own counter (named so: ``FakeClock``)."""
 
 from __future__ import annotations
 
+import prometheus_client as pc
 import pytest
 
+from common.telemetry.exposition import Identified, identity
 from common.telemetry.health import HealthServer, Liveness
+from common.telemetry.metrics import metric
+from services.generator.loop import _Metrics as GeneratorMetrics
+from services.scorer.loop import _Metrics as ScorerMetrics
 from tests.procs.httpget import http_get
+from tests.procs.metrics_text import metric_value, samples
 
 
 class FakeClock:
@@ -60,10 +66,6 @@ def test_health_server_turns_503_when_the_loop_stalls_and_back():
 
 
 def test_initial_label_values_exist_at_zero_before_any_event():
-    import prometheus_client as pc
-
-    from common.telemetry.metrics import metric
-
     reg = pc.CollectorRegistry()
     c = metric("Counter", "tether_test_things_total", "things", ["split"], registry=reg,
                initial=("train", "eval"))  # fmt: skip
@@ -76,11 +78,6 @@ def test_initial_label_values_exist_at_zero_before_any_event():
 
 
 def test_services_labelled_counters_have_series_from_the_start():
-    import prometheus_client as pc
-
-    from services.generator.loop import _Metrics as GeneratorMetrics
-    from services.scorer.loop import _Metrics as ScorerMetrics
-
     ScorerMetrics()
     GeneratorMetrics()
     get = pc.REGISTRY.get_sample_value
@@ -95,12 +92,6 @@ def test_services_labelled_counters_have_series_from_the_start():
 
 
 def test_metrics_served_carry_the_services_identity_on_every_series():
-    import prometheus_client as pc
-
-    from common.telemetry.exposition import Identified, identity
-    from common.telemetry.metrics import metric
-    from tests.procs.metrics_text import metric_value, samples
-
     c = metric("Counter", "tether_test_identified_total", "things", ["split"], initial=("train",))
     c.labels("train").inc(3)
     metric("Gauge", "tether_test_own_run", "a metric with its own run label", ["run"]).labels(

@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 
 from common.config.load import load_config
-from services.learner import logprobs, objective, optim
+from services.learner import logprobs, losses, objective, optim
 from services.learner.cycle import Sample, assign_advantages, steps_of_cycle
+from services.learner.loop import LearnerService
 from services.learner.main import training_settings
+from services.learner.model import load_policy, load_reference
 from services.learner.train_step import train_step
+from tests.learner_support import learner_settings_without_model
+from tether.demo.tiny_model import build_tiny_model
 
 
 @pytest.mark.parametrize("off_policy", ["decoupled", "tis", "none"])
@@ -30,10 +34,6 @@ def train_three_cycles(tmp_path, *sets: str, edit=None):
     after the behaviour log-probs are set. Returns (samples, change of each response's log-prob,
     the steps' merged stats)."""
     import torch
-
-    from services.learner import losses
-    from services.learner.model import load_policy
-    from tether.demo.tiny_model import build_tiny_model
 
     torch.manual_seed(0)
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
@@ -116,9 +116,6 @@ def test_one_step_cycles_take_the_proximal_log_probs_from_the_training_forward(t
     trained, so the recompute pass is skipped and the step's own detached log-probs anchor the
     ratio. Same loss and gradient as with the recomputed proximal log-probs."""
     import torch
-
-    from services.learner.model import load_policy
-    from tether.demo.tiny_model import build_tiny_model
 
     def config(*sets: str):
         return load_config(
@@ -210,11 +207,6 @@ def test_kl_in_the_reward_keeps_the_policy_closer_to_the_reference(tmp_path, est
     steps. With the KL reward the policy ends measurably closer to the reference."""
     import torch
 
-    from services.learner.loop import LearnerService
-    from services.learner.model import load_policy, load_reference
-    from tests.learner_support import learner_settings_without_model
-    from tether.demo.tiny_model import build_tiny_model
-
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
@@ -283,9 +275,6 @@ def test_kl_clamp_bounds_the_kl_loss_term(tmp_path):
     """learner.kl_clamp reaches the loss: reference log-probs far below the policy's make every
     token's k1 estimate large; clamped, each is exactly kl_clamp and adds no gradient."""
     import torch
-
-    from services.learner.model import load_policy
-    from tether.demo.tiny_model import build_tiny_model
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)

@@ -5,8 +5,13 @@ train_step)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from common.config.load import load_config
+from services.learner import sampling
+from services.learner.cycle import mask_overlong
 from tests.unit.test_learning_direction import train_three_cycles
 
 
@@ -88,8 +93,6 @@ def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):
     """Responses 1 and 2 were cut off at the length limit. With learner.overlong_filter they are
     masked (weight 0, counted): the others still move the right way, and the cut-off rewarded
     response 1 rises less than without the filter (it gets no push of its own)."""
-    from services.learner.cycle import mask_overlong
-
     masked_counts = []
 
     def cut_off(samples):
@@ -97,7 +100,6 @@ def test_overlong_filter_masks_cut_off_responses_from_the_update(tmp_path):
 
     def cut_off_and_mask(samples):
         cut_off(samples)
-        from common.config.load import load_config
 
         cfg = load_config(overrides=["learner.overlong_filter=true"], env={}).config
         masked_counts.append(mask_overlong(samples, cfg.learner))
@@ -117,9 +119,6 @@ def test_dynamic_sampling_fills_the_step_with_groups_that_teach(tmp_path):
     groups 0 and 2 answered all alike. The plain filter trains the first two: group 0 at weight
     0, so half of every step teaches nothing. Dynamic sampling's selection takes groups 1 and 3:
     every response of every step carries signal, and the rewarded ones of both groups rise."""
-    from types import SimpleNamespace
-
-    from services.learner import sampling
 
     def group(i: int) -> SimpleNamespace:
         rewards = [1.0] * 4 if i % 2 == 0 else [0.0, 1.0, 0.0, 1.0]

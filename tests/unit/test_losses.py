@@ -3,7 +3,7 @@
 import math
 
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
 from services.learner.losses import (
     aggregate_loss,

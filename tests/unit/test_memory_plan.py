@@ -3,11 +3,14 @@ and the defaults checked against the Kubernetes learner manifest they describe."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
 from tests.paths import REPO
-from tether.runs.memory_plan import MODELS, GiB, memory_plan, rank_memory
+from tether.cli.main import build_parser, main
+from tether.runs.memory_plan import MODELS, GiB, memory_plan, phase_peaks, rank_memory
 
 
 @pytest.mark.parametrize(
@@ -37,8 +40,6 @@ def test_offload_moves_the_model_states_to_host_memory() -> None:
 def test_the_optimizer_step_goes_tensor_by_tensor_when_its_temporary_is_large() -> None:
     """AdamW's multi-tensor step holds a temporary of 4P/R bytes: 15.3 GiB at 32B on 8 ranks,
     so there the step goes parameter by parameter (services.learner.optim)."""
-    from tether.runs.memory_plan import phase_peaks
-
     small, big = MODELS["qwen2.5-0.5b"], MODELS["qwen3-32b"]
     states = 16 * small.params // 8
     assert phase_peaks(small, ranks=8, offload=False)["optimizer"] == states + 4 * small.params // 8
@@ -58,8 +59,6 @@ def test_what_fits_on_8_gpus_of_80_gb() -> None:
 def test_defaults_are_the_learner_manifests() -> None:
     """--ranks-per-node 1 and --host-limit-gib 128 describe deploy/k8s/learner.yaml: one GPU
     per pod and its memory limit; if the manifest changes, the plan's defaults must too."""
-    from tether.cli.main import build_parser
-
     docs = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "learner.yaml").read_text()))
     job = next(d for d in docs if d and d.get("kind") == "Job")
     (learner,) = [
@@ -87,8 +86,6 @@ def test_a_bad_layout_is_refused() -> None:
 )
 def test_deploy_readme_tables_are_the_plans(marker: str, flags: list[str], capsys) -> None:
     """deploy/README.md's "What fits" tables are `tether plan --memory`'s output."""
-    from tether.cli.main import main
-
     assert main(["plan", "--memory", *flags]) == 0
     table = capsys.readouterr().out.strip().split("\n", 1)[1]
     text = (REPO / "deploy" / "README.md").read_text()
@@ -102,10 +99,7 @@ def test_the_plan_is_within_tolerance_of_the_committed_measurement() -> None:
     """Each phase's planned GPU bytes against bench/results/memory_scale.json: the learner's own
     step at 32B and 30B-A3B on 8 (fake) ranks, measured under fake tensors (`tether bench memory
     --size scale`). Changing the plan, or the code the measurement ran, means rerunning it."""
-    import json
-
-    from bench.memory_scale import within
-    from tether.runs.memory_plan import phase_peaks
+    from bench.memory_scale import within  # noqa: PLC0415 - loads torch
 
     result = json.loads((REPO / "bench" / "results" / "memory_scale.json").read_text())
     assert {m["model"] for m in result["runs"]} == {"qwen3-32b", "qwen3-30b-a3b"}

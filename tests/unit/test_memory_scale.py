@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from tether.runs import memory_plan
+
 pytestmark = pytest.mark.slow  # ~1 min: a fake-tensor step of a 2-layer model at world size 8
 
 
 def test_the_fake_tensor_step_counts_the_model_states_exactly(monkeypatch) -> None:
-    from bench import memory_scale
-    from tether.runs import memory_plan
+    from bench import memory_scale  # noqa: PLC0415 - loads torch
 
     shape = memory_plan.ModelShape(name="test-small", hidden=256, layers=2, heads=4, kv_heads=2,
                                    head_dim=64, intermediate=512, vocab=4096)  # fmt: skip

@@ -3,7 +3,14 @@ fails says why, and a family that fails early stays in the results with its erro
 
 from __future__ import annotations
 
-from bench import models
+import json
+from argparse import Namespace
+
+import fixtures.model_families as families
+from bench import models, runner
+from bench.real_models import REAL_MODELS, family_names
+from bench.runner import families_problem, run_bench
+from fixtures.model_families import FAMILIES
 
 
 def test_a_stage_that_passes_records_its_numbers_and_time() -> None:
@@ -32,8 +39,6 @@ def test_a_stage_that_raises_records_the_exception_text() -> None:
 
 
 def test_a_family_whose_build_fails_is_kept_with_its_error(monkeypatch, tmp_path) -> None:
-    import fixtures.model_families as families
-
     def broken(name: str, root=None):
         raise RuntimeError(f"cannot build {name}")
 
@@ -58,10 +63,6 @@ def test_the_training_reward_varies_between_responses() -> None:
 
 def test_a_run_of_a_few_families_goes_to_a_file_of_its_own(monkeypatch, tmp_path) -> None:
     """``--families`` never writes models.json (the full result would lose the other rows)."""
-    import json
-
-    from bench import runner
-
     seen: dict = {}
 
     def fake_bench(*, out_path, **kwargs):  # stands in for run_models_bench
@@ -79,10 +80,6 @@ def test_a_run_of_a_few_families_goes_to_a_file_of_its_own(monkeypatch, tmp_path
 
 
 def test_families_that_do_not_exist_are_refused_with_exit_2(tmp_path, capsys) -> None:
-    from argparse import Namespace
-
-    from bench.runner import run_bench
-
     out = tmp_path / "results"
     assert run_bench(Namespace(what="models", families=("llama3", "gpt9"), out=str(out))) == 2
     err = capsys.readouterr().err
@@ -95,10 +92,6 @@ def test_families_that_do_not_exist_are_refused_with_exit_2(tmp_path, capsys) ->
 def test_the_real_model_is_in_a_full_run_not_in_a_quick_one_unless_named() -> None:
     """Staging the real model downloads and converts it: the smoke run (``--quick``) keeps to the
     fixture families, a full run ends with the real model, ``--families`` can name it either way."""
-    from bench.real_models import REAL_MODELS, family_names
-    from bench.runner import families_problem
-    from fixtures.model_families import FAMILIES
-
     assert family_names() == [*FAMILIES, *REAL_MODELS] and "smollm2-135m" in REAL_MODELS
     assert family_names(quick=True) == list(FAMILIES)
     assert families_problem("models", ("smollm2-135m",)) == ""

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 from common.config.load import load_config
-from services.learner import logprobs, objective, packing
+from services.learner import batching, logprobs, objective, packing
 from services.learner.cycle import Sample, assign_advantages
 from services.learner.main import training_settings
+from services.learner.model import load_policy
+from tether.demo.tiny_model import build_tiny_model
 
 
 def test_rows_are_first_fit_decreasing():
@@ -24,8 +26,6 @@ def test_rows_are_first_fit_decreasing():
 
 
 def test_packed_layout_by_hand():
-    from services.learner import batching
-
     fields = [
         {"prompt_ids": [1, 2], "response_ids": [3]},  # 3 tokens
         {"prompt_ids": [4], "response_ids": [5, 6, 7, 8]},  # 5 tokens: the width
@@ -179,9 +179,6 @@ def test_packing_without_boundaries_would_differ():
 
 def test_load_policy_probes_packing(tmp_path):
     import torch
-
-    from services.learner.model import load_policy
-    from tether.demo.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2)
     model = load_policy(model_dir, device=torch.device("cpu"), fsdp=False, pack_sequences=True)

@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from tether.runs.plan import ClusterShape, StageRates, plan, rates_from_pipeline
+from tether.cli.main import main
+from tether.runs.plan import (
+    GPU_ASSUMED,
+    ClusterShape,
+    StageRates,
+    gpu_rates,
+    held_memory,
+    plan,
+    rates_from_pipeline,
+)
 
 RATES = StageRates(
     generate_tokens_per_s=1000.0,
@@ -134,9 +143,6 @@ def test_rates_prefer_the_learners_phase_seconds_when_recorded():
 
 
 def test_tether_plan_prints_the_prediction_and_the_balancing_split(capsys):
-    from tether.cli.main import main
-    from tether.runs.plan import GPU_ASSUMED, StageRates, gpu_rates
-
     assert main(["plan"]) == 0  # the seed 001 layout on Qwen2.5-3B H100 rates
     out = capsys.readouterr().out
     assert "bound by generate" in out
@@ -159,8 +165,6 @@ def test_tether_plan_prints_the_prediction_and_the_balancing_split(capsys):
 
 
 def test_tether_plan_bad_input_exits_2_naming_it(capsys):
-    from tether.cli.main import main
-
     assert main(["plan", "--generators", "0"]) == 2
     assert "every count must be >= 1" in capsys.readouterr().err
     assert main(["plan", "--train-tps", "-5"]) == 2
@@ -190,8 +194,6 @@ def test_sync_down_a_chain_stays_flat_in_generators_and_pairwise_grows():
 
 
 def test_redis_memory_held_for_the_learner_grows_with_the_checkpoint_cadence():
-    from tether.runs.plan import held_memory
-
     work = dict(cycle_seconds=60.0, responses_per_cycle=120, prompts_per_cycle=30,
                 prompt_tokens=512, response_tokens=3072)  # fmt: skip
     per = 120 * 3072 * 12.5 + 30 * 512 * 8.0

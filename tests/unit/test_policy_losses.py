@@ -4,8 +4,9 @@ arithmetic is in the comments)."""
 import math
 
 import pytest
-import torch
+import torch  # noqa: TID253 - tests of torch code
 
+from common.config.learner import OFF_POLICY_DEFAULTS
 from services.learner.losses import aggregate_loss, merge_stats, policy_loss
 from services.learner.mismatch import mismatch_mask
 
@@ -192,8 +193,6 @@ STALE = {"prox": (0.5, 0.6, 0.6), "behav": (0.4, 0.2, 0.1)}
 
 
 def test_the_corrections_compute_different_losses_on_stale_data():
-    from common.config.learner import OFF_POLICY_DEFAULTS
-
     prox, behav = lp(STALE["prox"]), lp(STALE["behav"])
     adv, mask = torch.ones(1, dtype=torch.float64), torch.ones(1, 3)
     got = {}

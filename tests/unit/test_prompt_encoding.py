@@ -14,6 +14,7 @@ from common.data.datasets import DatasetError, load_prompts
 from common.data.prompts import encode_prompt
 from common.protocol import wire
 from services.learner.dispatch import Dispatcher
+from services.scorer.solver import Solver, SolverSettings
 from tests.engine_support import generator_without_engine
 from tests.learner_support import learner_settings_without_model
 from tether.demo.tiny_model import BOS_TOKEN, build_tokenizer
@@ -105,8 +106,6 @@ def test_chat_template_bos_is_not_doubled(tokenizer):
 
 @pytest.mark.parametrize("template", [True, False], ids=["template", "raw"])
 def test_solver_prompt_uses_the_same_encoding(tokenizer, template):
-    from services.scorer.solver import Solver, SolverSettings
-
     settings = SolverSettings(model="unused", template="Q: {question}\nG: {response}",
                               apply_chat_template=template)  # fmt: skip
     solver = Solver(settings, pool=None)

@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from tether.cli.main import main
+
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 
@@ -64,8 +66,6 @@ def test_the_lora_measured_table_is_lora_json():
 
 
 def test_the_redis_figures_are_what_tether_plan_prints(capsys):
-    from tether.cli.main import main
-
     assert main(["plan"]) == 0  # the seed 001 shape on H100 rates, as the README says
     out = capsys.readouterr().out
     m = re.search(r"([\d.]+) MB per cycle; a checkpoint every 30 min ≈ \d+ cycles: ≈ (\d+) MB", out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import re
 import shutil
 from pathlib import Path
@@ -69,8 +70,6 @@ def test_report_without_snapshot_still_draws_the_step_plots(run_dir: Path):
 
 
 def test_an_episodes_run_shows_tool_use_over_steps(run_dir: Path):
-    import json
-
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(x) for x in lines if '"kind": "step"' in x]
     with (run_dir / "metrics.jsonl").open("w") as f:

@@ -13,8 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import staleness
 from bench.derived import check
+from bench.results_md import TABLE_BEGIN, TABLE_END, readme_table, write_readme
+from bench.staleness_design import PREREGISTERED, Study, grid
 from tests.paths import REPO
+from tests.unit.test_bench_staleness import _run
 
 RESULTS = REPO / "bench" / "results"
 HISTORY = ("unstamped", "superseded")  # kept for history; no table or claim reads them
@@ -100,10 +104,6 @@ def test_a_hand_edited_result_is_caught():
 def test_a_staleness_result_is_recomputed_from_its_runs(tmp_path):
     """The study's runs are kept beside its JSON (``made.runs_dir``): arms, verdicts,
     exploratory rows and the totals of ``made`` are all recomputed from them."""
-    from bench import staleness
-    from bench.staleness_design import PREREGISTERED, Study, grid
-    from tests.unit.test_bench_staleness import _run
-
     study = Study(arms=tuple(grid()), seeds=(0, 1, 2), steps=8, eval_every=4)
     runs = [
         _run(arm, seed, [0.6, 0.7 + 0.01 * seed - 0.02 * arm.eta * (arm.label == "none"), 0.75])
@@ -142,8 +142,6 @@ def test_a_staleness_result_is_recomputed_from_its_runs(tmp_path):
 
 
 def test_the_readme_benchmark_table_is_the_one_the_results_give():
-    from bench.results_md import TABLE_BEGIN, TABLE_END, readme_table
-
     readme = (REPO / "README.md").read_text()
     start, end = readme.index(TABLE_BEGIN), readme.index(TABLE_END) + len(TABLE_END)
     assert readme[start:end] == readme_table(RESULTS), (
@@ -152,8 +150,6 @@ def test_the_readme_benchmark_table_is_the_one_the_results_give():
 
 
 def test_the_bench_readme_is_the_one_the_results_give(tmp_path):
-    from bench.results_md import write_readme
-
     got = write_readme(RESULTS, tmp_path / "README.md").read_text()
     assert got == (REPO / "bench" / "README.md").read_text(), (
         "regenerate with: tether bench (or bench.results_md.write_readme)"

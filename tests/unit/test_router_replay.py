@@ -6,13 +6,23 @@ replays the same routing as the padded one; a dense model is refused."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import json
 
+import pytest
+import torch  # noqa: TID253 - tests of torch code
+
+import common.service.settings as mp
+from common.config.errors import ConfigError
 from common.config.load import load_config
+from common.data.model_paths import moe_routing_shape
 from common.protocol import wire
-from services.learner import batching, packing
+from common.protocol.routing import RoutingShape
+from common.service.settings import check_router_replay
+from services.learner import batching, cycle, packing
+from services.learner.logprobs import collate as learner_collate
+from services.learner.model import token_logprobs_and_entropy
 from services.learner.router_replay import NOT_RECORDED, RouterReplay, flat_routing
+from tests.unit.test_wire import make_group
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 3, 8, 2, 96
 
@@ -130,8 +140,6 @@ def test_tokens_not_recorded_keep_the_learners_routing_and_are_counted():
 
 
 def test_the_packed_forward_replays_the_same_routing_as_the_padded_one():
-    from services.learner.model import token_logprobs_and_entropy
-
     model = _moe()
     replay = RouterReplay(model)
     samples = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]},
@@ -185,12 +193,6 @@ def test_a_groups_routing_reaches_the_learners_forward(tmp_path):
     """Wire (v3) → ``samples_from_groups`` → the ranks' bytes → ``collate`` → the forward: the
     learner's forward routes by what the generator recorded, and a sample's prompt, response
     and not-recorded ids line up."""
-    from common.protocol.routing import RoutingShape
-    from services.learner import cycle
-    from services.learner.logprobs import collate as learner_collate
-    from services.learner.model import token_logprobs_and_entropy
-    from tests.unit.test_wire import make_group
-
     model = _moe()
     replay = RouterReplay(model)
     model.router_replay = replay
@@ -237,12 +239,6 @@ def test_a_groups_routing_reaches_the_learners_forward(tmp_path):
 
 
 def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
-    import json
-
-    from common.config.errors import ConfigError
-    from common.data.model_paths import moe_routing_shape
-    from common.service.settings import check_router_replay
-
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({
@@ -260,8 +256,6 @@ def test_preflight_refuses_router_replay_for_a_dense_model(tmp_path):
 
         class generator:
             enforce_eager = False
-
-    import common.service.settings as mp
 
     orig = mp.policy_paths, mp.engine_returns_routed_experts
     mp.policy_paths = lambda cfg: (str(dense), str(dense))

@@ -5,14 +5,20 @@ import re
 
 import pytest
 
+from common.data import staging
+from tether.demo.run import PRESETS, prepare_assets
 from tether.demo.tasks import (
+    ONE_SHOT,
     ArithmeticTask,
+    Problem,
     extract_boxed,
     is_correct,
     make_problems,
     read_jsonl,
     write_task,
 )
+from tether.demo.tiny_model import build_tiny_model
+from tether.demo.warmup import warmup_sft
 
 
 def test_same_seed_same_problems_other_seed_differs():
@@ -48,8 +54,6 @@ def test_answers_and_solutions_are_correct(tmp_path):
 
 
 def test_scratchpad_solutions_are_column_additions_and_correct(tmp_path):
-    from tether.demo.tasks import Problem
-
     assert Problem(39, "+", 85).scratchpad() == "9+5=14, 3+8+1=12, \\boxed{124}"
     assert Problem(8, "+", 6).scratchpad() == "8+6=14, \\boxed{14}"
     assert Problem(4, "+", 46).scratchpad() == "4+6=10, 0+4+1=5, \\boxed{50}"
@@ -60,8 +64,6 @@ def test_scratchpad_solutions_are_column_additions_and_correct(tmp_path):
 
 
 def test_sloppy_teacher_drops_carries_in_train_only_at_the_set_rate(tmp_path):
-    from tether.demo.tasks import Problem
-
     task = ArithmeticTask(num_train=2000, num_eval=200, solution_style="scratchpad",
                           teacher_carry_error=0.7)  # fmt: skip
     paths = write_task(tmp_path, task)
@@ -129,9 +131,6 @@ def test_warmup_sft_lowers_loss_saves_and_reuses(tmp_path):
     """The demo's supervised warm-up on this task (few steps: the full one takes minutes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.demo.tiny_model import build_tiny_model
-    from tether.demo.warmup import warmup_sft
-
     base = build_tiny_model(tmp_path / "base", hidden_size=64, num_layers=1)
     paths = write_task(tmp_path / "data", ArithmeticTask(num_train=200, num_eval=20))
     kwargs = {"steps": 40, "lr": 3e-3, "batch_size": 8, "seed": 0, "out_dir": tmp_path / "warm"}
@@ -145,8 +144,6 @@ def test_warmup_sft_lowers_loss_saves_and_reuses(tmp_path):
 
 
 def test_the_instruct_style_asks_as_a_person_would_after_one_worked_exchange(tmp_path):
-    from tether.demo.tasks import ONE_SHOT
-
     task = ArithmeticTask(num_train=20, num_eval=5, operators="+-*", mixed_lengths=True,
                           prompt_style="instruct", one_shot=True)  # fmt: skip
     rows = read_jsonl(write_task(tmp_path / "chat", task)["eval"])
@@ -162,9 +159,6 @@ def test_the_instruct_style_asks_as_a_person_would_after_one_worked_exchange(tmp
 def test_the_real_model_demo_stages_its_model_and_has_no_warm_up(tmp_path, monkeypatch):
     """The smollm2 preset stages the named model into the assets (the staging itself runs on the
     real wheel in tests/services/test_gguf_staging.py) and writes chat prompts; no warm-up."""
-    from common.data import staging
-    from tether.demo.run import PRESETS, prepare_assets
-
     staged = []
     monkeypatch.setattr(staging, "stage_model",
                         lambda name, dest, **kw: staged.append((name, dest)) or True)  # fmt: skip

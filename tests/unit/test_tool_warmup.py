@@ -4,6 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tether.demo.tasks import read_jsonl
+from tether.demo.tiny_model import build_tiny_model
+from tether.demo.tool_task import ToolTask, write_tool_task
+from tether.demo.warmup import CHECK_EVERY, episode_exactness, warmup_sft
+
 
 class EchoModel:
     """A fake of a causal LM, named as one: its greedy choice at each position is the next id
@@ -28,8 +33,6 @@ class EchoModel:
 
 
 def test_episode_exactness_counts_episodes_copied_after_their_first_token():
-    from tether.demo.warmup import episode_exactness
-
     # prompt [5, 6], completion [7, 8, 9] with loss on 7 (the decision), 8 and 9; 1 and 2 no loss
     episodes = [([5, 6], [7, 1, 8, 2, 9], [1, 0, 1, 0, 1])] * 3
     assert episode_exactness(EchoModel(16), episodes, pad_id=0) == 1.0
@@ -45,10 +48,6 @@ def test_episode_exactness_counts_episodes_copied_after_their_first_token():
 
 @pytest.mark.parametrize("stop_at_exact, steps_run", [(0.0, 25), (None, 60)])
 def test_warmup_stops_at_the_first_check_that_passes(tmp_path, stop_at_exact, steps_run):
-    from tether.demo.tiny_model import build_tiny_model
-    from tether.demo.tool_task import ToolTask, write_tool_task
-    from tether.demo.warmup import CHECK_EVERY, warmup_sft
-
     assert CHECK_EVERY == 25
     base = build_tiny_model(tmp_path / "base", hidden_size=32, num_layers=1, tools=True)
     paths = write_tool_task(tmp_path / "data", ToolTask(num_train=60, num_eval=5))
@@ -63,11 +62,6 @@ def test_warmup_stops_at_the_first_check_that_passes(tmp_path, stop_at_exact, st
 
 
 def test_two_stage_warmup_stops_the_first_stage_at_its_check_then_runs_the_second(tmp_path):
-    from tether.demo.tasks import read_jsonl
-    from tether.demo.tiny_model import build_tiny_model
-    from tether.demo.tool_task import ToolTask, write_tool_task
-    from tether.demo.warmup import CHECK_EVERY, warmup_sft
-
     base = build_tiny_model(tmp_path / "base", hidden_size=32, num_layers=1, tools=True)
     paths = write_tool_task(tmp_path / "data", ToolTask(num_train=60, num_eval=5))
     careful, sloppy = read_jsonl(paths["careful"]), read_jsonl(paths["train"])

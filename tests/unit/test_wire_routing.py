@@ -5,6 +5,7 @@ type, token count or expert id is refused with its reason (the dead-letter strea
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from common.protocol import wire
 from common.protocol.routing import RoutingShape
 from common.protocol.wire import ScoredGroup, WireError, decode, encode
+from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
 from tests.unit.test_wire import make_group
 
 SHAPE = RoutingShape(layers=3, top_k=2, experts=8)
@@ -121,10 +123,6 @@ def test_encoding_refuses_routing_that_does_not_fit_the_shape():
 
 
 def test_the_generator_splits_the_engines_routing_into_prompt_and_response():
-    from types import SimpleNamespace
-
-    from services.generator.trajectories import single_turn_trajectories, split_routing, to_group
-
     engine = _routing(4 + 5)  # a prompt of 4 ids, a response of 6: the last one never ran
     prompt, resp = split_routing(SHAPE, engine, 4, 6)
     np.testing.assert_array_equal(prompt, engine[:4])

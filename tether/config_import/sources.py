@@ -55,7 +55,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def read_yaml(text: str, variables: Mapping[str, str], path: Path) -> Source:
-    import yaml  # only the importer needs it
+    import yaml  # noqa: PLC0415 - only the importer reads YAML
 
     try:
         tree = yaml.safe_load(text)

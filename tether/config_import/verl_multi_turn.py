@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from tether.config_import.mapping import Mapper
 
 _MT = "actor_rollout_ref.rollout.multi_turn."
@@ -23,8 +25,6 @@ SANITY = {"strict": "strict", "ignore_strippable": "warn", "disable": "off"}
 
 def _tool_file(m: Mapper, key: str) -> list[dict[str, Any]] | None:
     """The ``tools`` list of verl's tool config file, or None (with the reason recorded)."""
-    import yaml
-
     path = Path(str(m.get(key)))
     if not path.is_file():
         m.drop(key, f"the tool config file {path} is not here; import again where it is, "

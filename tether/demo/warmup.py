@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.chat.turns import TurnEncoder
 from common.data.prompts import encode_prompt
+from common.tools.registry import tool_schemas
 from tether.demo.tasks import is_correct, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,6 @@ def _examples(tokenizer: Any, rows: list[dict], tools: list[str] | None = None) 
     """(prompt ids, completion ids + eos, loss mask) per row. A row with ``turns`` is an episode
     (``tether.demo.tool_task``), assembled exactly as the generator assembles one: assistant
     turns as their ids and eos (loss), tool turns by template difference (no loss)."""
-    from common.chat.turns import TurnEncoder
-    from common.tools.registry import tool_schemas
-
     schemas = tool_schemas(tools or [])
     encoder = None
     out = []

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from common.service import exit_codes
+import ctypes
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's own default
 
@@ -76,8 +77,6 @@ def _signal_all(pids: list[int], sig: int) -> None:
 
 
 def _die_with_parent() -> None:
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 

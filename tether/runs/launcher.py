@@ -23,6 +23,14 @@ from typing import Any
 from common.config.schema import TetherConfig
 from common.protocol.run_dir import RunDir
 from tether.runs.supervisor import RunFailed, Supervisor
+from services.learner.export import export_hf
+from common.config.explain import resolved_toml
+from common.service.preflight import preflight
+from common.config.errors import ConfigError
+from common.config.load import load_config
+from tether.runs.progress import Progress
+from common.bus.server import EmbeddedRedis
+from tether.runs.report.page import write_report
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +52,6 @@ def export_checkpoint(
     checkpoint: str, out: str, *, tokenizer_dir: str | None, shard_mb: float = 2048.0
 ) -> Path | None:
     """`tether export`: a Hugging Face model directory from a checkpoint (the learner's code)."""
-    from services.learner.export import export_hf
-
     if shard_mb <= 0:
         raise ValueError(f"--shard-mb must be > 0 (MB per weight file), got {shard_mb}")
     return export_hf(checkpoint, out, tokenizer_dir=tokenizer_dir,
@@ -56,13 +62,7 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
     """The config to run (with --resume, the one saved in the run directory), checked by the
     preflight before anything is created or started, and its run directory, with the resolved
     config written once (reused by --resume)."""
-    from common.config.explain import resolved_toml
-    from common.service.preflight import preflight
-
     if resume:
-        from common.config.errors import ConfigError
-        from common.config.load import load_config
-
         run_dir = RunDir(Path(resume))
         if not run_dir.config.exists():
             raise ConfigError(
@@ -80,15 +80,11 @@ def prepare_run_dir(cfg: TetherConfig, resume: str | None) -> tuple[TetherConfig
 
 def train(cfg: TetherConfig, args: argparse.Namespace) -> int:
     """`tether train [--resume RUN_DIR]`."""
-    from tether.runs.progress import Progress
-
     cfg, run_dir = prepare_run_dir(cfg, getattr(args, "resume", None))
     return launch(cfg, run_dir, progress_factory=Progress)
 
 
 def launch(cfg: TetherConfig, run_dir: Path, *, progress_factory: Any = None) -> int:
-    from common.bus.server import EmbeddedRedis
-
     paths = RunDir(run_dir)
     redis = None
     url = cfg.run.redis_url
@@ -130,7 +126,6 @@ def finish_run(run_dir: str | Path, bus: Any) -> Path | None:
     """After the services stopped and before Redis stops: save the status snapshot and write
     ``report.html``. Best effort: a failure is logged, never raised, so a finished run is not
     turned into a failed one by its report. Returns the report's path."""
-    from tether.runs.report.page import write_report
     from tether.runs.status import collect_status, save_status_snapshot
 
     try:

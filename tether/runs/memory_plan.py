@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from services.learner.optim import FOREACH_MAX_TEMPORARY_BYTES
 
 GiB = 1 << 30
 GPU_RUNTIME_BYTES = 3 * GiB  # assumed (CUDA context ~0.6 GiB, NCCL, allocator slack)
@@ -175,8 +176,6 @@ def phase_peaks(
 
     With ``offload`` the weights, gradients and moments are in host memory; the GPU holds a
     layer's fp32 shard on its way to the all-gather."""
-    from services.learner.optim import FOREACH_MAX_TEMPORARY_BYTES
-
     p, t, h, v = model.params, tokens_per_micro_batch, model.hidden, model.vocab
     layer, root = model.layer_params, model.root_params
     weights, moments, grads = 4 * p // ranks, 8 * p // ranks, 4 * p // ranks

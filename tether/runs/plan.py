@@ -41,6 +41,7 @@ from typing import Any
 
 from common.config.rules import default_max_staleness
 from common.config.shared import CHUNK_MB
+import json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,8 +228,6 @@ def gpu_rates(results_dir: Path | None = None) -> tuple[dict[str, float], bool]:
     """The GPU rates above, with the train rate measured on an H100 (``gpu/learner3b.json`` under
     ``results_dir``, default the repository's bench/results) when that result exists. Returns the
     rates and whether the train rate was measured."""
-    import json
-
     rates = dict(GPU_ASSUMED)
     root = (
         Path(results_dir)

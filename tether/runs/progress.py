@@ -7,15 +7,15 @@ import logging
 import time
 from common.config.schema import TetherConfig
 from common.protocol.run_dir import RunDir
+from common.bus.client import Bus
+from common.service.settings import bus_settings_for
+from tether.runs.status import collect_status
 
 log = logging.getLogger(__name__)
 
 
 class Progress:
     def __init__(self, cfg: TetherConfig, redis_url: str) -> None:
-        from common.bus.client import Bus
-        from common.service.settings import bus_settings_for
-
         self.cfg = cfg
         self.bus = Bus(bus_settings_for(cfg, redis_url=redis_url), service="launcher")
         self.started = time.monotonic()
@@ -33,8 +33,6 @@ class Progress:
         return acc
 
     def line(self) -> str:
-        from tether.runs.status import collect_status
-
         st = collect_status(self.bus)
         trained = st["accounting"]["trained_samples"]
         now = time.monotonic()

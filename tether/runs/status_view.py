@@ -18,6 +18,13 @@ from typing import Any
 from common.protocol.books import BooksError
 from common.protocol.run_dir import RunDir
 from tether.runs.status import format_status, load_status_snapshot
+from common.bus.server import EmbeddedRedis
+from common.bus.client import Bus
+from common.bus.settings import BusUnavailable
+from tether.runs.status import collect_status
+from tether.runs.report.data import accounting_rows, read_metrics, service_rates
+import redis
+from common.service.settings import bus_settings_for
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,6 @@ def run_redis(cfg: Any, run_dir: Path) -> Iterator[str | None]:
     if not RunDir(run_dir).redis.is_dir():
         yield None
         return
-    from common.bus.server import EmbeddedRedis
 
     server = EmbeddedRedis(RunDir(run_dir).redis, binary=cfg.run.redis_server_binary or None)
     server.start()
@@ -56,8 +62,6 @@ def run_redis(cfg: Any, run_dir: Path) -> Iterator[str | None]:
 
 
 def _answers(url: str) -> bool:
-    import redis
-
     probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     try:
         return bool(probe.ping())
@@ -69,13 +73,6 @@ def _answers(url: str) -> bool:
 
 def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     """``collect_status`` from the Redis at ``url``; None when it does not answer within ~2 s."""
-    import redis
-
-    from common.bus.client import Bus
-    from common.bus.settings import BusUnavailable
-    from common.service.settings import bus_settings_for
-    from tether.runs.status import collect_status
-
     if not _answers(url):  # a quick look first: the bus itself retries for reconnect_max_s
         log.debug("no live status from %s", url)
         return None
@@ -94,8 +91,6 @@ def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
 
 def enrich(st: dict[str, Any], *, cfg: Any, run_dir: Path | None) -> dict[str, Any]:
     """Add per-replica rates and the accounting in trajectories (``accounting_trajectories``)."""
-    from tether.runs.report.data import accounting_rows, read_metrics, service_rates
-
     n, passes = cfg.run.responses_per_prompt, cfg.run.passes_per_cycle
     for s in st.get("services", []):
         s["rates"] = service_rates(s, responses_per_prompt=n)

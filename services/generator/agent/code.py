@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import linecache
 import logging
 import math
 import sys
@@ -41,6 +42,10 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
+
+from common.tools.functions import ToolDefinitionError
+from common.tools.registry import import_target
+from services.generator.agent.gym import GymAgent
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 log = logging.getLogger(__name__)
@@ -54,8 +59,6 @@ class AgentCodeError(ValueError):
 def load_agent(agent: Any) -> AgentFn:
     """The coroutine function ``[agent]`` names (``agent``: the ``AgentConfig`` section)."""
     if agent.gym_env:
-        from services.generator.agent.gym import GymAgent
-
         factory = _imported(agent.gym_env, "agent.gym_env")
         return GymAgent(factory, max_requests=agent.max_requests).run
     obj = _imported(agent.run, "agent.run")
@@ -81,9 +84,6 @@ def load_agent(agent: Any) -> AgentFn:
 
 
 def _imported(target: str, setting: str) -> Any:
-    from common.tools.functions import ToolDefinitionError
-    from common.tools.registry import import_target
-
     try:
         return import_target(target, setting=setting)
     except ToolDefinitionError as exc:
@@ -168,8 +168,6 @@ class AgentLoop:
         frame = sys._current_frames().get(self._thread.ident or -1)
         where = "?"
         if frame is not None:
-            import linecache
-
             line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             where = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
         log.warning(

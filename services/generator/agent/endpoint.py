@@ -27,6 +27,8 @@ import logging
 import secrets
 from typing import Any
 
+from aiohttp import web
+
 from services.generator.agent.episodes import EpisodeTable
 from services.generator.agent.openai_api import ApiError
 from services.generator.agent.turns import AgentMetrics, AgentTurns, answered
@@ -53,8 +55,6 @@ class AgentEndpoint:
         return f"http://{HOST}:{self.port}/tether/{episode_id}/v1"
 
     async def start(self) -> None:
-        from aiohttp import web
-
         # client_max_size bounds what aiohttp reads; the body is read here, so over-size
         # requests are answered in OpenAI's error shape
         app = web.Application(client_max_size=self.max_bytes)
@@ -81,8 +81,6 @@ class AgentEndpoint:
         return await self._answer(request, self.turns.complete)
 
     async def _models(self, request: Any) -> Any:
-        from aiohttp import web
-
         try:
             self._authorize(request)
             self.table.get(request.match_info["episode"])
@@ -92,8 +90,6 @@ class AgentEndpoint:
             {"id": "tether-policy", "object": "model", "owned_by": "tether"}]})  # fmt: skip
 
     async def _answer(self, request: Any, turn: Any) -> Any:
-        from aiohttp import web
-
         try:
             self._authorize(request)
             ep = self.table.get(request.match_info["episode"])
@@ -124,8 +120,6 @@ class AgentEndpoint:
                            "agent (its api_key is this run's token)", code="unauthorized")  # fmt: skip
 
     async def _body(self, request: Any) -> Any:
-        from aiohttp import web
-
         if request.content_length is not None and request.content_length > self.max_bytes:
             raise _too_large(request.content_length, self.max_bytes)
         try:
@@ -138,8 +132,6 @@ class AgentEndpoint:
             raise ApiError(400, f"the body is not JSON: {exc}"[:300], code="invalid_json") from None
 
     def _error(self, err: ApiError) -> Any:
-        from aiohttp import web
-
         self.metrics.requests.labels(OUTCOMES.get(err.status, "error")).inc()
         return web.json_response(err.body(), status=err.status)
 

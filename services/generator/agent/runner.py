@@ -12,11 +12,16 @@ Waits for the agents (an episode ends when its code returns, raises or runs past
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.chat.tool_calls import ToolFormatError, tool_format
+from common.chat.turns import end_of_turn_ids
+from common.data.prompts import prompt_of
 from common.protocol import wire
 from services.generator.agent.code import AgentLoop, load_agent, reward_of
 from services.generator.agent.endpoint import AgentEndpoint
@@ -75,8 +80,6 @@ class AgentRunner:
     ) -> list[wire.Trajectory]:  # fmt: skip
         """The ``sampling.n`` episodes of ``msg`` (run concurrently), as its group's
         trajectories."""
-        from common.data.prompts import prompt_of
-
         prompt = prompt_of(msg)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         how = Sampling(temperature=sampling.temperature, top_p=sampling.top_p,
@@ -159,12 +162,6 @@ async def start_agents(settings: AgentSettings, *, engine: Any, tokenizer: Any,
     """The runner of the agent ``settings`` names, its endpoint started. The tool-call format
     comes from the model's family (``generator.tool_format``); a model without one answers
     requests that offer tools with a 400."""
-    import json
-    from pathlib import Path
-
-    from common.chat.tool_calls import ToolFormatError, tool_format
-    from common.chat.turns import end_of_turn_ids
-
     model_dir = settings.model_dir
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
     try:

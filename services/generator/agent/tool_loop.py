@@ -27,13 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
-from common.chat.turns import TemplateDeltaError, TurnEncoder, first_mismatch, mismatch_kind
+from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat, tool_format
+from common.chat.turns import (
+    TemplateDeltaError,
+    TurnEncoder,
+    end_of_turn_ids,
+    first_mismatch,
+    mismatch_kind,
+)
+from common.data.prompts import prompt_of
+from common.protocol.run_dir import RunDir
 from common.telemetry.metrics import metric
+from common.tools.registry import resolve_tools
+from common.tools.sandbox import SandboxLimits, ToolSandbox
 from services.generator.agent.recorder import EpisodeRecorder
 from services.generator.seeds import episode_seed
 from services.generator.trajectories import split_routing
@@ -251,8 +263,6 @@ class EpisodeRunner:
         """A prompt's ``sampling.n`` episodes (``responses_per_prompt``; one for eval), run
         concurrently (their turns batch together in vLLM with every other prompt's), as the
         trajectories of its group."""
-        from common.data.prompts import prompt_of
-
         prompt = prompt_of(msg)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         records = await asyncio.gather(*(
@@ -304,15 +314,6 @@ async def start_runner(
     """The runner of the tool episodes ``settings`` describe, its sandbox started
     (``runner.sandbox.close()`` at the end). Preflight has checked the tools, the format and the
     template, so errors here are the environment's (a sandbox that cannot start)."""
-    import json
-    from pathlib import Path
-
-    from common.chat.tool_calls import tool_format
-    from common.chat.turns import end_of_turn_ids
-    from common.protocol.run_dir import RunDir
-    from common.tools.registry import resolve_tools
-    from common.tools.sandbox import SandboxLimits, ToolSandbox
-
     s = settings
     specs = resolve_tools(list(s.tools))
     model_dir = s.model_dir

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.engine import SamplingSettings
 from common.telemetry.metrics import metric
 from services.generator.agent import openai_api as api
 from services.generator.agent.episodes import AgentEpisode, ContinuityRules, Prompt
@@ -174,7 +175,6 @@ class AgentTurns:
                 "messages", "context_length_exceeded",
             )  # fmt: skip
         s = ep.sampling
-        from common.engine import SamplingSettings
 
         params = SamplingSettings(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
