@@ -28,6 +28,9 @@ def main() -> None:
     n = sum(1 for _ in open(a.starts))
     lives = a.lives.split(",")
     life = lives[min(n, len(lives)) - 1]
+    # SIGTERM is taken from here on: a test that sees the grandchild's pid file may send it at once
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if a.grandchild_pid_file:
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(a.grandchild_pid_file, "w") as f:
@@ -50,8 +53,6 @@ def main() -> None:
 
     server = ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
     raise SystemExit(75)
 
