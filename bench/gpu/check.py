@@ -30,17 +30,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench.learner import run_learner_bench
-from common.weights.checksum import tensors_checksum
-from common.weights.layout import WeightSyncError, build_layout
-from common.weights.publisher import WeightPublisher
-from common.weights.receiver import WeightReceiver
-from services.learner.gather import full_state_dict_cpu, publish_items, publish_specs, stream_units
-from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy
-from tether.demo.tiny_model import build_tiny_model
-
+# run as a script (`python bench/gpu/check.py`): the clone goes on the path before its packages
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.learner import run_learner_bench  # noqa: E402
+from common.weights.checksum import tensors_checksum  # noqa: E402
+from common.weights.layout import WeightSyncError, build_layout  # noqa: E402
+from common.weights.publisher import WeightPublisher  # noqa: E402
+from common.weights.receiver import WeightReceiver  # noqa: E402
+from services.learner.gather import full_state_dict_cpu, publish_items, publish_specs, stream_units  # noqa: E402
+from services.learner.model import load_policy, setup_distributed, token_logprobs_and_entropy  # noqa: E402
+from tether.demo.tiny_model import build_tiny_model  # noqa: E402
 
 
 def step_env(tiny: bool) -> dict:

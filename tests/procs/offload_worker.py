@@ -27,14 +27,15 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from common.weights.layout import build_layout
-from services.learner import gather
-from services.learner.checkpoint import load_checkpoint, save_checkpoint
-from services.learner.model import process_group_backend
-from services.learner.train_step import train_step
-from tests.procs.fsdp_worker import build_training, micro_batch, token_mean_nll
-
+# torchrun runs this file as a script: the clone goes on the path before its packages are imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from common.weights.layout import build_layout  # noqa: E402
+from services.learner import gather  # noqa: E402
+from services.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from services.learner.model import process_group_backend  # noqa: E402
+from services.learner.train_step import train_step  # noqa: E402
+from tests.procs.fsdp_worker import build_training, micro_batch, token_mean_nll  # noqa: E402
 
 
 def register_fake_nccl() -> None:
