@@ -276,13 +276,22 @@ class WeightReceiver:
         end = time.monotonic() + (self.timeout_s if flush_s is None else flush_s)
         for fwd in self._forwarding:
             fwd.join(max(0.0, end - time.monotonic()))
+        self.let_go(release_after_s=0.0)
+        release_held(wait_s=5.0)  # none left for the interpreter's shutdown (chain.release_held)
+
+    def let_go(self, *, release_after_s: float | None = None) -> None:
+        """Drop everything this receiver holds, waiting for nothing: the store connection (its
+        helper thread ends), the staging buffer, and the pairwise groups, released on a helper
+        thread ``release_after_s`` from now (default ``timeout_s``: a group with an op pending
+        blocks in its destructor until the op times out). For a receiver replaced by one of a
+        new weight store: the old learner's chain is gone, so no relay below waits on it."""
         self._forwarding = []
         self._pg = None
         self._let_go_of_store()
         self._staging.drop()
-        release_later(self._links, after_s=0.0)
+        after_s = self.timeout_s if release_after_s is None else release_after_s
+        release_later(self._links, after_s=after_s)
         self._links = {}
-        release_held(wait_s=5.0)  # none left for the interpreter's shutdown (chain.release_held)
 
 
 class Receipt:

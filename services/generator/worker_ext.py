@@ -70,6 +70,8 @@ class TetherWorkerExtension(RoutingRecorder):
         if rx is None or (rx.host, rx.port, rx.member_id) != (host, port, member_id):
             # A new weight store is a new learner process (e.g. restarted from a checkpoint):
             # its versions start from the checkpoint, so ours is no reference for "newer".
+            if rx is not None:
+                _let_go(rx)
             self._tether_rx = WeightReceiver(
                 host, port, member_id, timeout_s=timeout_s, secret=secret_from_env()
             )
@@ -294,6 +296,17 @@ class TetherWorkerExtension(RoutingRecorder):
         eye = torch.eye(size, dtype=p.dtype, device=p.device)
         with torch.no_grad():
             return module.cpu_linear(eye, p, None).t().contiguous()
+
+
+def _let_go(rx: WeightReceiver) -> None:
+    """Drop the receiver of a weight store that was replaced (``WeightReceiver.let_go``); a
+    failure is logged, and the new join goes on."""
+    try:
+        rx.let_go()
+    except Exception as e:  # noqa: BLE001 - the old store may be gone in any way
+        logger.warning(
+            "weight sync: dropping the receiver of %s:%d failed: %s", rx.host, rx.port, e
+        )
 
 
 def _tp_rank() -> int:

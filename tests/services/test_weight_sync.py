@@ -456,6 +456,34 @@ def test_receiver_takes_the_learners_backend_and_refuses_a_conflicting_one():
         pub.close()
 
 
+def test_a_receiver_replaced_at_a_new_store_lets_go_of_the_old_one(monkeypatch):
+    """The worker extension's join at another address (a restarted learner) drops the receiver
+    of the old store: its store connection's helper thread ends and it holds no groups."""
+    from services.generator import worker_ext  # noqa: PLC0415 - imports vLLM's worker parts
+
+    monkeypatch.setattr(worker_ext, "_tp_rank", lambda: 0)  # a TP-1 engine's only worker
+    first, second = (WeightPublisher("127.0.0.1", 0, timeout_s=5.0) for _ in range(2))
+    ext = worker_ext.TetherWorkerExtension()
+
+    def store_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "wsync-store"}
+
+    try:
+        before = store_threads()
+        ext.tether_join("127.0.0.1", first.port, "g", 5.0)
+        old, (old_thread,) = ext._tether_rx, store_threads() - before
+        assert old.joined
+        ext.tether_join("127.0.0.1", second.port, "g", 5.0)
+        assert ext._tether_rx is not old and ext._tether_rx.joined
+        assert not old.joined and old._caller is None and not old._links
+        wait_for(lambda: not old_thread.is_alive(), 10.0, "the old store's helper thread to end")
+    finally:
+        if ext._tether_rx is not None:
+            ext._tether_rx.close(flush_s=0.0)
+        first.close()
+        second.close()
+
+
 class ProcessGroupNCCL:
     """A named fake of an NCCL pair group (no NCCL on this machine): ``finish`` recognises NCCL
     groups by class name and polls their work instead of trusting ``wait()``."""
