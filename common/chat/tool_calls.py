@@ -23,8 +23,9 @@ when the template opened the block in the prompt) is the turn's reasoning, retur
 written inside ``<think>`` is not run. A block opened and never closed makes the whole turn
 reasoning.
 
-Families without a tool format Tether can parse are refused by name: Gemma 2 (no tool role and
-no call syntax in its template), Phi-3/3.5 and SmolLM2 (likewise). A model whose ``model_type``
+Families without a tool format Tether can parse are refused by name by ``auto``: Gemma 2 (no
+tool role and no call syntax in its template), Phi-3/3.5 and SmolLM2 (likewise). Set a format
+and ``common.chat.tool_prompt`` teaches it to them through the system message. A model whose ``model_type``
 is unknown needs ``generator.tool_format`` set explicitly; a name that is not a format is
 refused with the list.
 
@@ -144,6 +145,14 @@ class _TaggedJson:
     def _call(self, raw: str) -> ToolCall:
         return _call_from_json(raw, args_keys=("arguments", "parameters"))
 
+    def write(self, calls: list[dict[str, Any]]) -> str:
+        """``calls`` (``{"name", "arguments"}``) as the model writes them: what ``parse`` reads."""
+        return "\n".join(f"{self.open_tag}\n{self._body(c)}\n{self.close_tag}" for c in calls)
+
+    def _body(self, call: dict[str, Any]) -> str:
+        return json.dumps({"name": call["name"], "arguments": call["arguments"]},
+                          ensure_ascii=False)  # fmt: skip
+
 
 class HermesFormat(_TaggedJson):
     name = "hermes"
@@ -181,6 +190,13 @@ class Qwen3XmlFormat(_TaggedJson):
                             error=f"text outside <parameter=…> blocks: {leftover[:80]!r}")  # fmt: skip
         return ToolCall(name=m.group(1).strip(), arguments=args, raw=raw)
 
+    def _body(self, call: dict[str, Any]) -> str:
+        params = "".join(
+            f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+            for k, v in call["arguments"].items()
+        )
+        return f"<function={call['name']}>\n{params}</function>"
+
 
 class Llama3JsonFormat:
     name = "llama3_json"
@@ -199,6 +215,10 @@ class Llama3JsonFormat:
             for part in _split_calls(body)
         ]
         return ParsedTurn(content="", calls=calls, reasoning=reasoning)
+
+    def write(self, calls: list[dict[str, Any]]) -> str:
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]},
+                                    ensure_ascii=False) for c in calls)  # fmt: skip
 
 
 class MistralFormat:
@@ -222,6 +242,11 @@ class MistralFormat:
         calls = [_call_from_obj(o, json.dumps(o), args_keys=("arguments", "parameters"))
                  for o in objs]  # fmt: skip
         return ParsedTurn(content=content.strip(), calls=calls, reasoning=reasoning)
+
+    def write(self, calls: list[dict[str, Any]]) -> str:
+        objs = [{"name": c["name"], "arguments": c["arguments"],
+                 "id": c.get("id") or f"call{k:05d}"} for k, c in enumerate(calls)]  # fmt: skip
+        return self._tag + json.dumps(objs, ensure_ascii=False)
 
 
 def _split_calls(body: str) -> list[str]:
@@ -286,7 +311,9 @@ def tool_format(setting: str, *, model_type: str, vocab: Any = ()) -> ToolFormat
             f"{without} models ({model_type}) have no tool-call format: their chat template "
             "has no tool role and no call syntax, so Tether cannot tell a tool call from an "
             "answer. Use a model with one (Qwen2.5, Qwen3, Llama 3.x, Mistral, Phi-4-mini), or "
-            f"set generator.tool_format to one of {choices} if your fine-tune was trained on it."
+            f"set generator.tool_format to one of {choices} (hermes is the usual choice): "
+            "generator.tool_prompt then writes the tool list and that call syntax into the "
+            "system message, since the template does not."
         )
     if name is None:
         raise ToolFormatError(

@@ -124,8 +124,9 @@ class TurnEncoder:
         if tools and base == self._render_without_tools():
             raise TemplateDeltaError(
                 "the chat template ignores `tools`: the model would never be told which tools "
-                "it has. Use the model's own tool-aware template (Qwen2.5, Qwen3, Llama 3.x, "
-                "Mistral, Phi-4-mini have one) or write the tool list into the prompt yourself."
+                'it has. Set generator.tool_prompt = "system" (or "auto") to have Tether '
+                "write the tool list into the system message, or use the model's own tool-aware "
+                "template (Qwen2.5, Qwen3, Llama 3.x, Mistral, Phi-4-mini have one)."
             )
         self.k, self.end_token = self._assistant_end(BASE, base)
         probe = [PROBE_TOOL] if tools else [PROBE_USER]

@@ -69,9 +69,18 @@ class GeneratorConfig(Section):
             "auto",
             description="how the model writes tool calls; auto = from the model's model_type "
             "(Qwen2.5/Qwen3 → hermes, Llama 3.x → llama3_json, Mistral → mistral, Phi-4-mini → "
-            "phi4_mini; Gemma 2, Phi-3 and SmolLM2 have none and are refused); qwen3_xml "
+            "phi4_mini; Gemma 2, Phi-3 and SmolLM2 have none: auto refuses them, set one, e.g. "
+            "hermes, and tool_prompt writes it into the prompt); qwen3_xml "
             "(Qwen3-Coder) is never chosen by auto",
         )
+    )
+    tool_prompt: Literal["auto", "template", "system"] = Field(
+        "auto",
+        description="where the tool list goes: template = the chat template renders it (refused "
+        "when it ignores tools); system = Tether writes it into the system message, with an "
+        "example call in tool_format's syntax, and writes past calls into the assistant turns' "
+        "text (for templates without tool support, e.g. SmolLM2's); auto = template where the "
+        "template renders a tool list, else system",
     )
     tool_timeout_s: float = Field(
         10.0, gt=0.0, description="wall-clock and CPU-time limit of one tool call in seconds"

@@ -300,6 +300,7 @@ def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
 
     from common.chat.rehearsal import rehearse
     from common.chat.tool_calls import ToolFormatError, tool_format
+    from common.chat.tool_prompt import for_tools
     from common.chat.turns import TemplateDeltaError, TurnEncoder, end_of_turn_ids
     from common.service.settings import policy_paths
     from common.tools.functions import ToolDefinitionError
@@ -311,6 +312,7 @@ def _episodes(cfg: TetherConfig, tokenizer: Any) -> None:
         schemas = tool_schemas(g.tools)
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
         fmt = tool_format(g.tool_format, model_type=model_type, vocab=tokenizer.get_vocab())
+        tokenizer = for_tools(tokenizer, mode=g.tool_prompt, fmt=fmt)  # generator.tool_prompt
         enc = TurnEncoder(tokenizer, end_ids=end_of_turn_ids(tokenizer, model_dir), tools=schemas)
         rehearse(tokenizer, enc, fmt)  # one call, two calls, through the real template
     except (ToolDefinitionError, ToolFormatError, TemplateDeltaError, OSError) as exc:

@@ -17,6 +17,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from common.bus.settings import BusSettings
+from common.chat.tool_calls import ToolFormatError
+from common.chat.tool_prompt import for_model
 from common.config.errors import ConfigError
 from common.data.datasets import EMPTY_TRAIN_PATH, DatasetError, PromptSet, load_prompts
 from common.data.model_paths import (
@@ -101,6 +103,8 @@ def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, Promp
     if not d.train_path:
         raise DatasetError(EMPTY_TRAIN_PATH)
     tools = tool_schemas(cfg.generator.tools) if tokenizer is not None else None
+    if tools:  # rendered as the generator renders them (generator.tool_prompt)
+        tokenizer = _tool_tokenizer(cfg, tokenizer)
 
     def load(path: str, split: str) -> PromptSet:
         return load_prompts(
@@ -119,6 +123,17 @@ def prompt_sets_for(cfg: TetherConfig, tokenizer: Any) -> tuple[PromptSet, Promp
         )
 
     return load(d.train_path, "train"), (load(d.eval_path, "eval") if d.eval_path else None)
+
+
+def _tool_tokenizer(cfg: TetherConfig, tokenizer: Any) -> Any:
+    """The tokenizer the generator renders tool prompts with (``tool_prompt.for_model``); the
+    plain one where the model has no call format (preflight refuses such a run by name)."""
+    g = cfg.generator
+    try:
+        return for_model(tokenizer, model_dir=policy_paths(cfg)[0], format_setting=g.tool_format,
+                         mode=g.tool_prompt)[0]  # fmt: skip
+    except ToolFormatError:
+        return tokenizer
 
 
 def policy_prompt_sets(cfg: TetherConfig) -> tuple[PromptSet, PromptSet | None]:

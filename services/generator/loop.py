@@ -184,6 +184,9 @@ class GeneratorService:
                 generator_id=self.sid,
             )  # fmt: skip
             self.tool_schemas = [s.schema() for s in self.episodes.sandbox.specs.values()]
+            # the runner's: with generator.tool_prompt = system it writes the tool list into
+            # the system message, and the prompts must be what its episodes continue
+            self.tokenizer = self.episodes.tokenizer
             self.episodes.routing = self.routing  # each episode's routing (replay on)
         self.weights = WeightFollower(
             self.engine,

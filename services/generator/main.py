@@ -31,7 +31,7 @@ def generator_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Ge
     elif g.max_turns > 1:
         tool_loop = ToolLoopSettings(
             model_dir=model_dir, tools=tuple(g.tools), tool_format=g.tool_format,
-            workers=g.tool_workers, timeout_s=g.tool_timeout_s, memory_mb=g.tool_memory_mb,
+            tool_prompt=g.tool_prompt, workers=g.tool_workers, timeout_s=g.tool_timeout_s, memory_mb=g.tool_memory_mb,
             isolation=g.tool_sandbox, run_dir=str(RunDir.of(run).root),
             episode=EpisodeSettings(
                 max_turns=g.max_turns, max_tokens=run.max_response_tokens,
@@ -57,6 +57,7 @@ def agent_settings(cfg: TetherConfig, model_dir: str) -> AgentSettings:
     run = cfg.run
     return AgentSettings(
         agent=cfg.agent, model_dir=str(model_dir), tool_format=cfg.generator.tool_format,
+        tool_prompt=cfg.generator.tool_prompt,
         max_prompt_tokens=run.max_prompt_tokens, max_response_tokens=run.max_response_tokens,
     )  # fmt: skip
 

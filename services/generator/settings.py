@@ -58,6 +58,7 @@ class ToolLoopSettings:
     model_dir: str
     tools: tuple[str, ...]
     tool_format: str
+    tool_prompt: str  # where the tool list goes: auto, template, system (common.chat.tool_prompt)
     workers: int
     timeout_s: float
     memory_mb: int
@@ -73,6 +74,7 @@ class AgentSettings:
     agent: AgentConfig
     model_dir: str
     tool_format: str
+    tool_prompt: str
     max_prompt_tokens: int
     max_response_tokens: int
 

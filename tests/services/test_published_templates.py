@@ -24,6 +24,7 @@ import pytest
 
 from common.chat.rehearsal import rehearse
 from common.chat.tool_calls import FORMATS, tool_format
+from common.chat.tool_prompt import SystemTools, for_tools
 from common.chat.turns import TemplateDeltaError, TurnEncoder, render_ids
 from common.engine import Sample, SamplingSettings
 from common.tools.registry import resolve_tools
@@ -35,6 +36,7 @@ from services.generator.agent.tool_loop import EpisodeMetrics, EpisodeRunner, Ep
 from services.generator.agent.turns import AgentMetrics, AgentTurns, TurnLimits
 from tests.fake_engine import FakeEngine
 
+WITHOUT_TOOLS = tuple(n for n in TEMPLATES if n not in TOOL_TEMPLATES)
 SPECS = resolve_tools(["calculator"])
 TOOLS = [s.schema() for s in SPECS]
 QUESTION = [{"role": "user", "content": "What is 12*34 and 5+6? Use the calculator."}]
@@ -133,9 +135,8 @@ def _check_identity(rec, engine: TemplateEngine, episode: str) -> None:
     assert sum(rec.mask) == sum(len(s) for s in engine.sampled[episode])
 
 
-def _run_loop(name, tok, end, scripts: dict[str, list[str]], check="strict"):
-    p = TEMPLATES[name]
-    fmt = FORMATS[p.tool_format]
+def _run_loop(name, tok, end, scripts: dict[str, list[str]], check="strict", tool_format=None):
+    fmt = FORMATS[tool_format or TEMPLATES[name].tool_format]
 
     async def go():
         async with ToolSandbox(SPECS, workers=2, limits=SandboxLimits()) as sandbox:
@@ -222,6 +223,34 @@ def test_strict_refuses_a_rerender_that_drops_what_the_model_wrote():
         _check_identity(recs["e"], engine, "e")
 
 
+@pytest.mark.parametrize("name", WITHOUT_TOOLS)
+def test_tool_episodes_through_the_system_message(name):
+    """A template with no tool support (generator.tool_prompt = "system", auto's choice here):
+    the tool list and the call syntax in the system message, calls written into the turns' text,
+    results as user turns; whole episodes on the built-in loop, token-identical, under strict."""
+    tok = for_tools(tokenizer(name), mode="auto", fmt=FORMATS["hermes"])
+    assert isinstance(tok, SystemTools)
+    end = end_ids(name, tok)
+    one, two, bad = CALLS["hermes"]
+    scripts = {"one": [one, ANSWER], "two": [two, ANSWER], "malformed": [bad, ANSWER]}
+    engine, recs, _ = _run_loop(name, tok, end, scripts, tool_format="hermes")
+    for episode, rec in recs.items():
+        _check_identity(rec, engine, episode)
+        assert rec.finish_reason == "stop", (episode, rec.finish_reason, rec.error)
+        assert rec.final_text == ANSWER
+    shown = tok.decode(engine.prompts["one"][0])
+    assert '"name": "calculator"' in shown and "<tool_call>" in shown
+    assert [(c.name, c.ok) for c in recs["two"].tool_calls] == [("calculator", True)] * 2
+    text = tok.decode(recs["two"].ids)
+    assert "<tool_response>\n408\n</tool_response>\n<tool_response>\n11\n</tool_response>" in text
+    assert [c.error for c in recs["malformed"].tool_calls] == ["malformed_call"]
+    # and through the endpoint: an OpenAI client's tool_calls come back as the model wrote them
+    engine, ep, replies = _endpoint_episode(name, tok, end, "one", tool_format="hermes")
+    (seg,) = ep.segments
+    _check_identity(seg.rec, engine, "p")
+    assert replies[-1]["choices"][0]["message"]["content"] == ANSWER
+
+
 # ----------------------------------------------------------------------------- the endpoint
 
 
@@ -233,11 +262,11 @@ def _turns(tok, end, fmt, script):
                               end_ids=end, limits=lim, version=lambda: 4, metrics=AgentMetrics())  # fmt: skip
 
 
-def _endpoint_episode(name, tok, end, kind, **extra):
-    p = TEMPLATES[name]
+def _endpoint_episode(name, tok, end, kind, *, tool_format=None, **extra):
+    fmt = tool_format or TEMPLATES[name].tool_format
     enc = TurnEncoder(tok, end_ids=end, tools=TOOLS)
-    script = [CALLS[p.tool_format][KINDS.index(kind)], ANSWER]
-    engine, turns = _turns(tok, end, p.tool_format, script)
+    script = [CALLS[fmt][KINDS.index(kind)], ANSWER]
+    engine, turns = _turns(tok, end, fmt, script)
     engine.eos = enc.end_token
     prompt = render_ids(tok, QUESTION, tools=TOOLS, add_generation_prompt=True)
     ep = EpisodeTable().start(sampling=Sampling(temperature=1.0, top_p=1.0, top_k=0),
@@ -334,7 +363,7 @@ def test_preflight_rehearses_one_and_two_calls(name):
         rehearse(tok, enc, FORMATS[wrong])
 
 
-@pytest.mark.parametrize("name", [n for n in TEMPLATES if n not in TOOL_TEMPLATES])
+@pytest.mark.parametrize("name", WITHOUT_TOOLS)
 def test_templates_without_tools_take_environment_turns_and_refuse_tools(name):
     tok = tokenizer(name)
     end = end_ids(name, tok)

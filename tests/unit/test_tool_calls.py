@@ -146,3 +146,17 @@ def test_llama3_allows_one_call_per_turn():
 def test_an_unknown_format_is_refused_with_the_list():
     with pytest.raises(ToolFormatError, match="hermes, llama3_json, mistral, qwen3_xml, phi4_mini"):
         tool_format("pythonic", model_type="gemma3_text")
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_reads_back_the_calls_it_writes(name):
+    """``write`` is what ``parse`` reads: the system-message tool prompt's example call and the
+    past calls it writes into a turn's text are in the format the parser takes."""
+    fmt = FORMATS[name]
+    calls = [{"name": "calculator", "arguments": {"expression": "12*34"}},
+             {"name": "lookup", "arguments": {"key": "a b", "n": 3, "deep": {"x": [1, 2]}}}]  # fmt: skip
+    parsed = fmt.parse(fmt.write(calls))
+    assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [
+        (c["name"], c["arguments"], "") for c in calls
+    ]
+    assert parsed.content == ""

@@ -12,14 +12,13 @@ Waits for the agents (an episode ends when its code returns, raises or runs past
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.chat.tool_calls import ToolFormatError, tool_format
+from common.chat.tool_calls import ToolFormat, ToolFormatError
+from common.chat.tool_prompt import for_model
 from common.chat.turns import end_of_turn_ids
 from common.data.prompts import prompt_of
 from common.protocol import wire
@@ -163,10 +162,10 @@ async def start_agents(settings: AgentSettings, *, engine: Any, tokenizer: Any,
     comes from the model's family (``generator.tool_format``); a model without one answers
     requests that offer tools with a 400."""
     model_dir = settings.model_dir
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+    fmt: ToolFormat | None
     try:
-        fmt = tool_format(settings.tool_format, model_type=model_type,
-                          vocab=tokenizer.get_vocab())  # fmt: skip
+        tokenizer, fmt = for_model(tokenizer, model_dir=model_dir,
+                                   format_setting=settings.tool_format, mode=settings.tool_prompt)  # fmt: skip
     except ToolFormatError as exc:
         log.warning("agent endpoint: no tool calls for this model (%s)", exc)
         fmt = None

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat, tool_format
+from common.chat.tool_calls import ParsedTurn, ToolCall, ToolFormat
+from common.chat.tool_prompt import for_model
 from common.chat.turns import (
     TemplateDeltaError,
     TurnEncoder,
@@ -317,7 +317,8 @@ async def start_runner(
     s = settings
     specs = resolve_tools(list(s.tools))
     model_dir = s.model_dir
-    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+    tokenizer, fmt = for_model(tokenizer, model_dir=model_dir, format_setting=s.tool_format,
+                               mode=s.tool_prompt)  # fmt: skip
     sandbox = ToolSandbox(
         specs,
         workers=s.workers,
@@ -334,7 +335,7 @@ async def start_runner(
         engine=engine,
         tokenizer=tokenizer,
         encoder=encoder,
-        tool_format=tool_format(s.tool_format, model_type=model_type, vocab=tokenizer.get_vocab()),
+        tool_format=fmt,
         sandbox=sandbox,
         settings=s.episode,
     )
