@@ -43,9 +43,10 @@ KINDS: dict[str, list[str]] = {
     "tools": ["--task", "tools"],
     "tools-agent": ["--task", "tools", "--agent"],
     "smollm2": ["--task", "smollm2"],
+    "smollm2-tools": ["--task", "smollm2-tools"],
 }
 PRESET = {"arithmetic": "demo", "arithmetic-lora": "demo", "tools": "tools", "tools-agent": "tools",
-          "smollm2": "smollm2"}  # fmt: skip
+          "smollm2": "smollm2", "smollm2-tools": "smollm2-tools"}  # fmt: skip
 # the seeds each table reports; the tools demo's recipe was tuned on seeds 0 and 1 (d25bc5f), so
 # its tables (the built-in loop's and the endpoint's) add 3, 4 and 5, which were not used for tuning
 SEEDS = {
@@ -54,6 +55,7 @@ SEEDS = {
     "tools": (0, 1, 2, 3, 4, 5),
     "tools-agent": (0, 1, 2, 3, 4, 5),
     "smollm2": (0, 1, 2),
+    "smollm2-tools": (0, 1, 2),
 }
 QUICK_CYCLES = 2  # --quick: one seed, 2 cycles (the plumbing, not a measurement)
 RUN_TIMEOUT_S = 3600.0  # one demo; the tools demo takes ~10 min alone on 2 cores

@@ -84,7 +84,7 @@ def _header(kind: str, rounds: list[int], baseline: str | None) -> list[str]:
         else:
             cols.append(f"v{v}")
     cols.append("gain")
-    if kind.startswith("tools"):
+    if "tools" in kind:
         cols += ["tool-call rate, first → last 3 steps", "reward, first → last 3 steps"]
     else:
         cols.append("reward, first → last 3 steps")
@@ -106,7 +106,7 @@ def _row(kind: str, run: dict[str, Any], rounds: list[int], base: dict | None) -
         cells.append(f"**{text}**" if i == len(rounds) - 1 and v in acc else text)
     first, last = acc.get(rounds[0]), acc.get(rounds[-1])
     cells.append("–" if first is None or last is None else f"{last - first:+.3f}")
-    if kind.startswith("tools"):
+    if "tools" in kind:
         cells.append(_first_last(run["steps"], "tool_call_rate"))
     cells.append(_first_last(run["steps"], "reward_mean"))
     cells.append(_wall(run))

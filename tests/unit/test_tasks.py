@@ -173,3 +173,23 @@ def test_the_real_model_demo_stages_its_model_and_has_no_warm_up(tmp_path, monke
     assert len(rows) == PRESETS["smollm2"]["task"]["num_eval"]
     assert [turn["role"] for turn in rows[0]["prompt"]] == ["user", "assistant", "user"]
     assert json.loads((made.data_dir / "task.json").read_text())["seed"] == 3
+
+
+def test_the_real_model_tools_demo_stages_its_model_and_asks_for_a_boxed_product(
+    tmp_path, monkeypatch
+):
+    """The smollm2-tools preset: the staged model, the tools task's products asked without
+    naming the tool (the base tool-call rate is the model's own), no teacher, no warm-up."""
+    staged = []
+    monkeypatch.setattr(staging, "stage_model",
+                        lambda name, dest, **kw: staged.append((name, dest)) or True)  # fmt: skip
+    made = prepare_assets(tmp_path, preset="smollm2-tools", seed=2)
+    assert staged == [("smollm2-135m-instruct", made.model_dir)]
+    assert made.warmup_report == {"steps": 0}
+    rows = read_jsonl(made.data_dir / "eval.jsonl")
+    assert len(rows) == PRESETS["smollm2-tools"]["tool_task"]["num_eval"]
+    m = rows[0]["metadata"]
+    assert rows[0]["prompt"] == f"What is {m['a']}*{m['b']}? Put the final answer in \\boxed{{}}."
+    assert rows[0]["answer"] == str(m["a"] * m["b"]) and "calculator" not in rows[0]["prompt"]
+    train = read_jsonl(made.data_dir / "train.jsonl")
+    assert all(len(r["turns"]) == 1 for r in train)  # no teacher episode uses the tool

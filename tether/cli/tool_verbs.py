@@ -19,6 +19,7 @@ DEMO_KINDS = (
     "tools",
     "tools-agent",
     "smollm2",
+    "smollm2-tools",
 )  # bench.demos.KINDS
 NOT_IN_A_CLONE = (
     "tether bench: the benchmarks live in bench/ of a clone of the Tether repository and are not "
@@ -138,12 +139,13 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--task",
-        choices=("arithmetic", "tools", "smollm2"),
+        choices=("arithmetic", "tools", "smollm2", "smollm2-tools"),
         default="arithmetic",
         help="arithmetic (default): column addition, RL fixes a sloppy teacher's carries; "
         "tools: products of 3- and 4-digit numbers, RL learns to use the calculator; "
         "smollm2: a real pretrained model (SmolLM2-135M-Instruct, staged from the package "
-        "registry once), grade-school arithmetic with no warm-up",
+        "registry once), grade-school arithmetic with no warm-up; smollm2-tools: the same model, "
+        "the products and the calculator, with no teacher",
     )
     demo.add_argument(
         "--agent",

@@ -41,6 +41,7 @@ TASKS = {
     "arithmetic": ("demo", DEMO_CONFIG),
     "tools": ("tools", DEMO_CONFIG.with_name("tools.toml")),
     "smollm2": ("smollm2", DEMO_CONFIG.with_name("smollm2.toml")),
+    "smollm2-tools": ("smollm2-tools", DEMO_CONFIG.with_name("smollm2_tools.toml")),
 }
 
 # `tether demo --task tools --agent`: the same episodes run by user code through the generator's
@@ -127,6 +128,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "warmup": None,
     },
+    # `tether demo --task smollm2-tools`: the same real model and the calculator, with no teacher:
+    # products it cannot compute in its head (3 by 4 digits), the tool list in the system message
+    # (its template has no tool support: generator.tool_prompt), the question asking for a boxed
+    # answer and not naming the tool, so the base rate of calling it is the model's own
+    "smollm2-tools": {
+        "model": {"stage": "smollm2-135m-instruct"},
+        "tool_task": {
+            "a_digits": 3,
+            "b_digits": 4,
+            "num_train": 2000,
+            "num_eval": 100,
+            "teacher_tool_rate": 0.0,
+            "prompt": "What is {a}*{b}? Put the final answer in \\boxed{{}}.",
+        },
+        "warmup": None,
+    },
     "ci": {
         "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
         "task": {"digits": 2, "operators": "+", "num_train": 2000, "num_eval": 32},
@@ -194,7 +211,10 @@ def _staged_assets(root: Path, p: dict[str, Any], *, seed: int, started: float) 
     name = p["model"]["stage"]
     log.info("staging %s (downloaded and converted once, then reused)…", name)
     stage_model(name, root / "model", say=log.info)
-    paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
+    if "tool_task" in p:
+        paths = write_tool_task(root / "data", ToolTask(seed=seed, **p["tool_task"]))
+    else:
+        paths = write_task(root / "data", ArithmeticTask(seed=seed, **p["task"]))
     seconds = {"assets": time.monotonic() - started, "warmup": 0.0}
     return Assets(model_dir=root / "model", data_dir=paths["train"].parent,
                   warmup_report={"steps": 0}, seconds=seconds)  # fmt: skip

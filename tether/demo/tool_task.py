@@ -60,6 +60,7 @@ class ToolTask:
     num_eval: int = 200
     seed: int = 0
     teacher_tool_rate: float = 0.3  # share of train episodes in which the teacher uses the tool
+    prompt: str = PROMPT  # the question, with {a} and {b}
 
     def __post_init__(self) -> None:
         if not (2 <= self.a_digits <= 6 and 2 <= self.b_digits <= 6):
@@ -115,9 +116,10 @@ def _problems(task: ToolTask) -> list[tuple[int, int]]:
     return out
 
 
-def _row(a: int, b: int, *, split: str, index: int, use_tool: bool) -> dict[str, Any]:
+def _row(a: int, b: int, *, split: str, index: int, use_tool: bool,
+         prompt: str = PROMPT) -> dict[str, Any]:  # fmt: skip
     return {
-        "prompt": PROMPT.format(a=a, b=b),
+        "prompt": prompt.format(a=a, b=b),
         "answer": str(a * b),
         "turns": episode(a, b, use_tool=use_tool),
         "metadata": {"a": a, "b": b},
@@ -146,14 +148,17 @@ def write_tool_task(out_dir: str | Path, task: ToolTask) -> dict[str, Path]:
     held_out, train = problems[: task.num_eval], problems[task.num_eval :]
     teacher = random.Random(f"tether-tools-teacher-{task.seed}")
     write_jsonl(paths["train"], [
-        _row(a, b, split="train", index=i, use_tool=teacher.random() < task.teacher_tool_rate)
+        _row(a, b, split="train", index=i, use_tool=teacher.random() < task.teacher_tool_rate,
+             prompt=task.prompt)
         for i, (a, b) in enumerate(train)
     ])  # fmt: skip
     write_jsonl(paths["careful"], [
-        _row(a, b, split="train", index=i, use_tool=True) for i, (a, b) in enumerate(train)
+        _row(a, b, split="train", index=i, use_tool=True, prompt=task.prompt)
+        for i, (a, b) in enumerate(train)
     ])  # fmt: skip
     write_jsonl(paths["eval"], [
-        _row(a, b, split="eval", index=i, use_tool=True) for i, (a, b) in enumerate(held_out)
+        _row(a, b, split="eval", index=i, use_tool=True, prompt=task.prompt)
+        for i, (a, b) in enumerate(held_out)
     ])  # fmt: skip
     marker.write_text(json.dumps(params, indent=2))
     logger.info("wrote %d train / %d eval tool problems to %s", len(train), len(held_out), out)
