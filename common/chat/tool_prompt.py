@@ -141,15 +141,16 @@ def _calls_in_content(message: dict[str, Any], fmt: ToolFormat) -> dict[str, Any
 
 
 def _plain(call: dict[str, Any]) -> dict[str, Any]:
-    """``{"name", "arguments", "id"}`` of an OpenAI-style ``tool_calls`` entry (arguments as an
-    object: a client may send them as a JSON string)."""
+    """``{"name", "arguments", "id"}`` of an OpenAI-style ``tool_calls`` entry. Arguments sent as
+    a JSON string are read as the object; a string that is not JSON is kept as written, as the
+    agent endpoint keeps it (``openai_api._tool_call``)."""
     fn = call.get("function", call)
     args = fn.get("arguments") or {}
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args) if args.strip() else {}
         except ValueError:
-            args = {"_raw": args}
+            pass
     return {"name": fn.get("name", ""), "arguments": args, "id": call.get("id", "")}
 
 
