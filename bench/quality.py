@@ -60,23 +60,30 @@ def _tether_run(root: Path, name: str, *, cycles: int, eval_every: int, sync: bo
     return {**tether_curve(root / "runs" / name), "wall_s": time.monotonic() - started}
 
 
-def tether_curve(run_dir: Path) -> dict[str, Any]:
-    """Held-out accuracy per evaluated policy version, with the seconds from the start of RL to
-    the step that made that version. RL starts when the generator is ready (vLLM engine up, v0
-    loaded: its uptime minus its start-up, read from the run's final status snapshot) and the v0
-    evaluation has finished — start-up is not RL, as TRL's model loading is not."""
+def rl_start(run_dir: Path) -> float:
+    """When RL starts in a finished Tether run (epoch seconds): once the generator is ready (vLLM
+    engine up, v0 loaded: its uptime minus its start-up, read from the run's final status
+    snapshot) and the v0 held-out evaluation has finished — start-up is not RL, as TRL's model
+    loading is not. The v0 evaluation runs first on the generator (its prompts precede cycle 0's):
+    like TRL's blocking evaluations, it is not counted."""
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = {r["step"]: r["time"] for r in rows if r["kind"] == "step"}
-    evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["eval_round"])
-    t0 = evals[0]["time"] - evals[0]["seconds"]  # the v0 evaluation was dispatched
+    v0 = min((r for r in rows if r["kind"] == "eval"), key=lambda r: r["eval_round"])
     ready = []
     for svc in json.loads((run_dir / "status.json").read_text())["services"]:
         if svc.get("service") == "generator":
             uptime = svc["heartbeat"] - svc["started"]
             ready.append(svc["started"] + uptime - sum(svc["phases"].values()))
-    # The v0 evaluation runs first on the generator (its prompts precede cycle 0's): like TRL's
-    # blocking evaluations, it is not counted — RL time starts once it finished.
-    start = max([t0, *ready, evals[0]["time"]])
+    return max([v0["time"] - v0["seconds"], *ready, v0["time"]])
+
+
+def tether_curve(run_dir: Path) -> dict[str, Any]:
+    """Held-out accuracy per evaluated policy version, with the seconds from the start of RL
+    (``rl_start``) to the step that made that version."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r["time"] for r in rows if r["kind"] == "step"}
+    evals = sorted((r for r in rows if r["kind"] == "eval"), key=lambda r: r["eval_round"])
+    t0 = evals[0]["time"] - evals[0]["seconds"]  # the v0 evaluation was dispatched
+    start = rl_start(run_dir)
     curve = [
         {"step": e["eval_round"], "accuracy": e["accuracy"],
          "seconds": (steps[e["eval_round"]] - start) if e["eval_round"] else 0.0}

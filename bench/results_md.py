@@ -13,6 +13,8 @@ from bench.lora import readme_row as row_lora
 from bench.memory import row_memory
 from bench.models_table import bench_readme_row
 from bench.peer import row_variable
+from bench.race_report import readme_row as row_race
+from bench.race_report import readme_section as race_section
 from bench.replay import readme_row as row_replay
 from bench.reproducibility import readme_row as row_reproducibility
 from bench.results_sections import gpu_section, memory_section, plan_section
@@ -209,6 +211,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         return row_variable(r)
     if kind == "quality":
         return _row_quality(r)
+    if kind == "race":
+        return [row_race(r)]
     if kind == "staleness":
         return [row_staleness(r)]
     if kind == "reproducibility":
@@ -290,6 +294,7 @@ def write_readme(results_dir: Path, readme: Path, *, extra: str = "") -> Path:
         + "\n"
         + extra
         + staleness_section(Path(results_dir))
+        + race_section(Path(results_dir))
         + gpu_section(Path(results_dir) / "gpu")
         + memory_section(Path(results_dir))
         + plan_section(results_dir)

@@ -64,7 +64,7 @@ def readme_for(out_dir: Path) -> Path:
 
 ORDER = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay", "race",
 )  # fmt: skip
 
 
@@ -95,6 +95,7 @@ def _quick_kwargs(what: str, quick: bool) -> dict[str, Any]:
         "lora": {"quick": True, "steps": 2, "repeats": 2},
         "demos": {"quick": True},
         "replay": {"quick": True},
+        "race": {"quick": True},
     }
     return presets[what]
 
@@ -160,8 +161,10 @@ def run_one(
         kwargs["work_dir"] = work_dir
         kwargs["threads"] = threads
         kwargs["size"] = size
-    if what in ("models", "learner", "episodes", "memory", "lora", "demos", "replay"):
+    if what in ("models", "learner", "episodes", "memory", "lora", "demos", "replay", "race"):
         kwargs["work_dir"] = work_dir
+    if what == "race":
+        kwargs.update(seeds=seeds, threads=threads)
     if what == "memory" and size:
         kwargs["mode"] = size
     if what == "demos":
@@ -210,7 +213,7 @@ def command_line(
     parts += [f"--slow-link {slow_link:g}"] if slow_link and hosts_mbit else []
     parts += [f"--lr {lr:g}"] if lr is not None and what == "staleness" else []
     parts += [f"--kind {kind}"] if kind and what == "demos" else []
-    parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what == "demos" else []
+    parts += [f"--seeds {','.join(map(str, seeds))}"] if seeds and what in ("demos", "race") else []
     parts += [f"--families {','.join(families)}"] if families and what == "models" else []
     return " ".join(parts)
 

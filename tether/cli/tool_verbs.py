@@ -11,7 +11,7 @@ from tether.cli.args import add_config_args, config_flags
 
 BENCHMARKS = (
     "bus", "weights", "scorer", "generator", "episodes", "learner", "pipeline", "peer", "quality",
-    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay",
+    "staleness", "reproducibility", "models", "memory", "lora", "demos", "replay", "race",
 )  # fmt: skip
 DEMO_KINDS = (
     "arithmetic",
@@ -247,7 +247,8 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N,N,...",
         help="demos: the seeds to run (default: the kind's table's, e.g. 0,1,2,3,4,5 for tools); "
-        "runs of other seeds at the same clean commit already in the file are kept",
+        "runs of other seeds at the same clean commit already in the file are kept. race: the "
+        "seeds to run (default 0)",
     )
     bench.add_argument(
         "--families",
