@@ -100,6 +100,7 @@ class TetherWorkerExtension(RoutingRecorder):
 
         t0 = time.monotonic()
         receipt, error = None, ""
+        made = self._tether_rx._staging.allocations if self._tether_rx is not None else 0
         if _tp_rank() == 0:
             try:
                 if self._tether_rx is None:
@@ -141,8 +142,11 @@ class TetherWorkerExtension(RoutingRecorder):
             )  # fmt: skip
         layout = receipt.layout["tensors"] if receipt is not None else []
         named_meta = [(n, dt, shape) for n, dt, shape, _, _ in layout]
-        return self._tether_loaded(version, named_meta, _checksum(receipt), t0, adapter=False,
+        done = self._tether_loaded(version, named_meta, _checksum(receipt), t0, adapter=False,
                                    nbytes=receipt.nbytes if receipt is not None else 0)  # fmt: skip
+        if self._tether_rx is not None:  # staging buffers made for this update (1: one, reused)
+            done["staging_allocations"] = self._tether_rx._staging.allocations - made
+        return done
 
     def _tether_failed(self, error: str, *, mixed: bool = False) -> dict:
         """An update that did not load. ``mixed``: some of it did (the engine now mixes two

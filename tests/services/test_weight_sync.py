@@ -444,6 +444,32 @@ def test_vllm_engine_receives_exact_weights_in_place_and_keeps_them_on_bad_updat
     assert _rpc(llm, "tether_weights_checksum") == tensors_checksum(doubled)
 
 
+@pytest.mark.slow
+def test_vllm_holding_a_fused_layers_parts_costs_no_staging_buffer_per_unit(engine):
+    """vLLM's layerwise reload keeps q until k and v have come (qkv_proj), gate until up. With
+    each tensor a unit of its own, every part it kept held the staging buffer: the next unit
+    waited ``RELEASE_WAIT_S`` and took a temporary buffer (7 s of every SmolLM2-135M update,
+    about 150 units). The parts it keeps now get memory of their own: one buffer serves all."""
+    from transformers import AutoModelForCausalLM
+
+    llm, model_dir = engine
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    new = [(n, p.detach() + 0.1 * torch.randn(p.shape, generator=g))
+           for n, p in hf.named_parameters()]  # fmt: skip
+    pub = WeightPublisher("127.0.0.1", 0, timeout_s=60.0, bucket_bytes=1024)  # a unit per tensor
+    try:
+        _rpc(llm, "tether_join", "127.0.0.1", pub.port, "gen-units", 60.0)
+        box = publish_in_thread(pub, new, 10)
+        res = _rpc(llm, "tether_receive_update", 30.0)
+        box["thread"].join(60)
+        assert box["report"].per_member == {"gen-units": "ok"}
+        assert res["ok"] and _rpc(llm, "tether_weights_checksum") == tensors_checksum(new)
+        assert res["staging_allocations"] == 1, res
+    finally:
+        pub.close()
+
+
 def test_receiver_takes_the_learners_backend_and_refuses_a_conflicting_one():
     pub = WeightPublisher("127.0.0.1", 0, timeout_s=5.0)
     try:
