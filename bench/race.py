@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -343,6 +344,11 @@ def compare(trl: list[dict[str, Any]], tether: list[dict[str, Any]]) -> dict[str
     """TRL's final accuracy, each arm's time to reach it, and Tether's time over TRL's."""
     target = trl[-1]["accuracy"]
     out: dict[str, Any] = {"trl_final": target, "tether_final": tether[-1]["accuracy"]}
+    # less noisy than one final point: the mean over every snapshot within the budget
+    for k, pts in (("trl", trl), ("tether", tether)):
+        out[f"{k}_mean_after_base"] = (
+            statistics.mean(p["accuracy"] for p in pts[1:]) if pts[1:] else None
+        )
     for clock in ("rl_s", "launch_s"):
         t_trl, t_tether = reached(trl, target, clock), reached(tether, target, clock)
         out[f"trl_{clock}_to_trl_final"] = t_trl

@@ -50,7 +50,11 @@ def _verdict(run: dict[str, Any]) -> str:
     else:
         head += (f", reached by TRL at {t_trl:.0f} s and by Tether at {t_tether:.0f} s (Tether's "
                  f"time / TRL's {run['time_ratio_rl_s']:.2f})")  # fmt: skip
-    return head + f"; Tether's final accuracy {run['tether_final']:.2f}"
+    head += f"; Tether's final accuracy {run['tether_final']:.2f}"
+    if run.get("trl_mean_after_base") is not None and run.get("tether_mean_after_base") is not None:
+        head += (f"; mean over the snapshots after the base: TRL {run['trl_mean_after_base']:.3f}, "
+                 f"Tether {run['tether_mean_after_base']:.3f}")  # fmt: skip
+    return head
 
 
 def write_plot(r: dict[str, Any], out_path: Path) -> Path:
@@ -81,6 +85,9 @@ def readme_row(r: dict[str, Any]) -> str:
     never = sum(x["tether_rl_s_to_trl_final"] is None for x in r["runs"])
     text = ", ".join(f"{x:.2f}" for x in ratios) + (f"; {never} seed(s) never" if never else "")
     finals = "; ".join(f"seed {x['seed']}: TRL {x['trl_final']:.2f}, Tether {x['tether_final']:.2f}"
+                       + (f" (mean after the base {x['trl_mean_after_base']:.3f} vs "
+                          f"{x['tether_mean_after_base']:.3f})" if x.get("trl_mean_after_base")
+                          is not None and x.get("tether_mean_after_base") is not None else "")
                        for x in r["runs"])  # fmt: skip
     return (
         f"| race | SmolLM2-135M | Tether's time to TRL's final held-out accuracy / TRL's | "

@@ -60,6 +60,8 @@ def test_compare_times_each_arm_to_trls_final_accuracy():
               {"rl_s": 90.0, "launch_s": 180.0, "accuracy": 0.5}]  # fmt: skip
     got = race.compare(trl, tether)
     assert (got["trl_final"], got["tether_final"]) == (0.4, 0.5)
+    assert got["trl_mean_after_base"] == pytest.approx(0.4)
+    assert got["tether_mean_after_base"] == pytest.approx(0.475)
     assert got["time_ratio_rl_s"] == pytest.approx(0.5)
     assert got["time_ratio_launch_s"] == pytest.approx(140.0 / 110.0)
     never = race.compare(trl, tether[:1])
