@@ -56,6 +56,7 @@ from services.scorer.main import scorer_settings
 from services.scorer.rewards import RewardScorer, ScoreItem
 from tether.demo.run import TASKS, prepare_assets
 from tether.demo.tasks import read_jsonl
+from tether.runs.provenance import git_state
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +418,9 @@ def run_race_bench(
             evals = {r["dir"]: r for r in json.loads((done / "evals.json").read_text())}
             row = seed_result(seed, arm_order(seed), {}, ran, evals, str(assets.model_dir),
                               budget_s)  # fmt: skip
-            runs.append({**row, "reused_from": str(done)})
+            made = done / "made.json"  # the commit and load of its runs (absent: not recorded)
+            runs.append({**row, "reused_from": str(done),
+                         **(json.loads(made.read_text()) if made.exists() else {})})  # fmt: skip
             continue
         work = root / f"s{seed}-{int(time.time())}"
         arms: dict[str, dict[str, Any]] = {}
@@ -435,6 +438,7 @@ def run_race_bench(
                                             timeout_s=timeout_s)  # fmt: skip
             load[f"{name}_after"] = list(os.getloadavg())
         (work / "arms.json").write_text(json.dumps(arms, indent=1))
+        (work / "made.json").write_text(json.dumps({"made_at": git_state(), "load_average": load}))
         dirs = [s["dir"] for a in arms.values() for s in a["snapshots"]]
         evals = evaluate(assets.model_dir, dirs, assets.data_dir / "eval.jsonl", work,
                          timeout_s=timeout_s)  # fmt: skip

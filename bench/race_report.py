@@ -92,8 +92,16 @@ def readme_row(r: dict[str, Any]) -> str:
     return (
         f"| race | SmolLM2-135M | Tether's time to TRL's final held-out accuracy / TRL's | "
         f"**{text or 'n/a'}** | final accuracy {finals}; {r['settings']['budget_s']:.0f} s each, "
-        f"see the section below | {r['machine']['load_average'][0]:.1f} | `{r['command']}` |"
+        f"see the section below | {_load(r)} | `{r['command']}` |"
     )
+
+
+def _load(r: dict[str, Any]) -> str:
+    """The load average when the arms ran: not known for a seed whose runs were reused (the
+    result's own is the load when it was rebuilt)."""
+    if any("reused_from" in x and not x.get("load_average") for x in r["runs"]):
+        return "n/a (runs reused)"
+    return f"{r['machine']['load_average'][0]:.1f}"
 
 
 def readme_section(results_dir: Path) -> str:
@@ -114,7 +122,7 @@ def readme_section(results_dir: Path) -> str:
              "One seed: the noise is not measured, so no claim is made from it.")  # fmt: skip
     commit = (r.get("git") or {}).get("commit", "?")[:10]
     return "\n".join([
-        METHOD, f"### `{r['command']}` (commit {commit}, load {r['machine']['load_average'][0]:.1f})",
+        METHOD, f"### `{r['command']}` (commit {commit}, load {_load(r)})",
         "", *(f"- seed {x['seed']}: {_verdict(x)}." for x in r["runs"]), f"- {noise}", "",
         *rows, "", "![held-out accuracy against seconds of RL](results/race.png)", "", "",
     ])  # fmt: skip
