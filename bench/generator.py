@@ -45,6 +45,7 @@ from common.bus.server import EmbeddedRedis
 from common.bus.settings import BusSettings
 from common.engine import EngineSettings, GenerationEngine, SamplingSettings
 from common.protocol import streams, wire
+from common.service import process_exit
 from common.weights.publisher import WeightPublisher
 from tether.demo.tiny_model import build_tiny_model
 
@@ -312,7 +313,9 @@ def _print(r: dict) -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     run_generator_bench(out_path="bench/results/generator.json")
+    process_exit.end(0)

@@ -38,6 +38,7 @@ from common.bus.server import EmbeddedRedis
 from common.config.load import load_config
 from common.protocol import wire
 from common.protocol.streams import SCORED
+from common.service import process_exit
 from common.service.settings import bus_settings_for, policy_prompt_sets
 from services.learner import logprobs, objective, optim
 from services.learner.bus_side import BusSide
@@ -389,5 +390,7 @@ def _service_fields(
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     logging.basicConfig(level=logging.WARNING)
     run_learner_bench()
+    process_exit.end(0)

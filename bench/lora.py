@@ -37,6 +37,7 @@ from typing import Any
 from bench.episodes import provenance
 from bench.lora_checks import family_row
 from bench.workload import machine_info, report
+from common.service import process_exit
 from common.weights.publisher import WeightPublisher
 from common.weights.receiver import WeightReceiver
 from fixtures.model_families import FAMILIES
@@ -272,7 +273,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)
 
 
 def readme_row(r: dict[str, Any]) -> list[str]:

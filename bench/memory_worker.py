@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from common.ports import free_port
+from common.service import process_exit
 from common.weights.layout import build_layout
 from common.weights.publisher import WeightPublisher
 from services.learner import gather
@@ -279,4 +280,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)

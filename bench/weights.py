@@ -39,6 +39,7 @@ from pathlib import Path
 
 from bench.weights_hosts import GENERATORS, run_hosts_bench
 from bench.weights_slow_link import run_slow_link_bench
+from common.service import process_exit
 from common.weights.checksum import tensors_checksum
 from common.weights.group import broadcast, make_pair_group
 from common.weights.publisher import WeightPublisher
@@ -299,8 +300,10 @@ def readme_row(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     print(
         json.dumps(
             run_weights_bench(out_path="runs/bench/weights.json", generators=(1, 2)), indent=2
         )
     )
+    process_exit.end(0)

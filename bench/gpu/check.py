@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.learner import run_learner_bench  # noqa: E402
+from common.service import process_exit  # noqa: E402
 from common.weights.checksum import tensors_checksum  # noqa: E402
 from common.weights.layout import WeightSyncError, build_layout  # noqa: E402
 from common.weights.publisher import WeightPublisher  # noqa: E402
@@ -263,4 +264,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
+    raise SystemExit(process_exit.end(main()))

@@ -39,6 +39,7 @@ from typing import Any
 from bench.memory_worker import _publish, _start_receiver
 from bench.provenance import device_name, git_state
 from common.ports import free_port
+from common.service import process_exit
 from common.service.stack import stack_problems
 from common.weights.publisher import WeightPublisher
 from services.learner import packing
@@ -286,4 +287,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
+    raise SystemExit(process_exit.end(main()))

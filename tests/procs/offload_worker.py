@@ -30,6 +30,7 @@ from pathlib import Path
 # torchrun runs this file as a script: the clone goes on the path before its packages are imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from common.service import process_exit  # noqa: E402
 from common.weights.layout import build_layout  # noqa: E402
 from services.learner import gather  # noqa: E402
 from services.learner.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -96,4 +97,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     main()
+    process_exit.end(0)
