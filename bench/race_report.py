@@ -37,7 +37,34 @@ def format_race(r: dict[str, Any]) -> str:
             pts = ", ".join(f"{p['rl_s']:.0f}s {p['accuracy']:.2f}" for p in run["curves"][k])
             lines.append(f"    {label:7s} [{pts}]")
         lines.append(f"    {_verdict(run)}")
+    if (c := r.get("control")) is not None:
+        pts = ", ".join(f"{p['rl_s']:.0f}s {p['accuracy']:.2f}" for p in c["curve"])
+        lines.append(f"  control: {_control(c)}\n    Tether  [{pts}]")
+    if r.get("noise"):
+        lines.append(f"  {_noise(r['noise'])}")
     return "\n".join(lines)
+
+
+def _control(c: dict[str, Any]) -> str:
+    """One sentence on the control: the same arm twice on one seed."""
+    mean = "n/a" if c["mean_after_base"] is None else f"{c['mean_after_base']:.3f}"
+    first = "n/a" if c["first_mean_after_base"] is None else f"{c['first_mean_after_base']:.3f}"
+    diff = "" if c["difference"] is None else f" (difference {c['difference']:+.3f})"
+    return (f"Tether's arm run again on seed {c['seed']} ({c['steps_in_budget']} steps in the "
+            f"budget, base {c['base_accuracy']:.2f}): final {c['final']:.2f} against "
+            f"{c['first_final']:.2f} the first time, mean after the base {mean} against "
+            f"{first}{diff}")  # fmt: skip
+
+
+def _noise(n: dict[str, Any]) -> str:
+    """The paired comparison over seeds, the control beside it, and what they allow saying."""
+    text = f"{n['metric']}"
+    if "diff" in n:
+        text += (f": {n['diff']:+.3f} over seeds {', '.join(map(str, n['seeds']))}, 95 % interval "
+                 f"[{n['ci'][0]:+.3f}, {n['ci'][1]:+.3f}], sign-flip p {n['p_sign_flip']:.2f}")  # fmt: skip
+    if n.get("control_difference") is not None:
+        text += f"; the control (the same arm twice): {n['control_difference']:+.3f}"
+    return f"{text}. Verdict: {n['verdict']}"
 
 
 def _verdict(run: dict[str, Any]) -> str:
@@ -70,6 +97,11 @@ def write_plot(r: dict[str, Any], out_path: Path) -> Path:
         for k, label, style in (("trl", "TRL GRPOTrainer", "s--"), ("tether", "Tether", "o-")):
             pts = run["curves"][k]
             ax.plot([p["rl_s"] for p in pts], [p["accuracy"] for p in pts], style, label=label)
+        c = r.get("control")
+        if c is not None and c["seed"] == run["seed"]:
+            pts = c["curve"]
+            ax.plot([p["rl_s"] for p in pts], [p["accuracy"] for p in pts], "o:", alpha=0.6,
+                    label="Tether, again (control)")  # fmt: skip
         ax.axhline(run["trl_final"], color="grey", linewidth=0.6)
         ax.set(title=f"seed {run['seed']}", xlabel="seconds of RL", ylabel="held-out accuracy")
         ax.legend(fontsize=8)
@@ -89,10 +121,11 @@ def readme_row(r: dict[str, Any]) -> str:
                           f"{x['tether_mean_after_base']:.3f})" if x.get("trl_mean_after_base")
                           is not None and x.get("tether_mean_after_base") is not None else "")
                        for x in r["runs"])  # fmt: skip
+    verdict = f"; {r['noise']['verdict']}" if r.get("noise") else ""
     return (
         f"| race | SmolLM2-135M | Tether's time to TRL's final held-out accuracy / TRL's | "
         f"**{text or 'n/a'}** | final accuracy {finals}; {r['settings']['budget_s']:.0f} s each, "
-        f"see the section below | {_load(r)} | `{r['command']}` |"
+        f"see the section below{verdict} | {_load(r)} | `{r['command']}` |"
     )
 
 
@@ -116,6 +149,10 @@ def readme_section(results_dir: Path) -> str:
             pts = ", ".join(f"{p['rl_s']:.0f} s: {p['accuracy']:.2f}" for p in run["curves"][k])
             rows.append(f"| {run['seed']} | {label} | {run['startup_s'][k]:.0f} | "
                         f"{run['steps_in_budget'][k]} | {pts} |")  # fmt: skip
+    if (c := r.get("control")) is not None:
+        pts = ", ".join(f"{p['rl_s']:.0f} s: {p['accuracy']:.2f}" for p in c["curve"])
+        rows.append(f"| {c['seed']} | Tether, again (control) | {c['startup_s']:.0f} | "
+                    f"{c['steps_in_budget']} | {pts} |")  # fmt: skip
     ratios = [x["time_ratio_rl_s"] for x in r["runs"] if x["time_ratio_rl_s"] is not None]
     noise = (f"Over {len(ratios)} seeds the time ratio is {statistics.mean(ratios):.2f} "
              f"(range {min(ratios):.2f}–{max(ratios):.2f})." if len(ratios) > 1 else
@@ -123,6 +160,8 @@ def readme_section(results_dir: Path) -> str:
     commit = (r.get("git") or {}).get("commit", "?")[:10]
     return "\n".join([
         METHOD, f"### `{r['command']}` (commit {commit}, load {_load(r)})",
-        "", *(f"- seed {x['seed']}: {_verdict(x)}." for x in r["runs"]), f"- {noise}", "",
+        "", *(f"- seed {x['seed']}: {_verdict(x)}." for x in r["runs"]), f"- {noise}",
+        *([f"- control: {_control(r['control'])}."] if r.get("control") else []),
+        *([f"- {_noise(r['noise'])}."] if r.get("noise") else []), "",
         *rows, "", "![held-out accuracy against seconds of RL](results/race.png)", "", "",
     ])  # fmt: skip

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import race
+from bench import race, race_report
 from common.config.load import load_config
 from tether.demo.tasks import ONE_SHOT
 
@@ -66,3 +66,55 @@ def test_compare_times_each_arm_to_trls_final_accuracy():
     assert got["time_ratio_launch_s"] == pytest.approx(140.0 / 110.0)
     never = race.compare(trl, tether[:1])
     assert never["tether_rl_s_to_trl_final"] is None and never["time_ratio_rl_s"] is None
+
+
+def _runs(*pairs):
+    return [{"seed": i, "tether_mean_after_base": te, "trl_mean_after_base": tr}
+            for i, (te, tr) in enumerate(pairs)]  # fmt: skip
+
+
+def test_a_difference_is_claimed_only_with_an_interval_clear_of_zero_and_a_smaller_control():
+    steady = _runs((0.50, 0.40), (0.52, 0.41), (0.49, 0.40))  # Tether ahead by about 0.1
+    got = race.noise(steady, {"difference": 0.01})
+    assert got["diff"] == pytest.approx(0.1, abs=1e-9) and got["ci"][0] > 0
+    assert got["verdict"] == "Tether ahead"
+    # the same arm twice differs by as much as the arms do: the difference is the machine's noise
+    assert race.noise(steady, {"difference": -0.12})["verdict"].startswith("cannot tell")
+    assert (
+        race.noise(steady, None)["verdict"]
+        == "cannot tell: no control (the same arm twice) was run"
+    )
+    # the two seeds of bench/results/race.json at 7fcac66: opposite signs, the interval holds 0
+    mixed = race.noise(_runs((0.377, 0.417), (0.469, 0.426)), {"difference": 0.0})
+    assert mixed["ci"][0] < 0 < mixed["ci"][1] and "contains 0" in mixed["verdict"]
+    assert race.noise(_runs((0.5, 0.4)), None)["verdict"] == "cannot tell: fewer than two seeds"
+
+
+def test_a_control_run_and_a_seed_run_are_told_apart_in_the_work_directory(tmp_path):
+    for name in ("s1-100", "control-s1-200", "s11-300"):
+        (tmp_path / name).mkdir()
+        for f in ("arms.json", "evals.json"):
+            (tmp_path / name / f).write_text("{}")
+    assert race.finished(tmp_path, 1) == tmp_path / "s1-100"
+    assert race.finished(tmp_path, 1, prefix="control-") == tmp_path / "control-s1-200"
+    assert race.finished(tmp_path, 2, prefix="control-") is None
+
+
+def test_the_report_shows_the_control_and_the_verdict(tmp_path):
+    pts = [{"step": 0, "rl_s": 0.0, "launch_s": 9.0, "accuracy": 0.2},
+           {"step": 2, "rl_s": 60.0, "launch_s": 69.0, "accuracy": 0.4}]  # fmt: skip
+    run = {"seed": 0, "curves": {"trl": pts, "tether": pts}, **race.compare(pts, pts),
+           "startup_s": {"trl": 9.0, "tether": 70.0}, "steps_in_budget": {"trl": 2, "tether": 2},
+           "load_average": {"trl_before": [1.0]}}  # fmt: skip
+    control = {"seed": 0, "curve": pts, "final": 0.4, "mean_after_base": 0.4, "first_final": 0.4,
+               "first_mean_after_base": 0.4, "difference": 0.0, "base_accuracy": 0.2,
+               "startup_s": 70.0, "steps_in_budget": 2}  # fmt: skip
+    r = {"settings": {"budget_s": 600.0, "snapshot_every_steps": 2}, "runs": [run, {**run, "seed": 1}],
+         "control": control, "noise": race.noise([run, {**run, "seed": 1}], control),
+         "command": "tether bench race --seeds 0,1", "machine": {"load_average": [1.0]}}  # fmt: skip
+    (tmp_path / "race.json").write_text(json.dumps(r))
+    text = race_report.format_race(r)
+    assert "control: Tether's arm run again on seed 0" in text and "Verdict: cannot tell" in text
+    section = race_report.readme_section(tmp_path)
+    assert "| 0 | Tether, again (control) | 70 | 2 |" in section
+    assert race_report.write_plot(r, tmp_path / "race.json").exists()
