@@ -23,9 +23,11 @@ held-out problems greedily with the generator's own sampling settings and grades
 same reward: the accuracy of the base model is the shared point at 0 s.
 
 Noise: a comparison is claimed only with its noise measured. The control runs Tether's arm a
-second time on the first seed (``run_control``; Tether's runs are not deterministic: thread
-timing and how its services interleave differ); ``noise`` pairs the arms' mean held-out accuracy
-after the base over the seeds (Student-t 95 % interval, sign-flip p-value) and sets the control's
+second time on the first seed (``run_control``): it shows whether one seed's run reproduces, in
+spite of the thread timing and the interleaving of the services, which differ between runs (on
+this machine it did, to every held-out point: ``bench/results/race.json``), so that the noise
+that counts is the one between seeds; ``noise`` pairs the arms' mean held-out accuracy after the
+base over the seeds (Student-t 95 % interval, sign-flip p-value) and sets the control's
 difference beside it. ``--quick`` runs no control.
 
 Clocks: RL time starts at TRL's ``trainer.train()`` (model loaded) and at the end of Tether's
@@ -70,7 +72,7 @@ log = logging.getLogger(__name__)
 BUDGET_S, SNAPSHOT_EVERY = 600.0, 2
 PROMPTS, GROUP, LR, TEMPERATURE, MAX_TOKENS, MAX_PROMPT_TOKENS = 4, 8, 2e-5, 0.7, 64, 96
 DEMO_CONFIG = TASKS["smollm2"][1]
-CONTROL_ARM = "tether"  # the arm run twice on the first seed (its runs are not deterministic)
+CONTROL_ARM = "tether"  # the arm run twice on the first seed (``run_control``)
 # the demo's recipe with the settings both arms share (see the module docstring)
 TETHER_SETTINGS = [
     f"run.prompts_per_cycle={PROMPTS}", f"run.responses_per_prompt={GROUP}",
@@ -405,9 +407,10 @@ def seed_result(seed: int, order: tuple[str, ...], load: dict[str, list[float]],
 def run_control(root: Path, first: dict[str, Any], *, budget_s: float, snapshot_every: int,
                 timeout_s: float) -> dict[str, Any]:  # fmt: skip
     """The control: the ``CONTROL_ARM`` of seed ``first["seed"]`` run a second time and scored by
-    the same evaluator. The two runs share everything but the machine's noise (thread timing, how
-    the services' work interleaves), so their difference is what a difference between the arms
-    has to beat. Reused, like a seed, when already run and scored (``control-s{seed}-…``)."""
+    the same evaluator. The two runs share everything but the machine's timing (thread
+    scheduling, how the services' work interleaves), so their difference is the noise of one
+    seed's run, which a difference between the arms has to beat (0 where the run reproduces).
+    Reused, like a seed, when already run and scored (``control-s{seed}-…``)."""
     seed = first["seed"]
     assets = prepare_assets(root / f"assets-s{seed}", preset="smollm2", seed=seed)
     base = str(assets.model_dir)
