@@ -19,6 +19,10 @@ ends with ``end(code)``: join the process's own non-daemon threads and run the `
 functions (logging's flush among them) while the interpreter is whole, flush stdout and stderr,
 then ``os._exit(code)``. Nothing that finalization would still do for such a process is lost,
 and no thread is killed inside a destructor.
+
+Only an entry point asks for it: a ``__main__`` block, or a service's ``main``. Library code that
+asked (``setup_distributed``, say) would make ``end`` end any process that later runs
+``tether``'s ``main`` in-process, a test worker among them (tried once: an xdist worker vanished).
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common.ports import free_port
-from common.service import process_exit
 from services.learner import lora as lora_mod
 from services.learner import packing, shard_loading
 from services.learner.dist import rank_world
@@ -61,10 +60,6 @@ def setup_distributed(
     ``python`` process. ``backend`` (the device's) defaults to ``nccl`` when CUDA is available,
     else ``gloo``; ``offload``: host tensors get a gloo backend of their own
     (``process_group_backend``). Calling it again returns the existing group's values.
-
-    The process is marked to end without interpreter finalization (``process_exit``): an entry
-    point that ends through ``process_exit.end``, as ``tether`` does, then cannot abort at exit
-    while gloo's worker threads let go of their last tensors.
     """
     import torch
     import torch.distributed as dist
@@ -85,7 +80,6 @@ def setup_distributed(
         rank, world_size = 0, 1
     if use_cuda:
         torch.cuda.set_device(device)
-    process_exit.skip_finalization("gloo process groups")  # see process_exit's docstring
     dist.init_process_group(
         backend,
         init_method=init_method,

@@ -55,6 +55,27 @@ def test_every_entry_point_that_starts_gloo_groups_ends_through_process_exit() -
     assert not missing, f"entry points without process_exit: {missing}"
 
 
+def test_only_entry_points_ask_to_skip_finalization() -> None:
+    """A library function that asked would make ``tether``'s ``main``, run in-process after it
+    (as tests do), end the test worker with ``os._exit``."""
+    callers = []
+    for top in ("common", "services", "tether", "bench", "fixtures"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            block = _main_block(tree)
+            allowed = set() if block is None else {id(n) for n in ast.walk(block)}
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "skip_finalization"
+                    and id(node) not in allowed
+                ):
+                    callers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    # the learner service's main, run only as its own process (`tether learner`, torchrun)
+    assert [c.split(":")[0] for c in callers] == ["services/learner/main.py"], callers
+
+
 def test_end_joins_threads_runs_atexit_flushes_and_exits_with_the_code(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(
