@@ -146,3 +146,30 @@ def test_the_routing_replay_figures_are_replay_json():
     for phase in (b, a):  # "lower on every seed"
         assert all(s["replay"]["mean_abs"] < s["own"]["mean_abs"] for s in phase["seeds"])
     assert r["control"]["equal"] and r["settings"]["seeds"] == [0, 1, 2]
+
+
+def test_the_race_figures_are_race_json():
+    r = json.loads((REPO / "bench" / "results" / "race.json").read_text())
+    n, c = r["noise"], r["control"]
+    ratios = [x["time_ratio_rl_s"] for x in r["runs"]]
+    half = (n["ci"][1] - n["ci"][0]) / 2
+    text = " ".join(README.split())
+    for figure in (
+        f"over {len(n['seeds'])} seeds Tether minus TRL is {n['diff']:.3f}".replace("-", "−"),
+        f"with a 95 % interval of ±{half:.2f}",
+        f"from {min(ratios):.2f}× to {max(ratios):.2f}× between seeds",
+    ):
+        assert figure.replace("over 3", "over three") in text, figure
+    # "the control reproduced the first run's every held-out point"
+    first = next(x for x in r["runs"] if x["seed"] == c["seed"])["curves"][c["arm"]]
+    assert [p["accuracy"] for p in c["curve"]] == [p["accuracy"] for p in first]
+    assert "cannot tell at this scale" in n["verdict"]
+
+
+def test_the_tools_reward_hack_figures_are_the_smollm2_tools_json():
+    r = json.loads((REPO / "bench" / "results" / "demos" / "smollm2-tools.json").read_text())
+    hacked = [x for x in r["runs"] if x["seed"] in (1, 2)]
+    text = " ".join(README.split())
+    finals = " and ".join(f"{x['evals'][-1]['accuracy']:.2f}" for x in hacked)
+    assert f"accuracy reaches {finals} while their tool-call rate stays at or below 0.031" in text
+    assert max(s["tool_call_rate"] for x in hacked for s in x["steps"]) < 0.0315
