@@ -458,12 +458,9 @@ def noise(runs: list[dict[str, Any]], control: dict[str, Any] | None) -> dict[st
     """Tether's mean held-out accuracy after the base minus TRL's, paired over seeds (Student-t
     95 % interval, the sign-flip p-value), beside the control's difference (the same arm twice).
     A claim needs an interval that excludes 0 and a control smaller than the difference."""
-    tether = {
-        r["seed"]: r["tether_mean_after_base"]
-        for r in runs
-        if r["tether_mean_after_base"] is not None and r["trl_mean_after_base"] is not None
-    }
-    trl = {s: next(r["trl_mean_after_base"] for r in runs if r["seed"] == s) for s in tether}
+    both = [r for r in runs if None not in (r["tether_mean_after_base"], r["trl_mean_after_base"])]
+    tether = {r["seed"]: r["tether_mean_after_base"] for r in both}
+    trl = {r["seed"]: r["trl_mean_after_base"] for r in both}
     out: dict[str, Any] = {"metric": "mean held-out accuracy over the snapshots after the base, "
                                      "Tether minus TRL, paired by seed"}  # fmt: skip
     out["control_difference"] = None if control is None else control["difference"]

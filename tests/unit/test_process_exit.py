@@ -80,16 +80,18 @@ def test_end_joins_threads_runs_atexit_flushes_and_exits_with_the_code(tmp_path:
     script = tmp_path / "child.py"
     script.write_text(
         textwrap.dedent(f"""
-        import atexit, sys, threading, time
+        import atexit, sys, threading
         sys.path.insert(0, {str(REPO)!r})
         from common.service import process_exit
         process_exit.skip_finalization("a test")
         atexit.register(lambda: print("atexit ran", flush=False))
-        def late():
-            time.sleep(0.3)
+        go = threading.Event()
+        def late():  # still at work when end() is called: released just before it
+            go.wait(30)
             print("thread finished", flush=False)
         threading.Thread(target=late).start()
         sys.stdout.write("buffered ")
+        go.set()
         process_exit.end(3)
         print("not reached")
     """)
