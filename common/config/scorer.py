@@ -23,6 +23,12 @@ class ScorerConfig(Section):
         default_factory=lambda: ["boxed", "answer_is", "last_number"],
         description="answer extraction order",
     )
+    answer_form: Literal["any", "number"] = Field(
+        "any",
+        description="`number`: when the ground truth is a plain number, an answer that is not "
+        "one (an expression such as `3*4`, which math-verify would evaluate) scores 0 with "
+        "reason `not_a_number`; `any` = math-verify alone decides",
+    )
     correct_weight: float = Field(1.0, description="weight of correctness in the reward")
     format_weight: float = Field(0.0, description="reward for a well-formed \\boxed{} answer")
     overlong_buffer_tokens: int = Field(

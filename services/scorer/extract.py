@@ -11,6 +11,11 @@ the order given by ``fallbacks``; the first that finds something wins:
 - ``"gsm8k"``: the last "#### X" line (GSM8K's convention).
 - ``"last_number"``: the last number in the text (``-12``, ``3.5``, ``1,234``, ``7/8``).
 
+``answer_form_ok`` is the optional check of the answer's form that comes before grading
+(``scorer.answer_form``): with ``"number"``, when the ground truth is a plain number the answer
+must be one too. math-verify evaluates what it parses, so without it ``\\boxed{983*4099}`` is
+graded equal to ``4029317``: a policy can learn to box the question instead of answering it.
+
 Pure Python and cheap: it runs in the scorer's main process, never in a grading worker.
 """
 
@@ -20,6 +25,8 @@ import re
 from dataclasses import dataclass
 
 STRATEGIES = ("boxed", "answer_is", "gsm8k", "last_number")
+ANSWER_FORMS = ("any", "number")
+NOT_A_NUMBER = "not_a_number"  # the reason of an answer ``answer_form_ok`` rejects
 DEFAULT_FALLBACKS = ("boxed", "answer_is", "last_number")
 # Responses are capped before scanning so that a multi-megabyte garbage response costs O(cap).
 MAX_SCAN_CHARS = 200_000
@@ -32,6 +39,12 @@ _ANSWER_IS = re.compile(
 )
 _GSM8K = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A plain number: an integer (commas between thousands allowed), a decimal, a fraction a/b or
+# \frac{a}{b} (\dfrac, \tfrac), with an optional sign; spaces and $...$ around it are ignored.
+_PLAIN_NUMBER = re.compile(
+    r"[-+−]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:\s*/\s*\d+)?"
+    r"|[-+−]?\\[dt]?frac\{\s*\d+\s*\}\{\s*\d+\s*\}"
+)
 # Control characters other than tab/newline carry no answer and confuse the regexes.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
@@ -152,3 +165,26 @@ _STRATEGY_FNS = {
     "gsm8k": _find_gsm8k,
     "last_number": _find_last_number,
 }
+
+
+def is_plain_number(text: str | None) -> bool:
+    """True when ``text`` is one number written out (``12``, ``-3``, ``1,234``, ``3.5``, ``7/8``,
+    ``\\frac{7}{8}``), not an expression to evaluate (``3*4``, ``10-2``, ``2^3``)."""
+    if text is None:
+        return False
+    core = text.strip()
+    if len(core) > 1 and core.startswith("$") and core.endswith("$"):
+        core = core.strip("$").strip()
+    core = core.rstrip(".").strip()
+    return _PLAIN_NUMBER.fullmatch(core) is not None
+
+
+def answer_form_ok(answer: str | None, ground_truth: str | None, form: str) -> bool:
+    """Whether ``answer`` may be graded under ``scorer.answer_form``: always with ``"any"``;
+    with ``"number"``, unless the ground truth is a plain number and the answer is not. A
+    missing answer or ground truth passes (the grader gives it its own reason)."""
+    if form not in ANSWER_FORMS:
+        raise ValueError(f"answer form {form!r} unknown; choose from {list(ANSWER_FORMS)}")
+    if form == "any" or answer is None or not is_plain_number(ground_truth):
+        return True
+    return is_plain_number(answer)

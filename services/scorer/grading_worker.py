@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 CORRECT, WRONG = "correct", "wrong"
 NO_ANSWER, UNPARSEABLE_ANSWER = "no_answer", "unparseable_answer"
 BAD_GROUND_TRUTH, TIMEOUT, ERROR = "bad_ground_truth", "timeout", "error"
-# Every reason an item's score can carry: the grader's, and the extractor's "empty" (a blank
-# response); the scorer's items counter starts a series at 0 for each.
+# Every reason an item's score can carry: the grader's, the extractor's "empty" (a blank
+# response) and "not_a_number" (scorer.answer_form, extract.py); the scorer's items counter
+# starts a series at 0 for each.
 GRADING_REASONS = (CORRECT, WRONG, NO_ANSWER, UNPARSEABLE_ANSWER, BAD_GROUND_TRUTH, TIMEOUT, ERROR,
-                   "empty")  # fmt: skip
+                   "empty", "not_a_number")  # fmt: skip
 TEST_ONLY_SLEEP_PREFIX = "__tether_test_only_sleep__:"  # see GraderPool(test_only_sleep_hook=)
 
 

@@ -26,6 +26,7 @@ def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Score
         tool_error_penalty=s.tool_error_penalty,
         custom=s.custom_reward or None,
         fallbacks=tuple(s.answer_fallbacks),
+        answer_form=s.answer_form,
     )
     solver = engine = None
     if s.mode == "solver":
@@ -38,6 +39,7 @@ def scorer_settings(cfg: TetherConfig, *, redis_url: str | None = None) -> Score
             temperature=s.solver_temperature,
             max_tokens=s.solver_max_tokens,
             max_model_len=engine.max_model_len,
+            answer_form=s.answer_form,
         )
     return ScorerSettings(
         bus=bus_settings_for(cfg, redis_url=redis_url),

@@ -24,8 +24,9 @@ For each item, ``reward == sum(components.values())``; every component is alread
   reason gets ``";custom_error"`` appended (logged); a wrong return type is a ValueError.
 
 ``reason`` is the correctness reason: ``correct``, ``wrong``, ``empty`` (blank response),
-``no_answer`` (nothing extractable), ``unparseable_answer``, ``bad_ground_truth``, ``timeout``,
-``error``.
+``no_answer`` (nothing extractable), ``not_a_number`` (``answer_form = "number"``: the ground
+truth is a plain number and the answer is an expression, e.g. ``3*4``; never graded),
+``unparseable_answer``, ``bad_ground_truth``, ``timeout``, ``error``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.scorer.extract import DEFAULT_FALLBACKS, STRATEGIES, Extraction, extract_answer
+from services.scorer.extract import (
+    ANSWER_FORMS,
+    DEFAULT_FALLBACKS,
+    NOT_A_NUMBER,
+    STRATEGIES,
+    Extraction,
+    answer_form_ok,
+    extract_answer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +66,7 @@ class RewardSpec:
     custom: str | None = None  # "package.module:function"
     custom_weight: float = 1.0
     fallbacks: tuple[str, ...] = DEFAULT_FALLBACKS  # answer extraction order, see extract.py
+    answer_form: str = "any"  # "number": a plain-number gold needs a plain-number answer
 
     def __post_init__(self) -> None:
         for name in ("correct_weight", "format_weight", "overlong_penalty", "custom_weight",
@@ -85,6 +95,10 @@ class RewardSpec:
         unknown = [f for f in self.fallbacks if f not in STRATEGIES]
         if unknown:
             raise ValueError(f"reward fallbacks {unknown} unknown; choose from {list(STRATEGIES)}")
+        if self.answer_form not in ANSWER_FORMS:
+            raise ValueError(
+                f"reward answer_form {self.answer_form!r} unknown; choose from {list(ANSWER_FORMS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -165,11 +179,21 @@ class RewardScorer:
     def score_items(self, items: Sequence[ScoreItem]) -> list[ScoredItem]:
         """Rule mode: extract each response's answer, grade it with math-verify, compose."""
         extractions = [extract_answer(it.response, fallbacks=self.spec.fallbacks) for it in items]
-        pairs = [(ex.answer, it.ground_truth) for ex, it in zip(extractions, items, strict=True)]
+        form_ok = [
+            answer_form_ok(ex.answer, it.ground_truth, self.spec.answer_form)
+            for ex, it in zip(extractions, items, strict=True)
+        ]
+        # An answer of the wrong form is not sent to math-verify at all.
+        pairs = [
+            (ex.answer if ok else None, it.ground_truth)
+            for ex, it, ok in zip(extractions, items, form_ok, strict=True)
+        ]
         graded = self.pool.grade_many(pairs) if pairs else []
         correctness = []
-        for ex, result in zip(extractions, graded, strict=True):
-            if ex.answer is None and result.reason != "bad_ground_truth":
+        for ex, result, ok in zip(extractions, graded, form_ok, strict=True):
+            if not ok:
+                correctness.append(Correctness(0.0, NOT_A_NUMBER))
+            elif ex.answer is None and result.reason != "bad_ground_truth":
                 correctness.append(Correctness(0.0, ex.method))  # "empty" or "no_answer"
             else:
                 correctness.append(Correctness(1.0 if result.correct else 0.0, result.reason))

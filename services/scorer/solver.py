@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from common.config.scorer import ScorerConfig
 from common.data.prompts import encode_prompt
 from common.engine import GenerationEngine, SamplingSettings
-from services.scorer.extract import extract_answer
+from services.scorer.extract import ANSWER_FORMS, NOT_A_NUMBER, answer_form_ok, extract_answer
 from services.scorer.rewards import Correctness, ScoreItem
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class SolverSettings:
     aggregation: str = _SCORER["solver_aggregation"].default  # "mean" or "majority"
     temperature: float = _SCORER["solver_temperature"].default
     max_tokens: int = _SCORER["solver_max_tokens"].default
+    answer_form: str = _SCORER["answer_form"].default  # applies to the solver's answers
     apply_chat_template: bool = True
     max_model_len: int = 1024  # the engine's context: a longer prompt keeps its end
     # Benchmarks only: every answer runs to max_tokens (the cost of a long-reasoning solver with
@@ -56,6 +57,10 @@ class SolverSettings:
         if self.aggregation not in ("mean", "majority"):
             raise ValueError(
                 f"scorer.solver_aggregation must be mean or majority, not {self.aggregation!r}"
+            )
+        if self.answer_form not in ANSWER_FORMS:
+            raise ValueError(
+                f"scorer.answer_form must be one of {list(ANSWER_FORMS)}, not {self.answer_form!r}"
             )
 
 
@@ -139,15 +144,19 @@ class Solver:
 
     async def correctness(self, items: Sequence[ScoreItem]) -> list[Correctness]:
         answers = await self.answers(items)
-        pairs, owners = [], []
+        pairs, owners, form_ok = [], [], []
         for i, (item, texts) in enumerate(zip(items, answers, strict=True)):
             for text in texts:
-                pairs.append((extract_answer(text).answer, item.ground_truth))
+                answer = extract_answer(text).answer
+                ok = answer_form_ok(answer, item.ground_truth, self.s.answer_form)
+                # An answer of the wrong form is not sent to math-verify at all.
+                pairs.append((answer if ok else None, item.ground_truth))
                 owners.append(i)
+                form_ok.append(ok)
         graded = await asyncio.to_thread(self.pool.grade_many, pairs) if pairs else []
         per_item: list[list[tuple[bool, str]]] = [[] for _ in items]
-        for owner, result in zip(owners, graded, strict=True):
-            per_item[owner].append((result.correct, result.reason))
+        for owner, result, ok in zip(owners, graded, form_ok, strict=True):
+            per_item[owner].append((result.correct, result.reason) if ok else (False, NOT_A_NUMBER))
         return [self._aggregate(results) for results in per_item]
 
     def _aggregate(self, results: list[tuple[bool, str]]) -> Correctness:

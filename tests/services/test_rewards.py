@@ -67,6 +67,33 @@ def test_format_reward_and_weights(pool):
     assert [s.reward for s in scored] == pytest.approx([2.1, 2.0, 0.1])
 
 
+def test_answer_form_number_scores_a_boxed_expression_zero_without_grading_it(pool):
+    """math-verify evaluates the product the policy boxed and calls it equal to the gold: the
+    reward hack of the SmolLM2 tools demo's first run; ``answer_form = "number"`` closes it."""
+    responses = [r"\boxed{983*4099}", r"983*4099 = \boxed{4029317}", r"\boxed{4029318}", "no"]
+    hacked = RewardScorer(RewardSpec(), pool=pool).score_group(
+        prompt="What is 983*4099?", responses=responses, ground_truth="4029317"
+    )
+    assert [(s.reward, s.reason) for s in hacked][0] == (1.0, "correct")
+    strict = RewardScorer(RewardSpec(answer_form="number"), pool=pool).score_group(
+        prompt="What is 983*4099?", responses=responses, ground_truth="4029317"
+    )
+    assert [(s.reward, s.reason) for s in strict] == [
+        (0.0, "not_a_number"),
+        (1.0, "correct"),
+        (0.0, "wrong"),
+        (0.0, "no_answer"),
+    ]
+    assert strict[0].answer == "983*4099"  # kept for the logs
+    # a gold that is not a plain number is left to math-verify
+    (root,) = RewardScorer(RewardSpec(answer_form="number"), pool=pool).score_items(
+        [_item(r"\boxed{2\sqrt{2}}", ground_truth=r"\sqrt{8}")]
+    )
+    assert (root.reward, root.reason) == (1.0, "correct")
+    with pytest.raises(ValueError, match="answer_form 'numbers' unknown"):
+        RewardSpec(answer_form="numbers")
+
+
 def test_overlong_penalty_shape():
     kw = {"max_response_tokens": 100, "buffer_tokens": 20, "penalty": 1.0}
     assert overlong_penalty(0, **kw) == 0.0

@@ -54,11 +54,25 @@ def test_mean_and_majority_aggregate_graded_answers():
     assert got["mean"][0].reason == "correct" and got["mean"][1].reason == "wrong"
 
 
+def test_answer_form_number_applies_to_the_solvers_answers():
+    canned = [["\\boxed{3*4}", "\\boxed{12}", "\\boxed{2*6}"]]
+    items = [ScoreItem(prompt="q", response="g", ground_truth="12")]
+    with GraderPool(1, 10.0, registry=CollectorRegistry()) as pool:
+        got = {}
+        for form in ("any", "number"):
+            s = SolverSettings(model="unused", template=COPY_TEMPLATE, samples=3, answer_form=form)
+            (got[form],) = asyncio.run(FakeAnswerSolver(s, pool, canned).correctness(items))
+    assert got["any"].value == 1.0
+    assert got["number"].value == pytest.approx(1 / 3) and got["number"].reason == "not_a_number"
+
+
 def test_solver_settings_refuse_a_template_without_placeholders():
     with pytest.raises(ValueError, match="solver_template must contain"):
         SolverSettings(model="m", template="Question: {question}")
     with pytest.raises(ValueError, match="solver_aggregation"):
         SolverSettings(model="m", template=COPY_TEMPLATE, aggregation="vote")
+    with pytest.raises(ValueError, match="answer_form"):
+        SolverSettings(model="m", template=COPY_TEMPLATE, answer_form="digits")
 
 
 # ----------------------------------------------------------------------------- real solver

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from services.scorer.extract import Extraction, extract_answer
+from services.scorer.extract import Extraction, answer_form_ok, extract_answer, is_plain_number
 
 CASES = [
     (r"so the result is \boxed{\frac{1}{2}}.", r"\frac{1}{2}", "boxed"),
@@ -64,3 +64,33 @@ def test_adversarial_text_stays_fast():
     assert extract_answer("\\boxed{" * 50_000).method == "no_answer"
     assert extract_answer("9" * 1_000_000 + " the answer is 7").answer == "7"
     assert time.perf_counter() - start < 2.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["12", "-3", "+4", "1,234", "3.5", ".5", "7/8", "7 / 8", r"\frac{7}{8}", r"-\dfrac{1}{2}",
+     "$12$", " 4029317 ", "12."],
+)  # fmt: skip
+def test_plain_numbers(text):
+    assert is_plain_number(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["3*4", r"983 \times 4099", "10-2", "2^3", "1+1", "(12)", "12 apples", "x", "", None,
+     r"\frac{1+1}{2}", r"\sqrt{4}", "1,23"],
+)  # fmt: skip
+def test_expressions_and_words_are_not_plain_numbers(text):
+    assert not is_plain_number(text)
+
+
+def test_answer_form_number_rejects_an_expression_only_against_a_plain_number_gold():
+    assert answer_form_ok("3*4", "12", "any")
+    assert not answer_form_ok("3*4", "12", "number")
+    assert answer_form_ok("12", "12", "number") and answer_form_ok(r"\frac{1}{2}", "0.5", "number")
+    # a gold that is itself an expression leaves the judgement to math-verify
+    assert answer_form_ok(r"2\sqrt{2}", r"\sqrt{8}", "number")
+    # nothing extracted or no gold: the grader's own reasons (no_answer, bad_ground_truth)
+    assert answer_form_ok(None, "12", "number") and answer_form_ok("3*4", None, "number")
+    with pytest.raises(ValueError, match="answer form 'numbers' unknown"):
+        answer_form_ok("1", "1", "numbers")
