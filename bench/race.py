@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +383,35 @@ def finished(root: Path, seed: int, prefix: str = "") -> Path | None:
     return max(done, key=lambda p: p.stat().st_mtime) if done else None
 
 
+def run_or_reuse(root: Path, seed: int, prefix: str, model_dir: Path, eval_path: Path,
+                 run_arms: Callable[[Path], tuple[dict[str, Any], dict[str, list[float]]]],
+                 *, timeout_s: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The arms of one sitting (a seed's, or the control's) and their scored snapshots:
+    ``(arms, evals by snapshot directory, made)``. Reused when ``finished`` finds them under
+    ``root`` (``made`` then says ``reused_from``, with the commit and load its runs recorded);
+    else ``run_arms(work)`` runs them in a new ``{prefix}s{seed}-<time>`` directory and returns
+    ``(arms, load averages)``, which are written down, the snapshots scored, then deleted
+    (0.5 GB each, about 30 a seed)."""
+    if (done := finished(root, seed, prefix=prefix)) is not None:
+        log.info("bench race: %ss%d was run and evaluated in %s: reused", prefix, seed, done)
+        arms = json.loads((done / "arms.json").read_text())
+        evals = {r["dir"]: r for r in json.loads((done / "evals.json").read_text())}
+        made: dict[str, Any] = {"reused_from": str(done)}
+        if (done / "made.json").exists():  # absent: not recorded
+            made.update(json.loads((done / "made.json").read_text()))
+        return arms, evals, made
+    work = root / f"{prefix}s{seed}-{int(time.time())}"
+    arms, load = run_arms(work)
+    (work / "arms.json").write_text(json.dumps(arms, indent=1))
+    made = {"made_at": git_state(), "load_average": load}
+    (work / "made.json").write_text(json.dumps(made))
+    dirs = [s["dir"] for a in arms.values() for s in a["snapshots"]]
+    evals = evaluate(model_dir, dirs, eval_path, work, timeout_s=timeout_s)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return arms, evals, made
+
+
 def seed_result(seed: int, order: tuple[str, ...], load: dict[str, list[float]],
                 arms: dict[str, dict[str, Any]], evals: dict[str, dict[str, Any]], base: str,
                 budget_s: float) -> dict[str, Any]:  # fmt: skip
@@ -414,30 +444,19 @@ def run_control(root: Path, first: dict[str, Any], *, budget_s: float, snapshot_
     seed = first["seed"]
     assets = prepare_assets(root / f"assets-s{seed}", preset="smollm2", seed=seed)
     base = str(assets.model_dir)
-    made: dict[str, Any] = {}
-    if (done := finished(root, seed, prefix="control-")) is not None:
-        log.info("bench race: the control of seed %d was run and evaluated in %s: reused", seed,
-                 done)  # fmt: skip
-        arm = json.loads((done / "arms.json").read_text())[CONTROL_ARM]
-        evals = {r["dir"]: r for r in json.loads((done / "evals.json").read_text())}
-        made = {"reused_from": str(done)}
-        if (done / "made.json").exists():
-            made.update(json.loads((done / "made.json").read_text()))
-    else:
-        work = root / f"control-s{seed}-{int(time.time())}"
+
+    def run_arms(work: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
         load = {"before": list(os.getloadavg())}
         arm = run_tether_arm(root / f"assets-s{seed}", work / CONTROL_ARM, seed=seed,
                              budget_s=budget_s, snapshot_every=snapshot_every,
                              timeout_s=timeout_s)  # fmt: skip
         load["after"] = list(os.getloadavg())
-        (work / "arms.json").write_text(json.dumps({CONTROL_ARM: arm}, indent=1))
-        made = {"made_at": git_state(), "load_average": load}
-        (work / "made.json").write_text(json.dumps(made))
-        dirs = [s["dir"] for s in arm["snapshots"]]
-        evals = evaluate(assets.model_dir, dirs, assets.data_dir / "eval.jsonl", work,
-                         timeout_s=timeout_s)  # fmt: skip
-        for d in dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        return {CONTROL_ARM: arm}, load
+
+    arms, evals, made = run_or_reuse(root, seed, "control-", assets.model_dir,
+                                     assets.data_dir / "eval.jsonl", run_arms,
+                                     timeout_s=timeout_s)  # fmt: skip
+    arm = arms[CONTROL_ARM]
     pts = curve(arm, evals, evals[base], budget_s)
     mean = statistics.mean(p["accuracy"] for p in pts[1:]) if pts[1:] else None
     first_mean = first[f"{CONTROL_ARM}_mean_after_base"]
@@ -498,39 +517,31 @@ def run_race_bench(
     runs = []
     for seed in seeds:
         assets = prepare_assets(root / f"assets-s{seed}", preset="smollm2", seed=seed)
-        if (done := finished(root, seed)) is not None:  # evaluated already: the JSON is rebuilt
-            log.info("bench race: seed %d was run and evaluated in %s: reused", seed, done)
-            ran = json.loads((done / "arms.json").read_text())
-            evals = {r["dir"]: r for r in json.loads((done / "evals.json").read_text())}
-            row = seed_result(seed, arm_order(seed), {}, ran, evals, str(assets.model_dir),
-                              budget_s)  # fmt: skip
-            made = done / "made.json"  # the commit and load of its runs (absent: not recorded)
-            runs.append({**row, "reused_from": str(done),
-                         **(json.loads(made.read_text()) if made.exists() else {})})  # fmt: skip
-            continue
-        work = root / f"s{seed}-{int(time.time())}"
-        arms: dict[str, dict[str, Any]] = {}
-        load: dict[str, list[float]] = {}
         order = arm_order(seed)
-        for name in order:
-            load[f"{name}_before"] = list(os.getloadavg())
-            if name == "trl":
-                arms[name] = run_trl_arm(assets, work / "trl", seed=seed, budget_s=budget_s,
-                                         snapshot_every=snapshot_every, timeout_s=timeout_s,
-                                         threads=threads)  # fmt: skip
-            else:
-                arms[name] = run_tether_arm(root / f"assets-s{seed}", work / "tether", seed=seed,
-                                            budget_s=budget_s, snapshot_every=snapshot_every,
-                                            timeout_s=timeout_s)  # fmt: skip
-            load[f"{name}_after"] = list(os.getloadavg())
-        (work / "arms.json").write_text(json.dumps(arms, indent=1))
-        (work / "made.json").write_text(json.dumps({"made_at": git_state(), "load_average": load}))
-        dirs = [s["dir"] for a in arms.values() for s in a["snapshots"]]
-        evals = evaluate(assets.model_dir, dirs, assets.data_dir / "eval.jsonl", work,
-                         timeout_s=timeout_s)  # fmt: skip
-        runs.append(seed_result(seed, order, load, arms, evals, str(assets.model_dir), budget_s))
-        for d in dirs:  # scored: 0.5 GB each, about 30 a seed
-            shutil.rmtree(d, ignore_errors=True)
+
+        def run_arms(work: Path, seed=seed, assets=assets, order=order):
+            arms: dict[str, dict[str, Any]] = {}
+            load: dict[str, list[float]] = {}
+            for name in order:
+                load[f"{name}_before"] = list(os.getloadavg())
+                if name == "trl":
+                    arms[name] = run_trl_arm(assets, work / "trl", seed=seed, budget_s=budget_s,
+                                             snapshot_every=snapshot_every, timeout_s=timeout_s,
+                                             threads=threads)  # fmt: skip
+                else:
+                    arms[name] = run_tether_arm(root / f"assets-s{seed}", work / "tether",
+                                                seed=seed, budget_s=budget_s,
+                                                snapshot_every=snapshot_every,
+                                                timeout_s=timeout_s)  # fmt: skip
+                load[f"{name}_after"] = list(os.getloadavg())
+            return arms, load
+
+        arms, evals, made = run_or_reuse(root, seed, "", assets.model_dir,
+                                         assets.data_dir / "eval.jsonl", run_arms,
+                                         timeout_s=timeout_s)  # fmt: skip
+        load = made.get("load_average", {})  # recorded where the seed ran (absent: not recorded)
+        runs.append({**seed_result(seed, order, load, arms, evals, str(assets.model_dir),
+                                   budget_s), **made})  # fmt: skip
     # the control on the first seed; not in the quick smoke run, which only shows the path works
     control = None
     if not quick:

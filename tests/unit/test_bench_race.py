@@ -5,6 +5,7 @@ ratio are read the way the module says."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,46 @@ def test_the_report_shows_the_control_and_the_verdict(tmp_path):
     section = race_report.readme_section(tmp_path)
     assert "| 0 | Tether, again (control) | 70 | 2 |" in section
     assert race_report.write_plot(r, tmp_path / "race.json").exists()
+
+
+def test_a_sitting_is_run_once_scored_then_its_snapshots_deleted_and_reused(tmp_path, monkeypatch):
+    """``run_or_reuse``, shared by the seeds and the control: the evaluator and the arms are
+    fakes here (each is a whole model run); the bookkeeping around them is the real code."""
+    scored: list[list[str]] = []
+
+    def fake_evaluate(base, dirs, eval_path, work, *, timeout_s):
+        scored.append(list(dirs))
+        rows = [{"dir": d, "accuracy": 0.5} for d in [str(base), *dirs]]
+        (work / "evals.json").write_text(json.dumps(rows))
+        return {r["dir"]: r for r in rows}
+
+    def run_arms(work):
+        snaps = []
+        for step in (2, 4):
+            (work / "tether" / f"snap{step}").mkdir(parents=True)
+            snaps.append(
+                {"step": step, "rl_s": 10.0 * step, "dir": str(work / "tether" / f"snap{step}")}
+            )
+        return {"tether": {"snapshots": snaps}}, {"before": [1.0], "after": [2.0]}
+
+    monkeypatch.setattr(race, "evaluate", fake_evaluate)
+    monkeypatch.setattr(race, "git_state", lambda: {"commit": "abc", "dirty": False})
+    base = tmp_path / "model"
+    arms, evals, made = race.run_or_reuse(tmp_path, 3, "control-", base, tmp_path / "eval.jsonl",
+                                          run_arms, timeout_s=1.0)  # fmt: skip
+    work = race.finished(tmp_path, 3, prefix="control-")
+    assert work is not None and work.name.startswith("control-s3-")
+    assert made == {"made_at": {"commit": "abc", "dirty": False},
+                    "load_average": {"before": [1.0], "after": [2.0]}}  # fmt: skip
+    dirs = [s["dir"] for s in arms["tether"]["snapshots"]]
+    assert scored == [dirs] and set(evals) == {str(base), *dirs}
+    assert not any(Path(d).exists() for d in dirs)  # scored, then deleted
+
+    def must_not_run(work):
+        raise AssertionError("a finished sitting is reused, not run again")
+
+    again = race.run_or_reuse(tmp_path, 3, "control-", base, tmp_path / "eval.jsonl",
+                              must_not_run, timeout_s=1.0)  # fmt: skip
+    assert again[0] == arms and again[1] == evals and scored == [dirs]
+    assert again[2] == {"reused_from": str(work), **made}
+    assert race.finished(tmp_path, 3) is None  # the control is not seed 3's own run
