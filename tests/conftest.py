@@ -21,6 +21,13 @@ import pytest
 from common.bus.server import EmbeddedRedis, valkey_binary
 from tests.e2e_support import run_training, write_config
 from tests.paths import REPO
+
+# make test's two workers: what each runs (the scopes) and where their time went
+from tests.workers import (  # noqa: F401 (hooks found by name)
+    pytest_runtest_logreport,
+    pytest_terminal_summary,
+    pytest_xdist_make_scheduler,
+)
 from tether.demo.run import prepare_assets
 
 TEST_CACHE = REPO / ".cache" / "tests"
@@ -42,41 +49,11 @@ LIBRARY_CACHES = {  # variable -> directory under .cache/home
 TIERS = ("unit", "services", "e2e")  # tests/<tier>/: also a marker (`pytest -m unit`)
 
 
-# Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
-USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = item.path.parent.name
         if tier in TIERS:
             item.add_marker(tier)
-
-
-def test_scope(nodeid: str) -> str:
-    """What ``make test``'s two workers (pytest-xdist, ``--dist loadfile``) keep together: a
-    test module whole (its shared engine or cluster starts once), and every end-to-end run in
-    one scope, one run after another on one worker (two whole runs at once would fight over a
-    2-core machine's cores)."""
-    path = nodeid.split("::", 1)[0]
-    return "tests/e2e" if path.startswith("tests/e2e/") or path in USES_SHORT_RUN else path
-
-
-test_scope.__test__ = False  # a helper, not a test
-
-try:
-    from xdist.scheduler import LoadFileScheduling
-except ImportError:  # without pytest-xdist the suite runs in one process
-    pass
-else:
-
-    class _Scopes(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return test_scope(nodeid)
-
-    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
-        """``--dist loadfile`` with ``test_scope``'s scopes (other modes as pytest-xdist has them)."""
-        return _Scopes(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_configure(config: pytest.Config) -> None:

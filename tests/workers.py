@@ -1,0 +1,68 @@
+"""How ``make test``'s two pytest-xdist workers share the suite, and where their time went.
+
+- What runs together (``test_scope``, the scheduler ``--dist loadfile`` gets): a test module
+  whole, or every end-to-end run in one scope.
+- Where the time went, printed after pytest's 30 slowest tests: how long each worker was busy
+  and the scopes that kept it busy. The suite's wall time is at least its busiest worker's, so
+  this says which scope to shorten or move when the suite is slow (on the controller only: a
+  worker's reports reach it with their node).
+
+Hooks imported by ``tests/conftest.py``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+# Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
+USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
+
+
+def test_scope(nodeid: str) -> str:
+    """What ``make test``'s two workers (pytest-xdist, ``--dist loadfile``) keep together: a
+    test module whole (its shared engine or cluster starts once), and every end-to-end run in
+    one scope, one run after another on one worker (two whole runs at once would fight over a
+    2-core machine's cores)."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/e2e" if path.startswith("tests/e2e/") or path in USES_SHORT_RUN else path
+
+
+test_scope.__test__ = False  # a helper, not a test
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # without pytest-xdist the suite runs in one process
+    pytest_xdist_make_scheduler = None  # not a hook then: pluggy registers only functions
+else:
+
+    class _Scopes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_scope(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
+        """``--dist loadfile`` with ``test_scope``'s scopes (other modes as pytest-xdist has them)."""
+        return _Scopes(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+_BUSY: dict[str, float] = defaultdict(float)  # worker id -> seconds in setup, call, teardown
+_SCOPE: dict[tuple[str, str], float] = defaultdict(float)  # (worker, scope) -> seconds
+TOP_SCOPES = 12
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    node = getattr(report, "node", None)  # set on the controller for a worker's report
+    worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
+    _BUSY[worker] += report.duration
+    _SCOPE[(worker, test_scope(report.nodeid))] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not _BUSY:
+        return
+    tr = terminalreporter
+    tr.section("time per worker and scope (setup + call + teardown)")
+    for worker, seconds in sorted(_BUSY.items()):
+        tr.write_line(f"{worker}: busy {seconds:7.0f} s")
+    for (worker, scope), seconds in sorted(_SCOPE.items(), key=lambda kv: -kv[1])[:TOP_SCOPES]:
+        tr.write_line(f"  {seconds:7.0f} s  {worker}  {scope}")
