@@ -16,6 +16,7 @@ from tether.demo.result import (
     demo_kind,
     make_result,
     read_metrics,
+    run_git,
     write_result,
 )
 from tether.demo.run import DEMO_CONFIG, PRESETS, TASKS
@@ -88,3 +89,14 @@ def test_the_result_keeps_every_round_and_step_in_order_and_reads_back(tmp_path)
         DemoResult.from_dict({**result.to_dict(), "schema": SCHEMA + 1})
     with pytest.raises(ValueError, match="unknown field"):
         DemoResult.from_dict({**result.to_dict(), "note": "typed by hand"})
+
+
+def test_a_run_records_the_code_it_started_with_and_a_checkout_changed_meanwhile_as_dirty():
+    start = {"commit": "a" * 40, "dirty": False}
+    assert run_git(start, dict(start)) == start
+    # a commit made while the run went on: the services loaded the first commit's code
+    assert run_git(start, {"commit": "b" * 40, "dirty": False}) == {
+        "commit": "a" * 40,
+        "dirty": True,
+    }
+    assert run_git(start, {"commit": "a" * 40, "dirty": True})["dirty"] is True

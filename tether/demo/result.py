@@ -6,7 +6,8 @@
 - **Which demo**: ``kind`` (``demo_kind``: ``arithmetic``, ``tools``, ``tools-agent``, with
   ``-lora`` when ``learner.lora_rank > 0``), the task, the seed, the command line.
 - **Which code**: the git commit of the checkout that ran and whether its tracked files differed
-  (``tether.runs.provenance.git_state``), and ``config_digest``: a SHA-256 (16 hex digits) of
+  (``tether.runs.provenance.git_state``), taken when the command starts, as its services load
+  the code (``run_git``: a checkout that changed during the run counts as differing), and ``config_digest``: a SHA-256 (16 hex digits) of
   the resolved config and the demo's preset (model, task, warm-up), with the run's own paths,
   name and seed left out (``LOCAL_KEYS``), so runs of one demo at different seeds share it and
   a changed setting shows.
@@ -54,6 +55,13 @@ def config_digest(config: dict[str, dict[str, Any]], preset: dict[str, Any]) -> 
     }
     text = json.dumps({"config": kept, "preset": preset}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_git(at_start: dict[str, Any], at_end: dict[str, Any]) -> dict[str, Any]:
+    """The git state a run records: the one its command started with (what its services
+    loaded), marked ``dirty`` when the checkout changed before the run ended (a commit or an
+    edit since: a service restarted late may have loaded other code)."""
+    return at_start if at_end == at_start else {**at_start, "dirty": True}
 
 
 def load_average() -> list[float]:

@@ -243,6 +243,7 @@ def run_demo(
     started = time.monotonic()
     load = {"before": demo_result.load_average()}
     command = shlex.join(["tether", *sys.argv[1:]])
+    git_at_start = git_state()  # the code the services are about to load
     preset, default_config = TASKS[task]
     config_file = config_file or str(default_config)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config
@@ -272,7 +273,7 @@ def run_demo(
     result = demo_result.make_result(
         kind=demo_result.demo_kind(task=task, agent=agent, lora_rank=cfg.learner.lora_rank),
         task=task, agent=agent, lora_rank=cfg.learner.lora_rank, seed=cfg.run.seed,
-        command=command, git=git_state(),
+        command=command, git=demo_result.run_git(git_at_start, git_state()),
         digest=demo_result.config_digest(cfg.to_dict(), PRESETS[preset]), exit_code=code,
         metrics=RunDir(run_dir).metrics, warmup=made.warmup_report, seconds=seconds, load=load,
     )  # fmt: skip
