@@ -24,7 +24,7 @@ from typing import Any
 
 from common.chat.turns import TurnEncoder, end_of_turn_ids
 from common.data.prompts import encode_prompt
-from common.engine import SamplingSettings, sample_from_completion
+from common.engine import SamplingSettings, sample_from_completion, shutdown_engine_core
 from common.weights.publisher import WeightPublisher
 from services.learner import gather
 from services.learner.gather import full_state_dict_cpu
@@ -70,8 +70,10 @@ def start_engine(
 
 
 def stop_engine(llm: Any) -> None:
-    """Shut the engine's core process down now rather than at garbage collection."""
-    llm.llm_engine.engine_core.shutdown()
+    """Shut the engine's core process down now rather than at garbage collection (killing what
+    vLLM's forced kill leaves when a process exits under it: ``shutdown_engine_core``)."""
+    core = llm.llm_engine.engine_core
+    shutdown_engine_core(core, core.shutdown)
 
 
 def rpc(llm: Any, method: str, *args: Any) -> Any:

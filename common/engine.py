@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import psutil
+
 from common.config.generator import GeneratorConfig
 from common.data.model_paths import engine_returns_routed_experts
 from common.engine_routing import records_from_rpc
@@ -397,7 +399,38 @@ class GenerationEngine:
         """Stop the engine core process. Safe to call twice."""
         if self._llm is not None:
             llm, self._llm = self._llm, None
-            llm.shutdown()
+            shutdown_engine_core(llm.engine_core, llm.shutdown)
+
+
+def shutdown_engine_core(core: Any, shutdown: Any) -> None:
+    """Call ``shutdown()`` (vLLM's, for the engine client ``core``), and finish its job when it
+    trips over a process that exits under it. vLLM's forced kill, when its engine core outlives
+    the shutdown timeout (as on a slow, busy machine), reads each child's name before killing
+    it and lets psutil's ``NoSuchProcess`` out when a child has just exited: the rest of the
+    tree is then left running. Here every engine process's tree is killed instead."""
+    try:
+        shutdown()
+    except psutil.NoSuchProcess as exc:
+        logger.warning("vLLM's engine shutdown lost a process under it (%s): killing the rest", exc)
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        for proc in getattr(manager, "processes", None) or []:
+            if proc.pid is not None:
+                kill_process_tree(proc.pid)
+
+
+def kill_process_tree(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL ``pid`` and its descendants, tolerating any that exit meanwhile; wait for them."""
+    try:
+        parent = psutil.Process(pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 def load_tokenizer(settings: EngineSettings) -> Any:
