@@ -14,10 +14,11 @@ import psutil
 from common.engine import kill_process_tree, shutdown_engine_core
 from tests.waiting import wait_until
 
+# an engine process with one child, both waiting for a signal until killed
 TREE = (
-    "import subprocess, sys, time;"
-    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
-    "time.sleep(120)"
+    "import signal, subprocess, sys;"
+    "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']);"
+    "signal.pause()"
 )
 
 
