@@ -22,6 +22,7 @@ Pure Python and cheap: it runs in the scorer's main process, never in a grading 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 STRATEGIES = ("boxed", "answer_is", "gsm8k", "last_number")
@@ -179,12 +180,28 @@ def is_plain_number(text: str | None) -> bool:
     return _PLAIN_NUMBER.fullmatch(core) is not None
 
 
+def check_answer_form(form: str, setting: str = "scorer.answer_form") -> None:
+    """Raise ``ValueError`` naming ``setting`` when ``form`` is not one of ``ANSWER_FORMS``."""
+    if form not in ANSWER_FORMS:
+        raise ValueError(f"{setting} {form!r} unknown; choose from {list(ANSWER_FORMS)}")
+
+
 def answer_form_ok(answer: str | None, ground_truth: str | None, form: str) -> bool:
     """Whether ``answer`` may be graded under ``scorer.answer_form``: always with ``"any"``;
     with ``"number"``, unless the ground truth is a plain number and the answer is not. A
     missing answer or ground truth passes (the grader gives it its own reason)."""
-    if form not in ANSWER_FORMS:
-        raise ValueError(f"answer form {form!r} unknown; choose from {list(ANSWER_FORMS)}")
+    check_answer_form(form)
     if form == "any" or answer is None or not is_plain_number(ground_truth):
         return True
     return is_plain_number(answer)
+
+
+def gate_answer_form(
+    pairs: Sequence[tuple[str | None, str | None]], form: str
+) -> tuple[list[tuple[str | None, str | None]], list[bool]]:
+    """``(pairs to grade, kept)``: each ``(answer, ground_truth)`` whose answer fails
+    ``answer_form_ok`` has its answer blanked, so it is never sent to math-verify, and
+    ``kept[i]`` is False; the caller scores it 0 with reason ``NOT_A_NUMBER``."""
+    kept = [answer_form_ok(answer, gold, form) for answer, gold in pairs]
+    gated = [(answer if ok else None, gold) for (answer, gold), ok in zip(pairs, kept, strict=True)]
+    return gated, kept

@@ -39,13 +39,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.scorer.extract import (
-    ANSWER_FORMS,
     DEFAULT_FALLBACKS,
     NOT_A_NUMBER,
     STRATEGIES,
     Extraction,
-    answer_form_ok,
+    check_answer_form,
     extract_answer,
+    gate_answer_form,
 )
 
 log = logging.getLogger(__name__)
@@ -95,10 +95,7 @@ class RewardSpec:
         unknown = [f for f in self.fallbacks if f not in STRATEGIES]
         if unknown:
             raise ValueError(f"reward fallbacks {unknown} unknown; choose from {list(STRATEGIES)}")
-        if self.answer_form not in ANSWER_FORMS:
-            raise ValueError(
-                f"reward answer_form {self.answer_form!r} unknown; choose from {list(ANSWER_FORMS)}"
-            )
+        check_answer_form(self.answer_form, "reward answer_form")
 
 
 @dataclass(frozen=True)
@@ -179,15 +176,10 @@ class RewardScorer:
     def score_items(self, items: Sequence[ScoreItem]) -> list[ScoredItem]:
         """Rule mode: extract each response's answer, grade it with math-verify, compose."""
         extractions = [extract_answer(it.response, fallbacks=self.spec.fallbacks) for it in items]
-        form_ok = [
-            answer_form_ok(ex.answer, it.ground_truth, self.spec.answer_form)
-            for ex, it in zip(extractions, items, strict=True)
-        ]
-        # An answer of the wrong form is not sent to math-verify at all.
-        pairs = [
-            (ex.answer if ok else None, it.ground_truth)
-            for ex, it, ok in zip(extractions, items, form_ok, strict=True)
-        ]
+        pairs, form_ok = gate_answer_form(
+            [(ex.answer, it.ground_truth) for ex, it in zip(extractions, items, strict=True)],
+            self.spec.answer_form,
+        )
         graded = self.pool.grade_many(pairs) if pairs else []
         correctness = []
         for ex, result, ok in zip(extractions, graded, form_ok, strict=True):

@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING
 from common.config.scorer import ScorerConfig
 from common.data.prompts import encode_prompt
 from common.engine import GenerationEngine, SamplingSettings
-from services.scorer.extract import ANSWER_FORMS, NOT_A_NUMBER, answer_form_ok, extract_answer
+from services.scorer.extract import (
+    NOT_A_NUMBER,
+    check_answer_form,
+    extract_answer,
+    gate_answer_form,
+)
 from services.scorer.rewards import Correctness, ScoreItem
 
 if TYPE_CHECKING:
@@ -58,10 +63,7 @@ class SolverSettings:
             raise ValueError(
                 f"scorer.solver_aggregation must be mean or majority, not {self.aggregation!r}"
             )
-        if self.answer_form not in ANSWER_FORMS:
-            raise ValueError(
-                f"scorer.answer_form must be one of {list(ANSWER_FORMS)}, not {self.answer_form!r}"
-            )
+        check_answer_form(self.answer_form)
 
 
 class Solver:
@@ -144,15 +146,15 @@ class Solver:
 
     async def correctness(self, items: Sequence[ScoreItem]) -> list[Correctness]:
         answers = await self.answers(items)
-        pairs, owners, form_ok = [], [], []
-        for i, (item, texts) in enumerate(zip(items, answers, strict=True)):
-            for text in texts:
-                answer = extract_answer(text).answer
-                ok = answer_form_ok(answer, item.ground_truth, self.s.answer_form)
-                # An answer of the wrong form is not sent to math-verify at all.
-                pairs.append((answer if ok else None, item.ground_truth))
-                owners.append(i)
-                form_ok.append(ok)
+        owners = [i for i, texts in enumerate(answers) for _ in texts]
+        pairs, form_ok = gate_answer_form(
+            [
+                (extract_answer(text).answer, item.ground_truth)
+                for item, texts in zip(items, answers, strict=True)
+                for text in texts
+            ],
+            self.s.answer_form,
+        )
         graded = await asyncio.to_thread(self.pool.grade_many, pairs) if pairs else []
         per_item: list[list[tuple[bool, str]]] = [[] for _ in items]
         for owner, result, ok in zip(owners, graded, form_ok, strict=True):

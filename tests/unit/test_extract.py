@@ -4,7 +4,13 @@ import time
 
 import pytest
 
-from services.scorer.extract import Extraction, answer_form_ok, extract_answer, is_plain_number
+from services.scorer.extract import (
+    Extraction,
+    answer_form_ok,
+    extract_answer,
+    gate_answer_form,
+    is_plain_number,
+)
 
 CASES = [
     (r"so the result is \boxed{\frac{1}{2}}.", r"\frac{1}{2}", "boxed"),
@@ -92,5 +98,13 @@ def test_answer_form_number_rejects_an_expression_only_against_a_plain_number_go
     assert answer_form_ok(r"2\sqrt{2}", r"\sqrt{8}", "number")
     # nothing extracted or no gold: the grader's own reasons (no_answer, bad_ground_truth)
     assert answer_form_ok(None, "12", "number") and answer_form_ok("3*4", None, "number")
-    with pytest.raises(ValueError, match="answer form 'numbers' unknown"):
+    with pytest.raises(ValueError, match="scorer.answer_form 'numbers' unknown"):
         answer_form_ok("1", "1", "numbers")
+
+
+def test_gate_answer_form_blanks_only_the_answers_of_the_wrong_form():
+    pairs = [("3*4", "12"), ("12", "12"), (None, "12"), ("2+2", r"\sqrt{8}")]
+    gated, kept = gate_answer_form(pairs, "number")
+    assert kept == [False, True, True, True]
+    assert gated == [(None, "12"), ("12", "12"), (None, "12"), ("2+2", r"\sqrt{8}")]
+    assert gate_answer_form(pairs, "any") == (pairs, [True] * 4)
