@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any
 
 from common.bus.client import Bus
@@ -121,6 +122,7 @@ class ScorerService:
         self.live = Liveness(settings.liveness_s)  # a beat per read and per scored batch
         self._stop = asyncio.Event()
         self.groups_scored = 0
+        self.reasons: Counter[str] = Counter()  # responses scored by this process, by reason
         self.solver: Any = None
         self.solver_engine = solver_engine
 
@@ -263,6 +265,7 @@ class ScorerService:
             self.metrics.queue_wait.observe(max(0.0, now - m.group.created_at - seconds))
             for comps, item in zip(m.components, items, strict=True):
                 self.metrics.items.labels(item.reason).inc()
+                self.reasons[item.reason] += 1
                 n += 1
                 for k, v in comps.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -306,4 +309,8 @@ class ScorerService:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        return {"groups": self.groups_scored, "ready": self.ready, "mode": self.settings.mode}
+        """The heartbeat's fields: groups scored, readiness, mode, and ``reasons``: the
+        responses this process scored by grading reason since it started (``tether status``
+        sums them over the scorers; the same counts as ``tether_scorer_items_total``)."""
+        return {"groups": self.groups_scored, "ready": self.ready, "mode": self.settings.mode,
+                "reasons": dict(sorted(self.reasons.items()))}  # fmt: skip

@@ -108,3 +108,6 @@ def _check_result(run_dir: Path, *, cmd: list[str], steps: list[dict], evals: li
     assert set(result.load_average) == {"before", "before_rl", "after"}
     assert all(len(v) == 3 and min(v) >= 0 for v in result.load_average.values())
     assert result.machine["cpus"] == os.cpu_count()
+    # the scorers' counts by grading reason, from their last heartbeats: a demo that learns
+    # graded some responses correct
+    assert result.grading.get("correct", 0) > 0 and min(result.grading.values()) > 0

@@ -3,6 +3,7 @@ math-verify grading workers, SIGKILL mid-batch. Rule mode (solver mode: test_sol
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -108,7 +109,15 @@ def test_rule_mode_end_to_end_metrics_and_dead_letter(redis_server, procs):
     identity = {"run": run, "kind": "scorer", "replica": "scorer-0"}
     assert all(identity.items() <= labels.items() for _, labels, _ in samples(text))
     assert metric_value(text, "tether_service_info") == 1
+    # the heartbeat carries the same counts by reason (`tether status` sums them over scorers)
+    wait_until(lambda: _beat_reasons(bus).get("correct") == n_correct, 30, "the heartbeat", (p,))
+    assert _beat_reasons(bus)["empty"] == 1
     assert p.stop() == EXIT_STOPPED  # SIGTERM before the run's end
+
+
+def _beat_reasons(bus) -> dict[str, int]:
+    beat = json.loads(bus.read_statuses()["scorer:scorer-0"])
+    return beat.get("reasons", {})
 
 
 def test_pathological_input_times_out_and_service_keeps_going(redis_server, procs):

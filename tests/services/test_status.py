@@ -27,7 +27,7 @@ from common.telemetry.metrics import PhaseTimer
 from tests.paths import FIXTURES
 from tether.cli.observe_verbs import add_observe_verbs
 from tether.runs.launcher import finish_run
-from tether.runs.status import STREAMS, load_status_snapshot, save_status_snapshot
+from tether.runs.status import STREAMS, grading, load_status_snapshot, save_status_snapshot
 
 FIXTURE = FIXTURES / "run_thin"  # a real short run (3 steps, 2 evals)
 EVAL_GROUPS = 32  # the fixture's metrics.jsonl: two held-out evaluations of 16 prompts
@@ -51,6 +51,10 @@ def make_run_dir(tmp_path: Path, name: str) -> Path:
     return run_dir
 
 
+# the fake scorer's responses by grading reason (59 groups × 4)
+GRADED = {"correct": 40, "empty": 0, "no_answer": 190, "wrong": 6}
+
+
 def fake_services(
     url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None,
     no_progress_s: float = 3.0,
@@ -72,7 +76,7 @@ def fake_services(
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
          {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
           "ready": True}),
-        ("scorer", "scorer-0", {"working": 2.0, "waiting_input": 90.0}, {"groups": 59, "ready": True, "mode": "rule"}),
+        ("scorer", "scorer-0", {"working": 2.0, "waiting_input": 90.0}, {"groups": 59, "ready": True, "mode": "rule", "reasons": GRADED}),
     ]  # fmt: skip
     for service, sid, phases, extra in beats:
         timer = PhaseTimer(service)
@@ -136,6 +140,7 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
     assert st["dead_letters"] == 3 and st["accounting"]["dead_letter_groups"] == 1
     assert st["weights"] == {"publishing": 7, "chain_epoch": 3}
     assert st["bottleneck"]["service"] == "learner"
+    assert st["grading"] == GRADED
     assert st["accounting_trajectories"] == {
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
         "overlong_masked": 0, "refused_template": 0, "surplus": 0, "agent_failed": 0,
@@ -215,6 +220,8 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
         "weights: v7 published last, chain epoch 3",
         "redis: used ",  # Redis memory against maxmemory (the session's server has none)
         "(no maxmemory), policy noeviction",
+        "scored responses by reason: no_answer 190, correct 40, wrong 6 (since each scorer "
+        "started)",
     ):
         assert line in out
     assert "no scored group, dead letter or step" not in out  # the learner moves
@@ -344,3 +351,11 @@ def test_finish_run_saves_the_snapshot_and_writes_the_report(redis_server, tmp_p
         service="launcher",
     )
     assert finish_run(run_dir, dead) == run_dir / "report.html"
+
+
+def test_grading_sums_the_scorers_reasons_and_ignores_other_services():
+    beats = [{"service": "scorer", "reasons": {"correct": 2, "no_answer": 5}},
+             {"service": "scorer", "reasons": {"not_a_number": 1, "no_answer": 3}},
+             {"service": "scorer"},  # a heartbeat from before scorers counted reasons
+             {"service": "generator", "reasons": {"correct": 100}}]  # fmt: skip
+    assert grading(beats) == {"correct": 2, "no_answer": 8, "not_a_number": 1}

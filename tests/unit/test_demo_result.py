@@ -76,7 +76,9 @@ def test_the_result_keeps_every_round_and_step_in_order_and_reads_back(tmp_path)
                 "out_dir": "/x", "tokens": 7},
         seconds={"assets": 1.04, "warmup": 300.0, "rl": 170.26, "total": 471.3},
         load={"before": [1.0, 1.0, 1.0], "before_rl": [2.0, 1.0, 1.0], "after": [3.0, 2.0, 1.0]},
+        grading={"correct": 3, "no_answer": 60, "not_a_number": 1},
     )  # fmt: skip
+    assert result.grading == {"correct": 3, "no_answer": 60, "not_a_number": 1}
     assert result.warmup == {"steps": 425, "first_steps": 325, "first_exact": 0.84, "reused": False}
     assert result.seconds == {"assets": 1.0, "warmup": 300.0, "rl": 170.3, "total": 471.3}
     assert result.machine["cpus"] >= 1 and result.schema == SCHEMA
@@ -85,6 +87,9 @@ def test_the_result_keeps_every_round_and_step_in_order_and_reads_back(tmp_path)
     back = DemoResult.from_dict(json.loads(out.read_text()))
     assert back == result and not list(tmp_path.glob("*.tmp"))
 
+    # a result written before the grading counts existed still reads back
+    older = {k: v for k, v in result.to_dict().items() if k != "grading"}
+    assert DemoResult.from_dict(older).grading == {}
     with pytest.raises(ValueError, match="schema"):
         DemoResult.from_dict({**result.to_dict(), "schema": SCHEMA + 1})
     with pytest.raises(ValueError, match="unknown field"):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,9 @@ class DemoResult:
     load_average: dict[str, list[float]]  # before, before_rl, after
     machine: dict[str, Any]
     finished: str  # UTC, ISO 8601
+    # the run's responses by grading reason, from the scorers' last heartbeats (the status
+    # snapshot, ``tether.runs.status.grading``); empty in a result written before it existed
+    grading: dict[str, int] = field(default_factory=dict)
     schema: int = SCHEMA
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,7 +144,7 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 def make_result(
     *, kind: str, task: str, agent: bool, lora_rank: int, seed: int, command: str,
     git: dict[str, Any], digest: str, exit_code: int, metrics: Path, warmup: dict[str, Any],
-    seconds: dict[str, float], load: dict[str, list[float]],
+    seconds: dict[str, float], load: dict[str, list[float]], grading: dict[str, int],
 ) -> DemoResult:  # fmt: skip
     evals, steps = read_metrics(metrics)
     return DemoResult(
@@ -150,6 +153,7 @@ def make_result(
         warmup={k: warmup[k] for k in WARMUP_KEYS if k in warmup},
         seconds={k: round(v, 1) for k, v in seconds.items()}, load_average=load,
         machine=machine(), finished=datetime.now(UTC).isoformat(timespec="seconds"),
+        grading=grading,
     )  # fmt: skip
 
 

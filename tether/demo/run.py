@@ -32,6 +32,7 @@ from tether.demo.tool_task import ToolTask, write_tool_task
 from tether.demo.warmup import warmup_sft
 from tether.runs.launcher import launch, prepare_run_dir
 from tether.runs.provenance import git_state
+from tether.runs.status import load_status_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +277,7 @@ def run_demo(
         command=command, git=demo_result.run_git(git_at_start, git_state()),
         digest=demo_result.config_digest(cfg.to_dict(), PRESETS[preset]), exit_code=code,
         metrics=RunDir(run_dir).metrics, warmup=made.warmup_report, seconds=seconds, load=load,
+        grading=(load_status_snapshot(run_dir) or {}).get("grading", {}),
     )  # fmt: skip
     demo_result.write_result(RunDir(run_dir).demo_result, result)
     print()

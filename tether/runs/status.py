@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,17 @@ def _services(bus) -> list[dict[str, Any]]:
 def breakdown(phases: dict[str, float]) -> dict[str, float]:
     total = sum(phases.values()) or 1.0
     return {k: v / total for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+
+
+def grading(services: list[dict[str, Any]]) -> dict[str, int]:
+    """Responses scored, by grading reason (``correct``, ``wrong``, ``no_answer``,
+    ``not_a_number``, ...), summed over the scorers' heartbeats. Each scorer counts since its
+    process started, as its ``tether_scorer_items_total`` does: a restarted one starts at 0."""
+    total: Counter[str] = Counter()
+    for s in services:
+        if s.get("service") == "scorer":
+            total.update({str(k): int(v) for k, v in (s.get("reasons") or {}).items()})
+    return dict(sorted(total.items()))
 
 
 def bottleneck(services: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -114,6 +126,7 @@ def collect_status(bus) -> dict[str, Any]:
             else LearnerBooks(),  # no heartbeat from the learner yet
         ).to_dict(),
         "bottleneck": bottleneck(services),
+        "grading": grading(services),
         # seconds the learner has waited without a scored group, dead letter or step
         "no_progress_s": learner.get("no_progress_s"),
         "redis": _redis_memory(bus),
@@ -171,6 +184,13 @@ def format_status(st: dict[str, Any]) -> str:
     if again:
         held += f"; {again} re-drivable once their cause is fixed (`tether bus redrive`)"
     lines.append(f"  dead letters: {st['dead_letters']}{held}")
+    graded = {k: n for k, n in (st.get("grading") or {}).items() if n}
+    if graded:
+        lines.append(
+            "  scored responses by reason: "
+            + ", ".join(f"{k} {n}" for k, n in sorted(graded.items(), key=lambda kv: -kv[1]))
+            + " (since each scorer started)"
+        )
     lines += _health_lines(st)
     acc = st.get("accounting") or {}
     if acc:
