@@ -166,8 +166,10 @@ def test_the_race_figures_are_race_json():
     assert "cannot tell at this scale" in n["verdict"]
 
 
-def test_the_tools_reward_hack_figures_are_the_smollm2_tools_json():
-    r = json.loads((REPO / "bench" / "results" / "demos" / "smollm2-tools.json").read_text())
+def test_the_tools_reward_hack_figures_are_the_grading_any_json():
+    """The hack's figures: the runs made before ``scorer.answer_form``, kept apart."""
+    r = json.loads((REPO / "bench" / "results" / "demos" / "smollm2-tools-grading-any.json")
+                   .read_text())  # fmt: skip
     hacked = [x for x in r["runs"] if x["seed"] in (1, 2)]
     text = " ".join(README.split())
     finals = " and ".join(f"{x['evals'][-1]['accuracy']:.2f}" for x in hacked)
