@@ -175,3 +175,26 @@ def test_the_tools_reward_hack_figures_are_the_grading_any_json():
     finals = " and ".join(f"{x['evals'][-1]['accuracy']:.2f}" for x in hacked)
     assert f"accuracy reaches {finals} while their tool-call rate stays at or below 0.031" in text
     assert max(s["tool_call_rate"] for x in hacked for s in x["steps"]) < 0.0315
+
+
+def test_the_tools_rerun_figures_are_the_smollm2_tools_json():
+    """The rerun with ``scorer.answer_form = "number"``: the prose says nothing moved."""
+    demos = REPO / "bench" / "results" / "demos"
+    r = json.loads((demos / "smollm2-tools.json").read_text())
+    before = json.loads((demos / "smollm2-tools-grading-any.json").read_text())
+    runs = r["runs"]
+    text = " ".join(README.split())
+    assert [x["seed"] for x in runs] == [0, 1, 2]
+    # another config than the hack's runs (the answer form), the same for every seed
+    assert {x["config_digest"] for x in runs} & {
+        x["config_digest"] for x in before["runs"]
+    } == set()
+    assert len({x["config_digest"] for x in runs}) == 1
+    assert "every seed's held-out accuracy is 0.00 before, at v6 and after 12 steps" in text
+    assert all([e["round"] for e in x["evals"]] == [0, 6, 12] for x in runs)
+    assert all(e["accuracy"] == 0.0 for x in runs for e in x["evals"])
+    assert "the reward is 0 at every step of every seed" in text
+    assert all(len(x["steps"]) == 12 for x in runs)
+    assert all(s["reward_mean"] == 0.0 for x in runs for s in x["steps"])
+    rate = max(s["tool_call_rate"] for x in runs for s in x["steps"])
+    assert "and the tool-call rate stays at or below 0.031" in text and rate < 0.0315
