@@ -191,6 +191,10 @@ def answer_form_ok(answer: str | None, ground_truth: str | None, form: str) -> b
     with ``"number"``, unless the ground truth is a plain number and the answer is not. A
     missing answer or ground truth passes (the grader gives it its own reason)."""
     check_answer_form(form)
+    return _form_ok(answer, ground_truth, form)
+
+
+def _form_ok(answer: str | None, ground_truth: str | None, form: str) -> bool:
     if form == "any" or answer is None or not is_plain_number(ground_truth):
         return True
     return is_plain_number(answer)
@@ -202,6 +206,7 @@ def gate_answer_form(
     """``(pairs to grade, kept)``: each ``(answer, ground_truth)`` whose answer fails
     ``answer_form_ok`` has its answer blanked, so it is never sent to math-verify, and
     ``kept[i]`` is False; the caller scores it 0 with reason ``NOT_A_NUMBER``."""
-    kept = [answer_form_ok(answer, gold, form) for answer, gold in pairs]
+    check_answer_form(form)  # once for the batch, not per response
+    kept = [_form_ok(answer, gold, form) for answer, gold in pairs]
     gated = [(answer if ok else None, gold) for (answer, gold), ok in zip(pairs, kept, strict=True)]
     return gated, kept
