@@ -17,14 +17,23 @@ import pytest
 
 # Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
 USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
+# End-to-end modules whose runs mostly wait (fault windows held for tens of seconds, a stall
+# measured, a failover's timeouts), not compute: a scope of their own, which the other worker
+# takes beside the CPU-bound runs (alone on this machine the partitions module's two runs took
+# 562 s; as part of the one e2e scope, with Debian's Redis installed, they made that scope the
+# suite's critical path)
+MOSTLY_WAITING = ("tests/e2e/test_e2e_partitions.py",)
 
 
 def test_scope(nodeid: str) -> str:
     """What ``make test``'s two workers (pytest-xdist, ``--dist loadfile``) keep together: a
-    test module whole (its shared engine or cluster starts once), and every end-to-end run in
-    one scope, one run after another on one worker (two whole runs at once would fight over a
-    2-core machine's cores)."""
+    test module whole (its shared engine or cluster starts once), and every end-to-end run that
+    computes in one scope, one run after another on one worker (two such runs at once would
+    fight over a 2-core machine's cores). An e2e module that mostly waits (``MOSTLY_WAITING``)
+    is a scope of its own."""
     path = nodeid.split("::", 1)[0]
+    if path in MOSTLY_WAITING:
+        return path
     return "tests/e2e" if path.startswith("tests/e2e/") or path in USES_SHORT_RUN else path
 
 

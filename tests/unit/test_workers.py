@@ -1,0 +1,25 @@
+"""How `make test` splits the suite between its two workers (``tests.workers.test_scope``)."""
+
+from tests.paths import REPO
+from tests.workers import MOSTLY_WAITING, USES_SHORT_RUN, test_scope
+
+
+def test_computing_e2e_runs_share_one_scope_and_a_waiting_module_has_its_own():
+    demo = test_scope("tests/e2e/test_demo.py::test_reduced_demo_prints_accuracy_before_and_after")
+    kill = test_scope("tests/e2e/test_e2e_episodes.py::test_a_generator_killed_mid_episode")
+    assert demo == kill == "tests/e2e"
+    assert test_scope(f"{USES_SHORT_RUN[0]}::test_x") == "tests/e2e"  # the e2e run it reads
+    waiting = test_scope("tests/e2e/test_e2e_partitions.py::test_partitions_during_a_run[x]")
+    assert waiting == "tests/e2e/test_e2e_partitions.py" == MOSTLY_WAITING[0]
+    assert waiting != demo
+
+
+def test_every_other_module_is_a_scope_of_its_own():
+    a = test_scope("tests/services/test_model_families.py::test_vllm_runs[qwen3]")
+    b = test_scope("tests/services/test_model_families.py::test_parity[llama3]")
+    assert a == b == "tests/services/test_model_families.py"
+    assert test_scope("tests/unit/test_extract.py::test_box") == "tests/unit/test_extract.py"
+
+
+def test_the_named_modules_exist():
+    assert all((REPO / path).is_file() for path in (*MOSTLY_WAITING, *USES_SHORT_RUN))
