@@ -9,6 +9,7 @@ import json
 import pytest
 
 from common.config.load import load_config
+from tether.cli.main import main
 from tether.demo.result import (
     SCHEMA,
     DemoResult,
@@ -19,7 +20,7 @@ from tether.demo.result import (
     run_git,
     write_result,
 )
-from tether.demo.run import DEMO_CONFIG, PRESETS, TASKS
+from tether.demo.run import DEMO_CONFIG, PRESETS, TASKS, preset_settings
 
 
 def test_the_kind_names_the_task_the_agent_loop_and_lora():
@@ -105,3 +106,27 @@ def test_a_run_records_the_code_it_started_with_and_a_checkout_changed_meanwhile
         "dirty": True,
     }
     assert run_git(start, {"commit": "a" * 40, "dirty": True})["dirty"] is True
+
+
+def test_a_capped_warm_up_caps_each_stage_and_changes_the_digest():
+    tools = preset_settings("tools", warmup_steps=100)
+    assert (tools["warmup"]["first_steps"], tools["warmup"]["steps"]) == (100, 100)
+    assert tools["warmup"]["stop_at_exact"] == PRESETS["tools"]["warmup"]["stop_at_exact"]
+    assert PRESETS["tools"]["warmup"]["first_steps"] == 800  # the preset itself is untouched
+    # a cap above a stage's steps leaves that stage as it is; none leaves the preset
+    assert preset_settings("demo", warmup_steps=1000) == PRESETS["demo"]
+    assert preset_settings("demo") is PRESETS["demo"]
+    cfg = load_config(config_file=str(DEMO_CONFIG), overrides=[], flags={}).config.to_dict()
+    capped = config_digest(cfg, preset_settings("demo", warmup_steps=50))
+    assert capped != config_digest(cfg, PRESETS["demo"])
+    with pytest.raises(ValueError, match="no warm-up"):
+        preset_settings("smollm2", warmup_steps=10)
+
+
+def test_demo_refuses_a_warm_up_cap_where_there_is_no_warm_up_or_no_step(capsys):
+    assert main(["demo", "--task", "smollm2", "--warmup-steps", "10"]) == 2
+    assert "leave --warmup-steps out" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--warmup-steps", "0"])
+    assert e.value.code == 2
+    assert "whole number of steps >= 1" in capsys.readouterr().err

@@ -52,6 +52,13 @@ def _families(text: str) -> tuple[str, ...]:
     return names
 
 
+def _warmup_steps(text: str) -> int:
+    """``--warmup-steps 100``: a whole number of steps >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of steps >= 1, e.g. 100")
+    return int(text)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tether.demo.run import run_demo
 
@@ -62,6 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
         assets=args.assets,
         task=args.task,
         agent=args.agent,
+        warmup_steps=args.warmup_steps,
     )
 
 
@@ -152,6 +160,14 @@ def add_tool_verbs(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="with --task tools: run the episodes as user code through the generator's "
         "OpenAI-compatible endpoint (tether/demo/tool_agent.py) instead of the built-in loop",
+    )
+    demo.add_argument(
+        "--warmup-steps",
+        type=_warmup_steps,
+        metavar="N",
+        default=None,
+        help="cap each stage of the tiny model's supervised warm-up at N steps: a quicker, "
+        "weaker start than the README's runs (arithmetic: 300 steps; tools: up to 800 + 100)",
     )
     demo.set_defaults(func=_demo)
 

@@ -173,9 +173,28 @@ class Assets:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def prepare_assets(root: Path, *, preset: str = "demo", seed: int = 0) -> Assets:
-    """Tiny model + task files + warm-up under ``root`` (each step reused when up to date)."""
+def preset_settings(preset: str, *, warmup_steps: int | None = None) -> dict[str, Any]:
+    """``PRESETS[preset]``, with each warm-up stage capped at ``warmup_steps`` steps when given
+    (`tether demo --warmup-steps`). A preset without a warm-up (a real model) takes no cap."""
     p = PRESETS[preset]
+    if warmup_steps is None:
+        return p
+    if not p["warmup"]:
+        raise ValueError(f"the {preset!r} preset has no warm-up to cap")
+    if warmup_steps < 1:
+        raise ValueError(f"warmup_steps={warmup_steps} must be >= 1")
+    w = dict(p["warmup"], steps=min(p["warmup"]["steps"], warmup_steps))
+    if w.get("first_steps"):
+        w["first_steps"] = min(w["first_steps"], warmup_steps)
+    return {**p, "warmup": w}
+
+
+def prepare_assets(
+    root: Path, *, preset: str = "demo", seed: int = 0, warmup_steps: int | None = None
+) -> Assets:
+    """Tiny model + task files + warm-up under ``root`` (each step reused when up to date);
+    ``warmup_steps`` caps each warm-up stage (``preset_settings``)."""
+    p = preset_settings(preset, warmup_steps=warmup_steps)
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if "stage" in p["model"]:
@@ -229,15 +248,25 @@ def run_demo(
     assets: str | None,
     task: str = "arithmetic",
     agent: bool = False,
+    warmup_steps: int | None = None,
 ) -> int:
     """`tether demo`: ``task`` (a key of ``TASKS``), ``config_file`` (default: the task's),
     ``overrides`` (``--set``) and ``flags`` as the CLI gave them; ``assets`` where the model and
     data go (default: the run directory's ``assets/``); ``agent``: the tools task's episodes
-    through the endpoint (``AGENT_SETTINGS``). Returns the exit code of the run."""
+    through the endpoint (``AGENT_SETTINGS``); ``warmup_steps``: each warm-up stage capped at
+    this many steps (a quicker, weaker start than the README's runs). Returns the exit code of
+    the run."""
     if agent and task != "tools":
         print("tether demo: --agent runs the tools task's agent loop as user code; add "
               "--task tools", file=sys.stderr)  # fmt: skip
         return 2
+    preset, default_config = TASKS[task]
+    if warmup_steps is not None and not PRESETS[preset]["warmup"]:
+        print(f"tether demo: --warmup-steps caps the tiny model's supervised warm-up, and the "
+              f"{task} task has none (it starts from a published model): leave --warmup-steps "
+              f"out", file=sys.stderr)  # fmt: skip
+        return 2
+    settings = preset_settings(preset, warmup_steps=warmup_steps)
     if agent:
         overrides = [*AGENT_SETTINGS, *overrides]
 
@@ -245,12 +274,11 @@ def run_demo(
     load = {"before": demo_result.load_average()}
     command = shlex.join(["tether", *sys.argv[1:]])
     git_at_start = git_state()  # the code the services are about to load
-    preset, default_config = TASKS[task]
     config_file = config_file or str(default_config)
     cfg = load_config(config_file=config_file, overrides=overrides, flags=flags).config
     paths = RunDir.of(cfg.run)
     assets_dir = Path(assets) if assets else paths.assets
-    made = prepare_assets(assets_dir, preset=preset, seed=cfg.run.seed)
+    made = prepare_assets(assets_dir, preset=preset, seed=cfg.run.seed, warmup_steps=warmup_steps)
     given = [
         f"run.model={json.dumps(str(made.model_dir))}",
         f"data.train_path={json.dumps(str(made.data_dir / 'train.jsonl'))}",
@@ -275,7 +303,7 @@ def run_demo(
         kind=demo_result.demo_kind(task=task, agent=agent, lora_rank=cfg.learner.lora_rank),
         task=task, agent=agent, lora_rank=cfg.learner.lora_rank, seed=cfg.run.seed,
         command=command, git=demo_result.run_git(git_at_start, git_state()),
-        digest=demo_result.config_digest(cfg.to_dict(), PRESETS[preset]), exit_code=code,
+        digest=demo_result.config_digest(cfg.to_dict(), settings), exit_code=code,
         metrics=RunDir(run_dir).metrics, warmup=made.warmup_report, seconds=seconds, load=load,
         grading=(load_status_snapshot(run_dir) or {}).get("grading", {}),
     )  # fmt: skip
