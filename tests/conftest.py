@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from common.bus.server import EmbeddedRedis, valkey_binary
-from tests.e2e_support import run_training, write_config
+from tests.e2e_support import ci_assets, run_training, write_config
 from tests.paths import REPO
 
 # make test's two workers: what each runs (the scopes) and where their time went
@@ -28,7 +28,6 @@ from tests.workers import (  # noqa: F401 (hooks found by name)
     pytest_terminal_summary,
     pytest_xdist_make_scheduler,
 )
-from tether.demo.run import prepare_assets
 
 TEST_CACHE = REPO / ".cache" / "tests"
 LIBRARY_CACHES = {  # variable -> directory under .cache/home
@@ -119,7 +118,7 @@ def short_run(redis_server, tmp_path_factory: pytest.TempPathFactory):
     model, arithmetic task, every real service. Yields a RunResult (metric names scraped from
     every service's /metrics, metrics.jsonl records, final status)."""
     base = tmp_path_factory.mktemp("e2e")
-    assets = prepare_assets(base / "assets", preset="ci")
+    assets = ci_assets(tmp_path_factory.getbasetemp())
     config = write_config(
         base / "e2e.toml",
         name="e2e",

@@ -24,7 +24,7 @@ import redis
 
 from common.bus.server import pid_running
 from common.config.load import load_config
-from tether.demo.run import prepare_assets
+from tether.demo.run import Assets, prepare_assets
 from tether.runs.status import load_status_snapshot
 from tether.runs.status_view import enrich
 from tether.runs.supervisor import tether_command
@@ -299,14 +299,41 @@ def dead_letters(redis_url: str, name: str) -> list[tuple[str, str]]:
     return [(f[b"reason"].decode(), f[b"detail"].decode()) for _, f in rows]
 
 
+# The tools demo's warm-up capped at this many steps a stage (`tether demo --warmup-steps`): 100
+# steps of the careful teacher, then 100 of the sloppy one (~90 s here). The model calls the
+# calculator in the teacher's format in 19-36 % of its episodes (one run, seed 0: 16, 12, 23 and
+# 20 of each step's 64), rarely with the right operands; the demo's own warm-up runs until it
+# copies them (up to 800 + 100 steps, ~5 minutes here), which no test needs
+TOOLS_WARMUP_STEPS = 100
+
+
+def ci_assets(base: Path) -> Assets:
+    """The CI preset's tiny model, warmed up, and the arithmetic task, under ``base`` (a test
+    worker's base temporary directory, ``tmp_path.parent``): built once per worker and read by
+    every e2e run on it (the warm-up is deterministic; no run writes into these directories)."""
+    return prepare_assets(base / "e2e-assets-ci", preset="ci")
+
+
+def tools_assets_dir(base: Path) -> Path:
+    """Where ``tools_assets`` builds under ``base``: the reduced tools demo's ``--assets`` too
+    (with ``--warmup-steps TOOLS_WARMUP_STEPS``, so one warm-up serves both)."""
+    return base / "e2e-assets-tools"
+
+
+def tools_assets(base: Path) -> Assets:
+    """The tools task's model after ``TOOLS_WARMUP_STEPS`` a warm-up stage, and its files, in
+    ``tools_assets_dir(base)``."""
+    return prepare_assets(tools_assets_dir(base), preset="tools",
+                          warmup_steps=TOOLS_WARMUP_STEPS)  # fmt: skip
+
+
 def recovery_config(
     tmp_path: Path, name: str, *, cycles: int, learner_extra: str = "", extra: str = "",
-    run_extra: str = "", checkpoint_every_steps: int | None = 2, assets: str | None = None,
+    run_extra: str = "", checkpoint_every_steps: int | None = 2,
 ) -> Path:  # fmt: skip
-    """A short run's config on the CI preset's warmed-up model (shared by the recovery tests);
-    ``extra``: lines for the [bus] table; ``assets``: the name of a model + data directory
-    shared between tests (built and warmed up once), default one per run name."""
-    built = prepare_assets(tmp_path.parent / f"e2e-assets-{assets or name}", preset="ci")
+    """A short run's config on the CI preset's warmed-up model (``ci_assets``, shared by the
+    worker's e2e runs); ``extra``: lines for the [bus] table."""
+    built = ci_assets(tmp_path.parent)
     return write_config(
         tmp_path / f"{name}.toml",
         name=name,

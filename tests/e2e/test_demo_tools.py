@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from common.config.load import load_config
+from tests.e2e_support import TOOLS_WARMUP_STEPS, tools_assets_dir
 from tether.demo.result import config_digest
 from tether.demo.run import PRESETS, preset_settings
 from tether.demo.tasks import read_jsonl
@@ -29,10 +30,7 @@ from tether.demo.tool_task import GUESS, ToolTask, call_text, estimate, write_to
 from tether.runs.report.data import accounting_rows
 
 CYCLES = 2  # 4 optimizer steps of 64 episodes (the README's demo runs 12 cycles)
-# 100 steps of the careful teacher, then 100 of the sloppy one (~90 s here): the model calls
-# the calculator in the teacher's format in 19-36 % of its episodes (one run, seed 0: 16, 12, 23
-# and 20 of each step's 64), rarely with the right operands
-WARMUP_STEPS = 100
+WARMUP_STEPS = TOOLS_WARMUP_STEPS  # a stage; the assets are tools_assets' (one warm-up for both)
 
 
 def test_the_tool_task_and_its_sloppy_teacher(tmp_path: Path):
@@ -61,7 +59,7 @@ def test_reduced_tools_demo_calls_the_calculator_and_trains_on_it(tmp_path: Path
     cmd = [
         sys.executable, "-m", "tether.cli", "demo", "--task", "tools",
         "--num-cycles", str(CYCLES), "--warmup-steps", str(WARMUP_STEPS),
-        "--assets", str(tmp_path.parent / "e2e-assets-tools"),
+        "--assets", str(tools_assets_dir(tmp_path.parent)),
         "--set", 'run.name="demo-tools-test"',
         "--set", f"run.run_dir={json.dumps(str(tmp_path))}",
         "--set", f"learner.eval_every_steps={2 * CYCLES}",

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e_support import assert_trained_exactly_once, leftover_processes, run_training
+from tests.e2e_support import (
+    assert_trained_exactly_once,
+    leftover_processes,
+    run_training,
+    tools_assets,
+)
 from tests.paths import REPO
-from tether.demo.run import prepare_assets
 
 pytestmark = pytest.mark.slow
 
@@ -16,9 +20,10 @@ CYCLES, PROMPTS, RESPONSES = 4, 4, 4
 
 
 def tools_config(tmp_path, name: str, *, cycles: int, tools: str) -> object:
-    """A short episodes run on the tools task's model after a short warm-up (it calls the
-    calculator in the teacher's format; the demo's warm-up, until it copies, costs CI minutes)."""
-    assets = prepare_assets(tmp_path.parent / "e2e-assets-tools-ci", preset="tools-ci")
+    """A short episodes run on the tools task's model after a short warm-up (``tools_assets``:
+    it calls the calculator in the teacher's format; the demo's warm-up, until it copies, costs
+    CI minutes), the one the reduced tools demo uses."""
+    assets = tools_assets(tmp_path.parent)
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""
 [run]

@@ -81,7 +81,7 @@ def _run(tmp_path: Path, net: Hosts, name: str, cycles: int, at_step: int,
         (tmp_path / "redis-data").mkdir()
         server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
                             wrap=lambda argv: net.argv("redis", argv))  # fmt: skip
-    config = recovery_config(tmp_path, name, cycles=cycles, assets="partitions")
+    config = recovery_config(tmp_path, name, cycles=cycles)
     env = {SECRET_ENV: secrets.token_hex(16), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "TETHER_WEIGHTS__HOST": net.hosts["learner"].address,
            "TETHER_BUS__CLAIM_IDLE_S": str(CLAIM_IDLE_S),

@@ -30,7 +30,6 @@ from tests.fs_faults import resize, small_tmpfs
 pytestmark = pytest.mark.slow
 
 PROMPTS, RESPONSES = 4, 4  # recovery_config's cycle
-ASSETS = "resources"  # one warmed-up model for the module's runs
 
 
 def _restarts(output: str, service: str) -> int:
@@ -48,7 +47,6 @@ def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_pat
     # the second learner finished before the harness saw it (one kill of six).
     cycles = 6
     config = recovery_config(tmp_path, "six_kills", cycles=cycles, checkpoint_every_steps=None,
-                             assets=ASSETS,
                              run_extra="crash_window_s = 5.0")  # fmt: skip
     r = run_training(config, redis_url=redis_server.url, name="six_kills",
                      kill_plan=[("learner-0", 1)] * 6, timeout_s=1200,
@@ -70,7 +68,6 @@ def test_learner_killed_between_publish_and_checkpoint(redis_server, tmp_path):
     cycles = 8
     name = "publish_kills"
     config = recovery_config(tmp_path, name, cycles=cycles, learner_extra="eval_every_steps = 2",
-                             assets=ASSETS,
                              run_extra="crash_window_s = 5.0")  # fmt: skip
     kills = KillAtCheckpoints(tmp_path / "runs" / name, {1, 3, 5})
     r = run_training(config, redis_url=redis_server.url, name=name, during=kills,
@@ -102,7 +99,7 @@ def test_redis_at_maxmemory_for_30_s_slows_the_run_down_and_loses_nothing(tmp_pa
 
     try:
         cycles = 6
-        config = recovery_config(tmp_path, "oom", cycles=cycles, assets=ASSETS)
+        config = recovery_config(tmp_path, "oom", cycles=cycles)
         r = run_training(config, redis_url=server.url, name="oom", during=squeeze,
                          timeout_s=900)  # fmt: skip
         assert r.returncode == 0, r.output[-4000:]
@@ -122,7 +119,7 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_which_resumes_once_freed(
     redis_server, tmp_path
 ):
     cycles = 6
-    config = recovery_config(tmp_path, "diskfull", cycles=cycles, assets=ASSETS)  # ckpt / 2 steps
+    config = recovery_config(tmp_path, "diskfull", cycles=cycles)  # ckpt / 2 steps
     ckpts = tmp_path / "runs" / "diskfull" / "checkpoints"
     # room for one checkpoint of the CI model (~6.7 MB), not for two (keep_checkpoints = 2)
     with small_tmpfs(ckpts, 10 * 1024):

@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 
 from bench.reproducibility import compare, train_once
-from tests.conftest import TEST_CACHE
-from tether.demo.run import prepare_assets
+from tests.e2e_support import ci_assets
 from tether.runs.status import load_status_snapshot
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_synchronous_runs_of_one_seed_train_the_same_responses_with_two_generators(tmp_path):
-    assets = prepare_assets(TEST_CACHE / "ci-assets", preset="ci")
+    assets = ci_assets(tmp_path.parent)
     # at most 4 of a cycle's 16 prompts in flight per generator: both generators take part of
     # every cycle once both are up (with the default 64 the first to read takes a whole cycle)
     sets = {"generator.max_prompts_in_flight": "4"}

@@ -151,17 +151,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "warmup": {"steps": 100, "lr": 3e-3, "batch_size": 32},
     },
 }
-# The tools task with a short warm-up, for tests that need episodes calling the calculator (its
-# call format is learned early), not answers copied from it.
-PRESETS["tools-ci"] = {
-    **PRESETS["tools"],
-    "warmup": {
-        **PRESETS["tools"]["warmup"],
-        "first_steps": 0,
-        "steps": 150,
-        "stop_at_exact": None,
-    },  # fmt: skip
-}
 
 
 @dataclass
