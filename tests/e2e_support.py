@@ -314,6 +314,13 @@ def ci_assets(base: Path) -> Assets:
     return prepare_assets(base / "e2e-assets-ci", preset="ci")
 
 
+def demo_assets_dir(base: Path) -> Path:
+    """The arithmetic demo's model, task files and 300-step warm-up under ``base`` (a test
+    worker's ``tmp_path.parent``): the reduced demo and the reduced LoRA demo pass it as
+    ``--assets``, so the warm-up is built once per worker and reused by the other."""
+    return base / "e2e-assets-demo"
+
+
 def tools_assets_dir(base: Path) -> Path:
     """Where ``tools_assets`` builds under ``base``: the reduced tools demo's ``--assets`` too
     (with ``--warmup-steps TOOLS_WARMUP_STEPS``, so one warm-up serves both)."""

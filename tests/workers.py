@@ -50,8 +50,17 @@ else:
             return test_scope(nodeid)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
-        """``--dist loadfile`` with ``test_scope``'s scopes (other modes as pytest-xdist has them)."""
-        return _Scopes(config, log) if config.getvalue("dist") == "loadfile" else None
+        """``--dist loadfile`` with ``test_scope``'s scopes, handed out in collection order
+        (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by their
+        number of tests, which put the partitions module (2 tests, ~10 minutes) last: started
+        after ~27 minutes of a CI run, it could have run on alone for its whole length. In
+        collection order the e2e scope goes first, the waiting e2e module second (to the other
+        worker), then tests/services and the quick tests/unit last, where they even out the
+        end."""
+        if config.getvalue("dist") != "loadfile":
+            return None
+        config.option.loadscopereorder = False
+        return _Scopes(config, log)
 
 
 _BUSY: dict[str, float] = defaultdict(float)  # worker id -> seconds in setup, call, teardown

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config.load import load_config
+from tests.e2e_support import demo_assets_dir
 from tether.demo.result import DemoResult, config_digest
 from tether.demo.run import PRESETS
 from tether.demo.tasks import ArithmeticTask, make_problems
@@ -44,6 +45,8 @@ def test_reduced_demo_prints_accuracy_before_and_after(tmp_path: Path):
         "demo",
         "--num-cycles",
         str(CYCLES),
+        "--assets",
+        str(demo_assets_dir(tmp_path.parent)),
         "--set",
         'run.name="demo-test"',
         "--set",
@@ -87,7 +90,7 @@ def _check_result(run_dir: Path, *, cmd: list[str], steps: list[dict], evals: li
     )  # fmt: skip
     assert result.seed == 0 and result.exit_code == 0
     assert result.command == shlex.join(["tether", *cmd[3:]])  # cmd: python -m tether.cli ...
-    assert result.command.startswith(f"tether demo --num-cycles {CYCLES} --set ")
+    assert result.command.startswith(f"tether demo --num-cycles {CYCLES} --assets ")
     assert result.git == git_state() and len(result.git["commit"]) == 40
     resolved = load_config(config_file=run_dir / "config.toml").config
     assert result.config_digest == config_digest(resolved.to_dict(), PRESETS["demo"])
@@ -98,12 +101,16 @@ def _check_result(run_dir: Path, *, cmd: list[str], steps: list[dict], evals: li
     assert result.steps == [{"step": s["step"], "reward_mean": s["reward_mean"],
                              **({"tool_call_rate": s["tool_call_rate"]}
                                 if "tool_call_rate" in s else {})} for s in steps]  # fmt: skip
-    # a fresh run directory: the model, the task files and the warm-up were built by this run
+    # the model, the task files and the warm-up were built by this run, or by the LoRA demo
+    # where it ran first on this worker (demo_assets_dir: `make test` runs this file first)
     assert result.warmup["steps"] == PRESETS["demo"]["warmup"]["steps"]
-    assert result.warmup["reused"] is False
     sec = result.seconds
-    assert set(sec) == {"assets", "warmup", "rl", "total"} and min(sec.values()) > 0
-    assert sec["warmup"] > sec["assets"] and sec["rl"] > 10  # a warm-up of 300 steps; RL runs
+    assert set(sec) == {"assets", "warmup", "rl", "total"} and min(sec.values()) >= 0
+    if result.warmup["reused"] is False:
+        assert sec["warmup"] > sec["assets"] > 0  # a warm-up of 300 steps
+    else:
+        assert result.warmup["reused"] is True and sec["warmup"] < 10  # read back, not trained
+    assert sec["rl"] > 10
     assert sec["assets"] + sec["warmup"] + sec["rl"] <= sec["total"] + 0.5
     assert set(result.load_average) == {"before", "before_rl", "after"}
     assert all(len(v) == 3 and min(v) >= 0 for v in result.load_average.values())

@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e_support import demo_assets_dir
+
 CYCLES = 8  # 16 optimizer steps of 64 responses
 LORA = ["learner.lora_rank=16", "learner.lora_alpha=32", "learner.lr=5e-4"]
 
 
 @pytest.mark.slow
 def test_reduced_lora_demo_learns_through_adapter_only_updates(tmp_path: Path):
-    cmd = [sys.executable, "-m", "tether.cli", "demo", "--num-cycles", str(CYCLES)]
+    cmd = [sys.executable, "-m", "tether.cli", "demo", "--num-cycles", str(CYCLES),
+           "--assets", str(demo_assets_dir(tmp_path.parent))]  # fmt: skip
     for setting in [
         'run.name="demo-lora-test"',
         f"run.run_dir={json.dumps(str(tmp_path))}",
