@@ -169,7 +169,10 @@ def preset_settings(preset: str, *, warmup_steps: int | None = None) -> dict[str
     if warmup_steps is None:
         return p
     if not p["warmup"]:
-        raise ValueError(f"the {preset!r} preset has no warm-up to cap")
+        raise ValueError(
+            f"--warmup-steps caps the tiny model's supervised warm-up, and the {preset} preset "
+            "has no warm-up to cap (it starts from a published model): leave --warmup-steps out"
+        )
     if warmup_steps < 1:
         raise ValueError(f"warmup_steps={warmup_steps} must be >= 1")
     w = dict(p["warmup"], steps=min(p["warmup"]["steps"], warmup_steps))
@@ -250,12 +253,11 @@ def run_demo(
               "--task tools", file=sys.stderr)  # fmt: skip
         return 2
     preset, default_config = TASKS[task]
-    if warmup_steps is not None and not PRESETS[preset]["warmup"]:
-        print(f"tether demo: --warmup-steps caps the tiny model's supervised warm-up, and the "
-              f"{task} task has none (it starts from a published model): leave --warmup-steps "
-              f"out", file=sys.stderr)  # fmt: skip
+    try:
+        settings = preset_settings(preset, warmup_steps=warmup_steps)
+    except ValueError as e:
+        print(f"tether demo: {e}", file=sys.stderr)
         return 2
-    settings = preset_settings(preset, warmup_steps=warmup_steps)
     if agent:
         overrides = [*AGENT_SETTINGS, *overrides]
 
