@@ -25,6 +25,7 @@ from tests.paths import REPO
 # make test's two workers: what each runs (the scopes) and where their time went
 from tests.workers import (  # noqa: F401 (hooks found by name)
     pytest_runtest_logreport,
+    pytest_runtest_makereport,
     pytest_terminal_summary,
     pytest_xdist_make_scheduler,
 )

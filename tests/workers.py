@@ -3,15 +3,19 @@
 - What runs together (``test_scope``, the scheduler ``--dist loadfile`` gets): a test module
   whole, or every end-to-end run in one scope.
 - Where the time went, printed after pytest's 30 slowest tests: how long each worker was busy
-  and the scopes that kept it busy. The suite's wall time is at least its busiest worker's, so
-  this says which scope to shorten or move when the suite is slow (on the controller only: a
-  worker's reports reach it with their node).
+  and the scopes that kept it busy, each with the CPU-seconds it used (its worker's and its
+  finished subprocesses', ``resource.getrusage``: a scope using far less CPU than its time
+  mostly waits). The suite's wall time is at least its busiest worker's, so this says which
+  scope to shorten or move when the suite is slow (on the controller only: a worker's reports
+  reach it with their node and the CPU it measured).
 
 Hooks imported by ``tests/conftest.py``."""
 
 from __future__ import annotations
 
+import resource
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
 
@@ -63,24 +67,49 @@ else:
         return _Scopes(config, log)
 
 
-_BUSY: dict[str, float] = defaultdict(float)  # worker id -> seconds in setup, call, teardown
-_SCOPE: dict[tuple[str, str], float] = defaultdict(float)  # (worker, scope) -> seconds
+_BUSY: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # worker -> [seconds, CPU-s]
+_SCOPE: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (worker, scope)
 TOP_SCOPES = 12
+CPU_S = "cpu_s"  # the report's user property: CPU-seconds since this process's last report
+_last_cpu_s = [0.0]
+
+
+def cpu_seconds() -> float:
+    """CPU-seconds (user + system) of this process and of its subprocesses that have ended and
+    been waited for (a server still running is counted once it is stopped)."""
+    own, ended = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Each phase's report carries the CPU used since the one before (so a module's shared
+    engine counts where it starts and where it stops)."""
+    outcome = yield
+    now = cpu_seconds()
+    outcome.get_result().user_properties.append((CPU_S, now - _last_cpu_s[0]))
+    _last_cpu_s[0] = now
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     node = getattr(report, "node", None)  # set on the controller for a worker's report
     worker = getattr(getattr(node, "gateway", None), "id", None) or "main"
-    _BUSY[worker] += report.duration
-    _SCOPE[(worker, test_scope(report.nodeid))] += report.duration
+    cpu = sum(v for k, v in report.user_properties if k == CPU_S)
+    for totals in (_BUSY[worker], _SCOPE[(worker, test_scope(report.nodeid))]):
+        totals[0] += report.duration
+        totals[1] += cpu
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     if hasattr(config, "workerinput") or not _BUSY:
         return
     tr = terminalreporter
-    tr.section("time per worker and scope (setup + call + teardown)")
-    for worker, seconds in sorted(_BUSY.items()):
-        tr.write_line(f"{worker}: busy {seconds:7.0f} s")
-    for (worker, scope), seconds in sorted(_SCOPE.items(), key=lambda kv: -kv[1])[:TOP_SCOPES]:
-        tr.write_line(f"  {seconds:7.0f} s  {worker}  {scope}")
+    tr.section("time per worker and scope (setup + call + teardown), and the CPU it used")
+    for worker, (seconds, cpu) in sorted(_BUSY.items()):
+        tr.write_line(f"{worker}: busy {seconds:7.0f} s, CPU {cpu:7.0f} s")
+    scopes = sorted(_SCOPE.items(), key=lambda kv: -kv[1][0])[:TOP_SCOPES]
+    for (worker, scope), (seconds, cpu) in scopes:
+        tr.write_line(f"  {seconds:7.0f} s  CPU {cpu:7.0f} s  {worker}  {scope}")

@@ -1,7 +1,11 @@
 """How `make test` splits the suite between its two workers (``tests.workers.test_scope``)."""
 
+import resource
+import subprocess
+import sys
+
 from tests.paths import REPO
-from tests.workers import MOSTLY_WAITING, USES_SHORT_RUN, test_scope
+from tests.workers import MOSTLY_WAITING, USES_SHORT_RUN, cpu_seconds, test_scope
 
 
 def test_computing_e2e_runs_share_one_scope_and_a_waiting_module_has_its_own():
@@ -23,3 +27,11 @@ def test_every_other_module_is_a_scope_of_its_own():
 
 def test_the_named_modules_exist():
     assert all((REPO / path).is_file() for path in (*MOSTLY_WAITING, *USES_SHORT_RUN))
+
+
+def test_cpu_seconds_count_an_ended_subprocess():
+    before = cpu_seconds()
+    subprocess.run([sys.executable, "-c", "sum(range(3 * 10**7))"], check=True)
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert cpu_seconds() - before >= 0.2
+    assert child.ru_utime > 0
