@@ -140,7 +140,7 @@ class GeneratorService:
         self.bus = Bus(settings.bus, service="generator")
         self.timer = PhaseTimer("generator")
         self.metrics = _Metrics()
-        self.ready = False
+        self._joined = False  # the first join returned (with weights, or none published yet)
         self.live = Liveness(settings.liveness_s)
         self._stop = asyncio.Event()
         self.weights: WeightFollower | None = None  # once the engine runs
@@ -197,6 +197,14 @@ class GeneratorService:
             metrics=self.metrics,
             stopped=self._stop,
         )
+
+    @property
+    def ready(self) -> bool:
+        """``/readyz``: joined and running weights. A first receive that times out (a learner
+        still starting, slower than ``weights.timeout_s``) leaves the generator joined without
+        weights: it takes prompts and holds them at the staleness gate, but is not ready until
+        a version arrives."""
+        return self._joined and self.version is not None
 
     @property
     def version(self) -> int | None:
@@ -412,7 +420,7 @@ class GeneratorService:
         await self._start_engine()
         assert self.weights is not None
         await self.weights.join_until_done()
-        self.ready = True
+        self._joined = True
         self.bus.ensure_group(streams.GROUPS, streams.SCORERS)  # back-pressure reads its backlog
         consumer = Consumer(self.bus, streams.PROMPTS, streams.GENERATORS, self.sid)
         tasks: set[asyncio.Task] = set()

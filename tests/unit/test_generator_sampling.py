@@ -75,3 +75,15 @@ def test_every_turn_of_every_episode_has_its_own_seed():
     assert len(seeds) == 12 and all(0 <= s < 2**62 for s in seeds if s is not None)
     assert episode_seed(99, response=1, turn=2) == episode_seed(99, response=1, turn=2)
     assert episode_seed(None, response=0, turn=0) is None
+
+
+def test_ready_once_joined_and_running_weights_not_before():
+    """A first receive that timed out (the learner slower to start than weights.timeout_s)
+    leaves the generator joined on no weights: /readyz stays 503 until a version loads."""
+    svc = _service()
+    assert not svc.ready  # not yet joined
+    svc._joined = True
+    svc.weights = SimpleNamespace(version=None)  # joined; the receive timed out
+    assert not svc.ready
+    svc.weights.version = 0
+    assert svc.ready
