@@ -287,6 +287,12 @@ class ToolSandbox:
             return ToolResult(ok=False, error=f"the sandbox worker {what} during the call",
                               seconds=loop.time() - started, reason="worker")  # fmt: skip
         slot.calls += 1
+        if answer.get("leftovers"):  # the worker ends: once it has, its namespace is empty
+            try:
+                await asyncio.wait_for(slot.proc.wait(), GRACE_S)  # type: ignore[union-attr]
+            except TimeoutError:
+                pass
+            await self._kill(slot)  # restarted on its next call
         ok = bool(answer.get("ok"))
         error = str(answer.get("error", ""))
         return ToolResult(

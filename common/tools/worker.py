@@ -18,7 +18,9 @@ Per call it forks a child that sets the call's limits and runs it:
 
 After every call the worker kills every process the call left (in the jail it is the PID
 namespace's init: ``kill(-1)`` reaches them all, daemons included), reaps them, and empties
-``/work``, so nothing carries over to the next call. Every outcome is a result frame
+``/work``, so nothing carries over to the next call. Should some still be there after
+``LEFTOVERS_S``, its answer says so (``leftovers``) and the worker ends after it: the kernel
+kills what is left in the namespace, and the pool starts a fresh worker. Every outcome is a result frame
 ``{"id", "ok", "output", "error", "seconds"}``; the worker itself exits only at end of input.
 """
 
@@ -40,6 +42,10 @@ from common.tools.functions import ToolSpec
 from common.tools.registry import callable_of
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# after a call, what it left is killed and reaped for at most this long (a fork bomb's thousands
+# of processes on a loaded machine can take more than a second); past it the worker ends, and
+# its PID namespace with everything in it
+LEFTOVERS_S = 3.0
 _SIGNALS: dict[int, str] = {signal.SIGXCPU: "its CPU time limit", signal.SIGKILL: "SIGKILL"}
 
 
@@ -184,9 +190,12 @@ class Worker:
             if status is None and time.monotonic() >= deadline:
                 return "timeout", None
 
-    def _kill_leftovers(self, pid: int) -> None:
-        """Kill the call and everything it started; reap them all."""
-        for _ in range(100):
+    def _kill_leftovers(self, pid: int) -> bool:
+        """Kill the call and everything it started; reap them all. False when some were still
+        there after ``LEFTOVERS_S`` (a fork bomb on a loaded machine): the worker then ends after
+        its answer, and the PID namespace with it (``serve``)."""
+        deadline = time.monotonic() + LEFTOVERS_S
+        while True:
             try:
                 if self.isolated:
                     os.kill(-1, signal.SIGKILL)  # init of the PID namespace: all but itself
@@ -198,7 +207,9 @@ class Worker:
                 while os.waitpid(-1, os.WNOHANG)[0] > 0:
                     pass
             except ChildProcessError:
-                return
+                return True
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
 
     def _empty_work(self) -> None:
@@ -228,11 +239,13 @@ class Worker:
         fds = {out_r: bytearray(), res_r: bytearray()}
         output, result = fds[out_r], fds[res_r]
         ended, status = self._collect(pid, dict(fds), started + float(request["timeout_s"]))
-        self._kill_leftovers(pid)
+        clean = self._kill_leftovers(pid)
         os.close(out_r)
         os.close(res_r)
         self._empty_work()
         answer = self._answer(request, ended, status, bytes(output), bytes(result))
+        if not clean:
+            answer["leftovers"] = True  # the sandbox waits for this worker's end (serve)
         return {**answer, "id": request["id"], "seconds": time.monotonic() - started}
 
     def _answer(
@@ -277,7 +290,10 @@ class Worker:
             request = read_frame(reader)
             if request is None:
                 return
-            write_frame(writer, self.call(request))
+            answer = self.call(request)
+            write_frame(writer, answer)
+            if answer.get("leftovers"):  # ending takes the PID namespace, and what is left in it
+                return
 
 
 def main() -> None:
