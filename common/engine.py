@@ -198,6 +198,19 @@ def _decode(tokenizer: Any, token_ids: list[int]) -> str:
     return str(tokenizer.decode(token_ids, skip_special_tokens=True)) if token_ids else ""
 
 
+# How long vLLM's engine core process has to end after it is told to stop, before it is killed.
+# On CPU it aborts its requests and leaves its loop at once, then spends ~3 s (2-core machine,
+# tiny model; py-spy: freeing its process group, then the interpreter's own exit) on nothing a
+# later process needs; vLLM's default waits up to 5 s for it, which every generator and solver
+# stop waited. Killed past the grace, it is said once at INFO (vLLM's own two warnings of the
+# forced kill are dropped: it is expected here).
+CPU_STOP_GRACE_S = 1.0
+
+
+def _not_a_forced_kill(record: logging.LogRecord) -> bool:
+    return "force killing remaining process" not in str(record.msg)
+
+
 def _not_the_seed_warning(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("The global random seed is set to")
 
@@ -244,6 +257,7 @@ class GenerationEngine:
         # return_routed_experts on a vLLM that cannot return them: the worker extension records
         # them (common.engine_routing.RoutingRecorder) and each request's record is taken after it
         self._recording = False
+        self._stop_grace_s: float | None = None  # vLLM's default (5 s), but on CPU: see start
 
     async def start(self) -> None:
         """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
@@ -314,6 +328,8 @@ class GenerationEngine:
         )
         started = time.perf_counter()
         self._tokenizer = load_tokenizer(s)
+        if current_platform.is_cpu():
+            self._stop_grace_s = CPU_STOP_GRACE_S
         one_cpu_worker = current_platform.is_cpu() and s.tensor_parallel_size == 1
         with _worker_in_engine_core() if one_cpu_worker else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(args)
@@ -438,7 +454,17 @@ class GenerationEngine:
         """Stop the engine core process. Safe to call twice."""
         if self._llm is not None:
             llm, self._llm = self._llm, None
-            shutdown_engine_core(llm.engine_core, llm.shutdown)
+            grace = self._stop_grace_s
+            if grace is None:
+                shutdown_engine_core(llm.engine_core, llm.shutdown)
+                return
+            logger.info("stopping vLLM's engine core: %.0f s to end, then killed", grace)
+            manager_log = logging.getLogger("vllm.v1.utils")  # its "force killing" warnings
+            manager_log.addFilter(_not_a_forced_kill)
+            try:
+                shutdown_engine_core(llm.engine_core, lambda: llm.shutdown(timeout=grace))
+            finally:
+                manager_log.removeFilter(_not_a_forced_kill)
 
 
 def shutdown_engine_core(core: Any, shutdown: Any) -> None:
