@@ -23,8 +23,9 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist): the whole runs of tests/e2e go one after another on one
 # worker, each other test module whole on either (its shared engine started once; the scopes:
-# tests/conftest.py, test_scope). Much of an end-to-end run waits on process start-ups, which
-# the other worker's tests fill. TEST_WORKERS=0 runs everything in this process, in order.
+# tests/workers.py, test_scope). The suite computes most of its time (a worker's CPU-seconds
+# are printed beside its busy time), so more workers than cores does not pay on a 2-core
+# machine. TEST_WORKERS=0 runs everything in this process, in order.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests

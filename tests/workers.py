@@ -21,22 +21,21 @@ import pytest
 
 # Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
 USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
-# End-to-end modules whose runs mostly wait (fault windows held for tens of seconds, a stall
-# measured, a failover's timeouts), not compute: a scope of their own, which the other worker
-# takes beside the CPU-bound runs (alone on this machine the partitions module's two runs took
-# 562 s; as part of the one e2e scope, with Debian's Redis installed, they made that scope the
-# suite's critical path)
-MOSTLY_WAITING = ("tests/e2e/test_e2e_partitions.py",)
+# End-to-end modules that are a scope of their own, which the other worker takes beside the
+# e2e scope: the partitions module's two runs (fault windows held for minutes, two generators)
+# are ~1/3 of the end-to-end time (678 s of 1,892 s, CPU 521 s, in the last fresh-clone run);
+# in the one e2e scope they made it the suite's critical path
+E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
 
 
 def test_scope(nodeid: str) -> str:
     """What ``make test``'s two workers (pytest-xdist, ``--dist loadfile``) keep together: a
     test module whole (its shared engine or cluster starts once), and every end-to-end run that
     computes in one scope, one run after another on one worker (two such runs at once would
-    fight over a 2-core machine's cores). An e2e module that mostly waits (``MOSTLY_WAITING``)
-    is a scope of its own."""
+    fight over a 2-core machine's cores). A long e2e module (``E2E_APART``) is a scope of its
+    own."""
     path = nodeid.split("::", 1)[0]
-    if path in MOSTLY_WAITING:
+    if path in E2E_APART:
         return path
     return "tests/e2e" if path.startswith("tests/e2e/") or path in USES_SHORT_RUN else path
 
@@ -58,7 +57,7 @@ else:
         (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by their
         number of tests, which put the partitions module (2 tests, ~10 minutes) last: started
         after ~27 minutes of a CI run, it could have run on alone for its whole length. In
-        collection order the e2e scope goes first, the waiting e2e module second (to the other
+        collection order the e2e scope goes first, the partitions module second (to the other
         worker), then tests/services and the quick tests/unit last, where they even out the
         end."""
         if config.getvalue("dist") != "loadfile":

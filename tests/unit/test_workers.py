@@ -5,16 +5,16 @@ import subprocess
 import sys
 
 from tests.paths import REPO
-from tests.workers import MOSTLY_WAITING, USES_SHORT_RUN, cpu_seconds, test_scope
+from tests.workers import E2E_APART, USES_SHORT_RUN, cpu_seconds, test_scope
 
 
-def test_computing_e2e_runs_share_one_scope_and_a_waiting_module_has_its_own():
+def test_e2e_runs_share_one_scope_and_the_long_partitions_module_has_its_own():
     demo = test_scope("tests/e2e/test_demo.py::test_reduced_demo_prints_accuracy_before_and_after")
     kill = test_scope("tests/e2e/test_e2e_episodes.py::test_a_generator_killed_mid_episode")
     assert demo == kill == "tests/e2e"
     assert test_scope(f"{USES_SHORT_RUN[0]}::test_x") == "tests/e2e"  # the e2e run it reads
     waiting = test_scope("tests/e2e/test_e2e_partitions.py::test_partitions_during_a_run[x]")
-    assert waiting == "tests/e2e/test_e2e_partitions.py" == MOSTLY_WAITING[0]
+    assert waiting == "tests/e2e/test_e2e_partitions.py" == E2E_APART[0]
     assert waiting != demo
 
 
@@ -26,7 +26,7 @@ def test_every_other_module_is_a_scope_of_its_own():
 
 
 def test_the_named_modules_exist():
-    assert all((REPO / path).is_file() for path in (*MOSTLY_WAITING, *USES_SHORT_RUN))
+    assert all((REPO / path).is_file() for path in (*E2E_APART, *USES_SHORT_RUN))
 
 
 def test_cpu_seconds_count_an_ended_subprocess():
