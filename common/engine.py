@@ -198,12 +198,13 @@ def _decode(tokenizer: Any, token_ids: list[int]) -> str:
     return str(tokenizer.decode(token_ids, skip_special_tokens=True)) if token_ids else ""
 
 
-# How long vLLM's engine core process has to end after it is told to stop, before it is killed.
-# On CPU it aborts its requests and leaves its loop at once, then spends ~3 s (2-core machine,
-# tiny model; py-spy: freeing its process group, then the interpreter's own exit) on nothing a
-# later process needs; vLLM's default waits up to 5 s for it, which every generator and solver
-# stop waited. Killed past the grace, it is said once at INFO (vLLM's own two warnings of the
-# forced kill are dropped: it is expected here).
+# How long vLLM's engine core process (on CPU, with its one worker inside it:
+# ``_worker_in_engine_core``) has to end after it is told to stop, before it is killed. It aborts
+# its requests and leaves its loop at once, then spends ~3 s (2-core machine, tiny model; py-spy:
+# freeing its process group, then the interpreter's own exit) on nothing a later process needs;
+# vLLM's default waits up to 5 s for it, which every generator and solver stop waited. Killed
+# past the grace, it is said once at INFO (vLLM's own two warnings of the forced kill are
+# dropped: it is expected here).
 CPU_STOP_GRACE_S = 1.0
 
 
@@ -257,10 +258,11 @@ class GenerationEngine:
         # return_routed_experts on a vLLM that cannot return them: the worker extension records
         # them (common.engine_routing.RoutingRecorder) and each request's record is taken after it
         self._recording = False
-        self._stop_grace_s: float | None = None  # vLLM's default (5 s), but on CPU: see start
+        self._stop_grace_s: float | None = None  # vLLM's default (5 s); one CPU worker: see start
 
     async def start(self) -> None:
-        """Start the engine (model load + KV cache allocation; ~25 s on a 2-core CPU)."""
+        """Start the engine (model load + KV cache allocation; ~13 s for the tiny model on a
+        2-core CPU)."""
         if self._llm is not None:
             return
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -328,9 +330,9 @@ class GenerationEngine:
         )
         started = time.perf_counter()
         self._tokenizer = load_tokenizer(s)
-        if current_platform.is_cpu():
-            self._stop_grace_s = CPU_STOP_GRACE_S
         one_cpu_worker = current_platform.is_cpu() and s.tensor_parallel_size == 1
+        if one_cpu_worker:  # no worker processes, no shared-memory queues to them: a quick stop
+            self._stop_grace_s = CPU_STOP_GRACE_S
         with _worker_in_engine_core() if one_cpu_worker else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(args)
         logger.info(
