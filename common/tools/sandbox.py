@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from common.tools.functions import ToolArgumentError, ToolSpec, check_arguments
 from common.tools.jail import make_undumpable
-from common.tools.worker import MAX_FRAME_BYTES
+from common.tools.worker import LEFTOVERS_S, MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ Isolation = Literal["auto", "namespaces", "rlimits"]
 UNSHARE = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child")
 UNSHARE_NET = ("--user", "--net")  # rlimits mode: no network, without privileges
 GRACE_S = 5.0  # a worker that misses a call's deadline by this much is wedged: restart it
+LEFTOVERS_END_S = 60.0  # a worker ending over what it could not reap: how long its end may take
 START_TIMEOUT_S = 30.0
 
 
@@ -227,6 +228,21 @@ class ToolSandbox:
                 pass
         await proc.wait()
 
+    async def _end_after_leftovers(self, slot: _Slot) -> None:
+        """The worker could not reap what a call left within ``LEFTOVERS_S`` and ends (a
+        process stuck in the kernel, as under heavy disk I/O, dies only once its I/O is done).
+        Its PID namespace ends with it, once the kernel has reaped everything in it, and then
+        ``unshare`` exits: waited for, so the slot's next worker starts with nothing left."""
+        log.warning("tool slot %d: a call left processes its worker could not reap in %g s; "
+                    "the worker ends and its PID namespace with it", slot.index, LEFTOVERS_S)  # fmt: skip
+        assert slot.proc is not None
+        try:
+            await asyncio.wait_for(slot.proc.wait(), LEFTOVERS_END_S)
+        except TimeoutError:
+            log.error("tool slot %d: its worker's namespace did not end within %g s",
+                      slot.index, LEFTOVERS_END_S)  # fmt: skip
+        await self._kill(slot)  # restarted on its next call
+
     async def close(self) -> None:
         for slot in self._slots:
             if slot.proc is not None and slot.proc.stdin is not None:
@@ -287,12 +303,8 @@ class ToolSandbox:
             return ToolResult(ok=False, error=f"the sandbox worker {what} during the call",
                               seconds=loop.time() - started, reason="worker")  # fmt: skip
         slot.calls += 1
-        if answer.get("leftovers"):  # the worker ends: once it has, its namespace is empty
-            try:
-                await asyncio.wait_for(slot.proc.wait(), GRACE_S)  # type: ignore[union-attr]
-            except TimeoutError:
-                pass
-            await self._kill(slot)  # restarted on its next call
+        if answer.get("leftovers"):
+            await self._end_after_leftovers(slot)
         ok = bool(answer.get("ok"))
         error = str(answer.get("error", ""))
         return ToolResult(
