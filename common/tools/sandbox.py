@@ -25,6 +25,7 @@ back. Every worker kills what a call leaves behind (``common.tools.worker``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -45,7 +46,9 @@ Isolation = Literal["auto", "namespaces", "rlimits"]
 UNSHARE = ("--net", "--pid", "--mount", "--ipc", "--uts", "--fork", "--kill-child")
 UNSHARE_NET = ("--user", "--net")  # rlimits mode: no network, without privileges
 GRACE_S = 5.0  # a worker that misses a call's deadline by this much is wedged: restart it
-LEFTOVERS_END_S = 60.0  # a worker ending over what it could not reap: how long its end may take
+LEFTOVERS_END_S = 60.0
+UIDS_PER_PROCESS = 1024  # the slots' uids: 2,000,000 + (pid % 100,000) * this + a count
+_UIDS_TAKEN = itertools.count()  # slots made in this process  # a worker ending over what it could not reap: how long its end may take
 START_TIMEOUT_S = 30.0
 
 
@@ -118,8 +121,15 @@ class ToolSandbox:
         self.requested: Isolation = isolation
         self.isolation = ""  # what the workers run with, once started
         self.scratch = scratch_dir or tempfile.gettempdir()
-        uid_base = 2_000_000 + (os.getpid() % 100_000) * 64
-        self._slots = [_Slot(index=i, uid=uid_base + i) for i in range(workers)]
+        # every slot of every sandbox of this process a uid of its own: a second sandbox (the
+        # demo agent's, one per event loop, beside the generator's) sharing the first's uids
+        # would share its RLIMIT_NPROC and could signal its tools
+        first = next(_UIDS_TAKEN)
+        for _ in range(workers - 1):
+            next(_UIDS_TAKEN)
+        uid_base = 2_000_000 + (os.getpid() % 100_000) * UIDS_PER_PROCESS
+        self._slots = [_Slot(index=i, uid=uid_base + (first + i) % UIDS_PER_PROCESS)
+                       for i in range(workers)]  # fmt: skip
         self._idle: asyncio.Queue[_Slot] = asyncio.Queue()
         self._next_id = 0
         self.restarts = 0
