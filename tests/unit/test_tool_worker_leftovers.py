@@ -15,17 +15,19 @@ import os, time
 import common.tools.worker as w
 w.LEFTOVERS_S = 0.3
 worker = w.Worker({"limits": {}})
+ready_r, ready_w = os.pipe()
 call = os.fork()
 if call == 0:
     os.setpgid(0, 0)  # a call's process group, as the worker's fork makes it
-    os.fork()  # and a child of the call's, in its group
-    time.sleep(30)
+    if os.fork() == 0:  # and a child of the call's, in its group
+        os.write(ready_w, b"x")  # both exist
+    time.sleep(30)  # alive until killed (not a wait for anything)
     os._exit(0)
-time.sleep(0.2)
+os.read(ready_r, 1)
 print("reaped" if worker._kill_leftovers(call) else "left")
 escaped = os.fork()
 if escaped == 0:  # in the worker's own group: the call's kill does not reach it
-    time.sleep(30)
+    time.sleep(30)  # alive until killed
     os._exit(0)
 t0 = time.monotonic()
 print("reaped" if worker._kill_leftovers(call) else "left", round(time.monotonic() - t0, 1))
