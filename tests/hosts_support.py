@@ -50,9 +50,15 @@ def start_service(net: Hosts, host: str, kind: str, config: Path, url: str, log_
 def tether_json(config: Path, url: str, *verb: str) -> dict:
     """`tether <verb> --json` of the run in ``config``, from this (the machine's) namespace, with
     the Redis URL ``url``: its parsed output (a failure shows its stderr)."""
+    return json.loads(tether_verb(config, url, *verb, "--json"))
+
+
+def tether_verb(config: Path, url: str, *verb: str) -> str:
+    """`tether <verb>` of the run in ``config`` with the Redis URL ``url``, from this (the
+    machine's) namespace: its output (a failure shows its stderr)."""
     proc = subprocess.run(
-        tether_command(*verb, "--json", "--config", str(config), "--redis-url", url),
+        tether_command(*verb, "--config", str(config), "--redis-url", url),
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+    return proc.stdout

@@ -46,8 +46,12 @@ def generated_field(sid: str, split: str) -> str:
     return sid + EVAL_SUFFIX if split == "eval" else sid
 
 
-# JSON {num_cycles, version, at}: the learner finished the run (``common.service.run_end``).
+# JSON {num_cycles, version, at[, ended_early_at_cycle]}: the learner finished the run
+# (``common.service.run_end``).
 RUN_FINISHED = "run:finished"
+# JSON {at}: an operator asked the run to end early (`tether finish`): the learner dispatches no
+# new cycle, trains those it dispatched, then finishes (``common.service.run_end``).
+RUN_FINISH_REQUEST = "run:finish_request"
 
 
 def generator_version(sid: str) -> str:

@@ -11,6 +11,12 @@ starts after the end (a pod replaced, ``docker compose up``) exits 0 at once.
 A record counts only for a configuration whose ``run.num_cycles`` it reaches: raise
 ``num_cycles`` to extend a finished run under the same name and the services keep running (the
 learner, resuming below the new end, deletes the stale record with ``clear``).
+
+A run may end early (`tether finish`, ``request_finish``): the learner dispatches no new cycle,
+trains the cycles it has dispatched (every prompt it sent out is trained, filtered or dropped as
+stale: the books stay whole), then finishes as at its end. Its record names the configured
+``num_cycles`` (so every service of that configuration stops) and ``ended_early_at_cycle``, the
+cycles it trained; a learner restarted on that run finds it finished at that cycle.
 """
 
 from __future__ import annotations
@@ -39,17 +45,41 @@ class _KeyStore(Protocol):
     def delete(self, name: str) -> None: ...
 
 
-def mark_finished(bus: _KeyStore, *, num_cycles: int, version: int) -> None:
-    """Learner rank 0, at the end of a finished run: every service may stop."""
-    doc = {"num_cycles": int(num_cycles), "version": int(version), "at": time.time()}
+def mark_finished(
+    bus: _KeyStore, *, num_cycles: int, version: int, ended_early_at_cycle: int | None = None
+) -> None:
+    """Learner rank 0, at the end of a finished run: every service may stop.
+    ``ended_early_at_cycle``: the run was asked to end early (``request_finish``) and trained
+    this many cycles of its ``num_cycles``."""
+    doc: dict[str, Any] = {"num_cycles": int(num_cycles), "version": int(version),
+                           "at": time.time()}  # fmt: skip
+    if ended_early_at_cycle is not None:
+        doc["ended_early_at_cycle"] = int(ended_early_at_cycle)
     bus.set(streams.RUN_FINISHED, json.dumps(doc))
-    log.info(
-        "run finished at policy version %d: generators and scorers stop by themselves", version
+    bus.delete(streams.RUN_FINISH_REQUEST)  # answered
+    early = (
+        "" if ended_early_at_cycle is None else f", ended early after cycle {ended_early_at_cycle}"
     )
+    log.info("run finished at policy version %d%s: generators and scorers stop by themselves",
+             version, early)  # fmt: skip
+
+
+def request_finish(bus: _KeyStore) -> None:
+    """An operator (`tether finish`): end the run early, once the cycles dispatched so far are
+    trained."""
+    bus.set(streams.RUN_FINISH_REQUEST, json.dumps({"at": time.time()}))
+
+
+def finish_requested(bus: _KeyStore) -> bool:
+    """Learner rank 0, once a cycle: whether an operator asked the run to end early."""
+    return bus.get(streams.RUN_FINISH_REQUEST) is not None
 
 
 def clear(bus: _KeyStore) -> None:
-    """Learner rank 0, resuming a run that is not finished: forget an earlier end."""
+    """Learner rank 0, resuming a run that is not finished: forget an earlier end (and a request
+    to end early that came after it: it asked to end the run that had ended)."""
+    if bus.get(streams.RUN_FINISHED) is not None:
+        bus.delete(streams.RUN_FINISH_REQUEST)
     bus.delete(streams.RUN_FINISHED)
 
 

@@ -289,7 +289,12 @@ class BusSide:
     def begin(self, version: int, next_cycle: int) -> None:
         """Held-out accuracy before training (or at resume), then dispatch from
         ``next_cycle``. A run resumed below its end voids an earlier end (``num_cycles`` raised
-        under the same run name)."""
+        under the same run name), unless that end was an early one at ``next_cycle`` (`tether
+        finish`): the run stays finished there."""
+        early = (self._ended_before() or {}).get("ended_early_at_cycle")
+        if isinstance(early, int) and next_cycle >= early:
+            self.dispatcher.end_cycle = next_cycle
+            return  # nothing to evaluate or dispatch: finish_run says so
         if next_cycle < self.settings.run.num_cycles:
             run_end.clear(self.bus)
         elif self._ended_before():
@@ -314,7 +319,36 @@ class BusSide:
         else:
             self.start_eval(version)
             self.finish_evals(timeout_s=300.0, stop=stop, idle=idle)
-        run_end.mark_finished(self.bus, num_cycles=self.settings.run.num_cycles, version=version)
+        run_end.mark_finished(self.bus, num_cycles=self.settings.run.num_cycles, version=version,
+                              ended_early_at_cycle=self.end_cycle if self.ended_early else None)  # fmt: skip
+
+    # ------------------------------------------------------------------ ending early
+    @property
+    def end_cycle(self) -> int:
+        """The run ends before this cycle: ``run.num_cycles``, or fewer once asked to end early."""
+        return self.dispatcher.end_cycle
+
+    @property
+    def ended_early(self) -> bool:
+        return self.dispatcher.end_cycle < self.settings.run.num_cycles
+
+    def check_finish_request(self, next_cycle: int) -> None:
+        """Once a cycle: an operator's `tether finish` (``run_end.request_finish``) ends the run
+        after the cycles dispatched so far, so that every prompt sent out is trained, filtered
+        or dropped as stale (the books stay whole). Redis trouble delays the check only."""
+        if self.ended_early:
+            return
+        try:
+            asked = run_end.finish_requested(self.bus)
+        except Exception as exc:  # noqa: BLE001 - the loop's own reads meet it too
+            log.warning("could not check for a request to end the run early: %s", exc)
+            return
+        if asked:
+            end = max(self.dispatcher.dispatched_through + 1, next_cycle)
+            self.dispatcher.end_cycle = min(end, self.settings.run.num_cycles)
+            log.info("asked to end the run early (tether finish): no new cycle is dispatched; "
+                     "the run ends after cycle %d of %d, once the cycles dispatched are trained",
+                     self.end_cycle, self.settings.run.num_cycles)  # fmt: skip
 
     def _ended_before(self) -> dict[str, Any] | None:
         return run_end.finished(self.bus, num_cycles=self.settings.run.num_cycles)
@@ -376,6 +410,9 @@ class NoBusSide:
         pass
 
     def housekeep(self, *, every_s: float = 30.0) -> None:
+        pass
+
+    def check_finish_request(self, next_cycle: int) -> None:
         pass
 
     def dispatch(self, version: int, *, first_cycle: int) -> None:

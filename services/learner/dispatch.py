@@ -46,6 +46,8 @@ class Dispatcher:
     ) -> None:
         self.settings, self.bus, self.train, self.eval_set = settings, bus, train, eval_set
         self.dispatched_through = -1  # highest cycle dispatched by this process
+        # the run ends before this cycle: run.num_cycles, or fewer once asked to end early
+        self.end_cycle = settings.run.num_cycles
         self.dynamic = settings.learner.dynamic_sampling
         self.cursor = 0  # next sampler position (dynamic sampling)
         self.rounds: dict[int, list[tuple[int, int]]] = {}  # cycle -> [(first position, count)]
@@ -194,7 +196,7 @@ class Dispatcher:
         run = self.settings.run
         done = []
         c = max(self.dispatched_through + 1, first_cycle)
-        while c < run.num_cycles:
+        while c < self.end_cycle:
             need = self._min_version(c)
             if not usable(version, oldest=need):
                 break

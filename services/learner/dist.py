@@ -75,7 +75,7 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 # The word rank 0 says at the top of every cycle (``control``): the others wait for it.
 # CATCH_UP: a generator joined while rank 0 waits for input; every rank runs a weight publish
 # of the current version to it (a streamed publish gathers from every rank), then listens again.
-STOP, GO, WAITING, CATCH_UP = 0, 1, 2, 3
+STOP, GO, WAITING, CATCH_UP, FINISH = 0, 1, 2, 3, 4  # FINISH: ended early (`tether finish`)
 
 
 def control(word: int, stopping: bool, device: torch.device) -> tuple[int, bool]:

@@ -71,7 +71,7 @@ from services.learner.cycle import (
     samples_from_groups,
     steps_of_cycle,
 )
-from services.learner.dist import CATCH_UP, GO, STOP, WAITING, control, set_cpu_threads
+from services.learner.dist import CATCH_UP, FINISH, GO, STOP, WAITING, control, set_cpu_threads
 from services.learner.lora import LoraSettings, adapter_disabled
 from services.learner.lora import publish_state as lora_publish_state
 from services.learner.publishing import NoPublishing, WeightPublishing
@@ -115,6 +115,7 @@ class LearnerService:
         self.ready = False
         self.live = Liveness(settings.learner.liveness_s)
         self._stop = False
+        self.ended_early = False  # every rank: the run was asked to end early (`tether finish`)
         self.fatal: Exception | None = None  # rank 0: why the run cannot go on (LostCycle)
         self._last_word = 0.0  # time.monotonic() of rank 0's last control word
         self.cadence = CheckpointCadence(settings.learner)
@@ -427,11 +428,16 @@ class LearnerService:
 
     def _next_cycle_groups(self, cycle: int) -> tuple[bool, list | None]:
         """(go on, the cycle's scored groups on rank 0 / None on the others): rank 0 collects,
-        then says GO or STOP; the others listen through its WAITING words. Every rank returns
-        the same ``go on``, so all leave the loop at the same point. The one place the loop
-        tells the ranks apart: the two sides of this exchange differ."""
+        then says GO or STOP, or FINISH at the end of a run asked to end early (``ended_early``
+        then set on every rank); the others listen through its WAITING words. Every rank
+        returns the same ``go on``, so all leave the loop at the same point. The one place the
+        loop tells the ranks apart: the two sides of this exchange differ."""
         groups = None
         if isinstance(self.bus_side, BusSide):  # rank 0
+            if not self._stop and cycle >= self.bus_side.end_cycle:
+                word, stopping = control(FINISH, self._stop, self.device)
+                self.ended_early = word == FINISH and not stopping
+                return False, None
             if not self._stop:
                 try:
                     groups = self.bus_side.collect(cycle, stop=lambda: self._stop, idle=self._idle)
@@ -443,6 +449,7 @@ class LearnerService:
             self._last_word = time.monotonic()
         else:
             word, stopping = self._listen()
+            self.ended_early = word == FINISH and not stopping
         return word == GO and not stopping, groups
 
     def _listen(self) -> tuple[int, bool]:
@@ -509,12 +516,13 @@ class LearnerService:
             self.train_cycle(cycle, samples)
             self.next_cycle = cycle + 1
             self.bus_side.housekeep()
+            self.bus_side.check_finish_request(self.next_cycle)
             due = self.cadence.due(version=self.version, before=before, device=self.device)
             if due and self.next_cycle < run.num_cycles:
                 self.checkpoint(wait=False)
             self.poll_checkpoint()
         self.checkpoint()
-        if self.next_cycle >= run.num_cycles:  # the last held-out round, then the record
+        if self.finished:  # the last held-out round, then the record
             self._finish_run()
         self.bus_side.housekeep(every_s=0.0)
         self.publishing.close()
@@ -524,6 +532,11 @@ class LearnerService:
 
     def stop(self) -> None:
         self._stop = True
+
+    @property
+    def finished(self) -> bool:
+        """Every cycle of the run trained, or of a run ended early all it was to train."""
+        return self.next_cycle >= self.settings.run.num_cycles or self.ended_early
 
     def status(self) -> dict[str, Any]:
         return {

@@ -106,7 +106,7 @@ def main(cfg: TetherConfig, args) -> int:
             status.stop()
         if health is not None:
             health.stop()
-    if svc.next_cycle < cfg.run.num_cycles:  # asked to stop: checkpointed, a restart resumes
+    if not svc.finished:  # asked to stop: checkpointed, a restart resumes
         log.info(
             "learner rank %d stopped at policy version %d before the run's end (cycle %d of %d); "
             "exit code %d: a restart resumes from the checkpoint",

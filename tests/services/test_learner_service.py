@@ -16,6 +16,7 @@ from common.data.datasets import load_prompts
 from common.protocol import wire
 from common.protocol.staleness import min_policy_version
 from common.protocol.streams import PROMPTS, SCORED
+from common.service import run_end
 from common.service.settings import bus_settings_for
 from common.telemetry.metrics import PhaseTimer
 from services.learner.bus_side import BusSide
@@ -23,6 +24,7 @@ from services.learner.cycle import Sample, decode_samples, encode_samples, steps
 from services.learner.dispatch import Dispatcher
 from services.learner.loop import LearnerService
 from tests.learner_support import learner_settings_without_model
+from tests.services.test_status import tether
 
 
 def cfg(*sets: str, **run):
@@ -225,3 +227,62 @@ def test_no_scored_entry_is_acked_before_a_checkpoint_whatever_claim_idle_s(redi
         assert pending() == 0
     finally:
         io.close()
+
+
+def test_a_run_asked_to_finish_early_trains_what_it_dispatched_and_stays_finished(
+    redis_server, tmp_path, capsys
+):
+    """`tether finish` (``run_end.request_finish``): rank 0 dispatches no new cycle, ends after
+    the cycles it dispatched, and writes a record every service of the configuration stops on,
+    naming the early end; a learner restarted there stays finished (no held-out round, nothing
+    dispatched); a configuration with more cycles goes on and forgets the record. The verb on a
+    Redis that does not answer: exit 2 in seconds, naming it."""
+    code, _, err = tether(["finish", "--name", "finish", "--redis-url", "redis://127.0.0.1:1/0"],
+                          capsys)  # fmt: skip
+    assert code == 2 and "redis://127.0.0.1:1/0 does not answer" in err, err
+    url = f"run.redis_url={json.dumps(redis_server.url)}"
+    c = cfg(url, 'run.name="finish"', "learner.trackers=[]", prompts_per_cycle=2,
+            responses_per_prompt=2, train_steps_per_cycle=1, num_cycles=50)  # fmt: skip
+    io = BusSide(learner_settings_without_model(c), run_dir=tmp_path, timer=PhaseTimer("learner"),
+                 datasets=(_prompts(tmp_path), None))  # fmt: skip
+    try:
+        io.begin(0, 0)
+        dispatched = io.dispatcher.dispatched_through
+        assert 0 <= dispatched < 49 and io.end_cycle == 50 and not io.ended_early
+        io.check_finish_request(1)  # nothing asked: nothing changes
+        assert io.end_cycle == 50
+        code, out, _ = tether(["finish", "--name", "finish", "--redis-url", redis_server.url],
+                              capsys)  # fmt: skip
+        assert code == 0 and "asked run 'finish' to end early" in out, out
+        io.check_finish_request(1)
+        assert io.ended_early and io.end_cycle == dispatched + 1
+        io.dispatch(1000, first_cycle=1)  # any version: no cycle past the end is dispatched
+        assert io.dispatcher.dispatched_through == dispatched
+        io.finish_run(0, stop=lambda: False)
+        record = run_end.finished(io.bus, num_cycles=50)
+        assert record is not None and record["ended_early_at_cycle"] == dispatched + 1
+        assert not run_end.finish_requested(io.bus)  # answered
+        code, out, _ = tether(["finish", "--name", "finish", "--num-cycles", "50",
+                               "--redis-url", redis_server.url], capsys)  # fmt: skip
+        assert code == 0 and "is finished already" in out and not run_end.finish_requested(io.bus)
+    finally:
+        io.close()
+    prompts = len(Bus(bus_settings_for(c), service="t").redis.xrange(f"finish:{PROMPTS}"))
+    again = BusSide(learner_settings_without_model(c), run_dir=tmp_path,
+                    timer=PhaseTimer("learner"), datasets=(_prompts(tmp_path), None))  # fmt: skip
+    try:
+        again.begin(0, dispatched + 1)  # restarted at its end: finished, nothing dispatched
+        assert again.ended_early and again.end_cycle == dispatched + 1
+        assert len(again.bus.redis.xrange(again.bus.key(PROMPTS))) == prompts
+    finally:
+        again.close()
+    longer = cfg(url, 'run.name="finish"', "learner.trackers=[]", prompts_per_cycle=2,
+                 responses_per_prompt=2, train_steps_per_cycle=1, num_cycles=80)  # fmt: skip
+    on = BusSide(learner_settings_without_model(longer), run_dir=tmp_path,
+                 timer=PhaseTimer("learner"), datasets=(_prompts(tmp_path), None))  # fmt: skip
+    try:
+        on.begin(0, dispatched + 1)  # num_cycles raised: the run goes on
+        assert not on.ended_early and on.end_cycle == 80
+        assert run_end.finished(on.bus, num_cycles=50) is None
+    finally:
+        on.close()

@@ -1,7 +1,8 @@
 """`tether status [--run NAME|DIR] [--json]`, `tether report RUN_DIR [--out FILE]`, `tether bus
-inspect` and `tether bus redrive`: what a running or finished run is doing
-(``tether.runs.status_view``, ``tether.runs.report``, ``common.bus.inspect``), and dead letters
-returned to their streams (``common.bus.redrive``). Heavy imports stay inside the handlers."""
+inspect`, `tether bus redrive` and `tether finish`: what a running or finished run is doing
+(``tether.runs.status_view``, ``tether.runs.report``, ``common.bus.inspect``), dead letters
+returned to their streams (``common.bus.redrive``), and a run asked to end early
+(``common.service.run_end``). Heavy imports stay inside the handlers."""
 
 from __future__ import annotations
 
@@ -91,6 +92,41 @@ def _bus_redrive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finish(args: argparse.Namespace) -> int:
+    from common.bus.client import Bus
+    from common.service import run_end
+    from common.service.settings import bus_settings_for
+    from tether.runs.status_view import redis_answers, run_redis
+
+    cfg, run_dir = _resolve(args)
+    with run_redis(cfg, run_dir) as url:
+        if url is None or not redis_answers(url):
+            where = "no Redis is known" if url is None else f"Redis at {url} does not answer"
+            print(
+                f"tether finish: {where} for run {cfg.run.name!r}: pass --redis-url with the "
+                "run's Redis, or --run with the run's directory (a local run's embedded server)",
+                file=sys.stderr,
+            )
+            return 2
+        bus = Bus(bus_settings_for(cfg, redis_url=url), service="finish")
+        try:
+            ended = run_end.finished(bus, num_cycles=cfg.run.num_cycles)
+            if ended is None:
+                run_end.request_finish(bus)
+        finally:
+            bus.close()
+    if ended is not None:
+        print(f"tether finish: run {cfg.run.name!r} is finished already (policy version "
+              f"{ended.get('version')})")  # fmt: skip
+        return 0
+    print(
+        f"tether finish: asked run {cfg.run.name!r} to end early: the learner dispatches no new "
+        "cycle, trains the cycles it has dispatched, runs the last held-out round and finishes "
+        "(every service exits 0; the learner's log names the cycle it ends after)"
+    )
+    return 0
+
+
 def add_observe_verbs(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser(
         "status",
@@ -137,3 +173,18 @@ def add_observe_verbs(sub: argparse._SubParsersAction) -> None:
     rd.add_argument("--json", action="store_true", help="machine-readable output")
     add_config_args(rd)
     rd.set_defaults(func=_bus_redrive)
+
+    fin = sub.add_parser(
+        "finish",
+        help="end a running run early and cleanly: the cycles dispatched are trained, then it "
+        "finishes as at its end",
+        description="Asks the run's learner to dispatch no new cycle, train the cycles it has "
+        "dispatched (every prompt sent out is trained, filtered or dropped as stale), checkpoint, "
+        "run the last held-out round and write the run-finished record: every service exits 0. "
+        "A stopped run ends so at its next resume. Raise run.num_cycles and resume to go on.",
+    )
+    fin.add_argument(
+        "--run", metavar="NAME|DIR", help="run name (under run.run_dir) or run directory"
+    )
+    add_config_args(fin)
+    fin.set_defaults(func=_finish)

@@ -46,7 +46,7 @@ def run_redis(cfg: Any, run_dir: Path) -> Iterator[str | None]:
     a local run, started for the caller (and stopped after) when it no longer runs; None when
     there is none."""
     url = cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL") or embedded_redis_url(run_dir)
-    if url and (cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL") or _answers(url)):
+    if url and (cfg.run.redis_url or os.environ.get("TETHER_REDIS_URL") or redis_answers(url)):
         yield url
         return
     if not RunDir(run_dir).redis.is_dir():
@@ -61,7 +61,8 @@ def run_redis(cfg: Any, run_dir: Path) -> Iterator[str | None]:
         server.stop()
 
 
-def _answers(url: str) -> bool:
+def redis_answers(url: str) -> bool:
+    """Whether the Redis at ``url`` answers a PING within ~2 s."""
     probe = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
     try:
         return bool(probe.ping())
@@ -73,7 +74,7 @@ def _answers(url: str) -> bool:
 
 def live_status(cfg: Any, url: str) -> dict[str, Any] | None:
     """``collect_status`` from the Redis at ``url``; None when it does not answer within ~2 s."""
-    if not _answers(url):  # a quick look first: the bus itself retries for reconnect_max_s
+    if not redis_answers(url):  # a quick look first: the bus itself retries for reconnect_max_s
         log.debug("no live status from %s", url)
         return None
     settings = replace(
