@@ -29,6 +29,9 @@ PIPELINE = ((PROMPTS, GENERATORS), (GROUPS, SCORERS), (SCORED, LEARNER))  # stre
 LEARNER_CONSUMER = "learner-0"  # rank 0's name in the learner's group (one learner per run)
 
 LEARNER_VERSION = "version:learner"
+# the highest training cycle any learner process of the run dispatched (``learner/dispatch.py``):
+# a run ended early after a restart trains up to it, not only to what the new process dispatched
+DISPATCHED_THROUGH = "learner:dispatched_through"
 WEIGHTS_ADDR = "weights:addr"
 WEIGHTS_PUBLISHING = "weights:publishing"
 WEIGHTS_EPOCH = "weights:epoch"

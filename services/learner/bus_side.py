@@ -98,6 +98,9 @@ class BusSide:
 
     def restore(self, extra: dict[str, Any]) -> None:
         self.dispatcher.dispatched_through = int(extra.get("dispatched_through", -1))
+        self.dispatcher.dispatched_before = max(  # also after this checkpoint was written
+            self.dispatcher.dispatched_through, int(self.bus.get(streams.DISPATCHED_THROUGH) or -1)
+        )
         self.dispatcher.restore(extra.get("dispatch"))
         self.held_out.history = list(extra.get("eval_history", []))
 
@@ -344,7 +347,8 @@ class BusSide:
             log.warning("could not check for a request to end the run early: %s", exc)
             return
         if asked:
-            end = max(self.dispatcher.dispatched_through + 1, next_cycle)
+            d = self.dispatcher
+            end = max(d.dispatched_through + 1, d.dispatched_before + 1, next_cycle)
             self.dispatcher.end_cycle = min(end, self.settings.run.num_cycles)
             log.info("asked to end the run early (tether finish): no new cycle is dispatched; "
                      "the run ends after cycle %d of %d, once the cycles dispatched are trained",

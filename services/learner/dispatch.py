@@ -46,6 +46,9 @@ class Dispatcher:
     ) -> None:
         self.settings, self.bus, self.train, self.eval_set = settings, bus, train, eval_set
         self.dispatched_through = -1  # highest cycle dispatched by this process
+        # ... or by the run's learner processes before it (``restore``): a restart dispatches
+        # again from its checkpoint's cycle, below what the process before it may have reached
+        self.dispatched_before = -1
         # the run ends before this cycle: run.num_cycles, or fewer once asked to end early
         self.end_cycle = settings.run.num_cycles
         self.dynamic = settings.learner.dynamic_sampling
@@ -207,6 +210,9 @@ class Dispatcher:
                 extra = sampling.extra_prompts(p, self.filter_rate or 0.0, cap)
             self._dispatch_round(c, p + extra)
             self.dispatched_through = c
+            if c > self.dispatched_before:
+                self.bus.set(streams.DISPATCHED_THROUGH, c)
+                self.dispatched_before = c
             done.append(c)
             log.info(
                 "dispatched cycle %d (%d prompts + %d extra, needs weights >= v%d)",

@@ -286,3 +286,36 @@ def test_a_run_asked_to_finish_early_trains_what_it_dispatched_and_stays_finishe
         assert run_end.finished(on.bus, num_cycles=50) is None
     finally:
         on.close()
+
+
+def test_a_run_finished_early_after_a_restart_trains_what_the_process_before_dispatched(
+    redis_server, tmp_path
+):
+    """A learner restarted from a checkpoint dispatches again from the checkpoint's cycle, below
+    what the process before it had dispatched; asked to end early then, it ends after the cycles
+    any process of the run dispatched (kept in Redis), so none of their prompts is left out."""
+    c = cfg(f"run.redis_url={json.dumps(redis_server.url)}", 'run.name="finish_restart"',
+            "learner.trackers=[]", prompts_per_cycle=2, responses_per_prompt=2,
+            train_steps_per_cycle=1, num_cycles=50)  # fmt: skip
+
+    def side() -> BusSide:
+        return BusSide(learner_settings_without_model(c), run_dir=tmp_path,
+                       timer=PhaseTimer("learner"), datasets=(_prompts(tmp_path), None))  # fmt: skip
+
+    first = side()
+    try:
+        first.begin(0, 0)
+        first.dispatch(6, first_cycle=0)  # the process got to v6 after its last checkpoint
+        far = first.dispatcher.dispatched_through
+    finally:
+        first.close()
+    again = side()
+    try:
+        again.restore({"dispatched_through": 1})  # its checkpoint: cycle 0 trained, 0..1 sent
+        again.begin(0, 1)
+        assert again.dispatcher.dispatched_through < far
+        run_end.request_finish(again.bus)
+        again.check_finish_request(1)
+        assert again.end_cycle == far + 1 > 2, (again.end_cycle, far)
+    finally:
+        again.close()
