@@ -1,7 +1,11 @@
-"""How ``make test``'s two pytest-xdist workers share the suite, and where their time went.
+"""How ``make test``'s pytest-xdist workers share the suite, and where their time went.
 
 - What runs together (``test_scope``, the scheduler ``--dist loadfile`` gets): a test module
   whole, or every end-to-end run in one scope.
+- Who runs what (``pick_scope``): with three workers or more, the last one takes only the
+  modules that mostly wait (``WAITING``: timers, slow links, idle collectives; their CPU is a
+  fraction of their time), the others everything else (and the waiting modules too, once
+  nothing else is left), so the waiting is not on the computing workers' time.
 - Where the time went, printed after pytest's 30 slowest tests: how long each worker was busy
   and the scopes that kept it busy, each with the CPU-seconds it used (its worker's and its
   finished subprocesses', ``resource.getrusage``: a scope using far less CPU than its time
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import resource
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
@@ -26,6 +30,14 @@ USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
 # are ~1/3 of the end-to-end time (678 s of 1,892 s, CPU 521 s, in the last fresh-clone run);
 # in the one e2e scope they made it the suite's critical path
 E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
+# Modules that mostly wait (the summary's CPU column, fresh-clone run at eb3f67e: time, CPU):
+# a slow member sleeping over every unit (186 s, 53 CPU-s), a learner idle past its collective
+# timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s)
+WAITING = (
+    "tests/services/test_weight_slow_link.py",
+    "tests/services/test_learner_shutdown.py",
+    "tests/services/test_scorer_service.py",
+)
 
 
 def test_scope(nodeid: str) -> str:
@@ -42,6 +54,18 @@ def test_scope(nodeid: str) -> str:
 
 test_scope.__test__ = False  # a helper, not a test
 
+
+def pick_scope(queue: Iterable[str], *, waiting_lane: bool) -> str | None:
+    """The scope a worker takes next from ``queue`` (in order): the waiting lane's worker only a
+    ``WAITING`` module (None once there is none), another worker the first other scope, else a
+    waiting one."""
+    scopes = list(queue)
+    mine = [s for s in scopes if (s in WAITING) == waiting_lane]
+    if mine:
+        return mine[0]
+    return None if waiting_lane or not scopes else scopes[0]
+
+
 try:
     from xdist.scheduler import LoadFileScheduling
 except ImportError:  # without pytest-xdist the suite runs in one process
@@ -51,6 +75,35 @@ else:
     class _Scopes(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return test_scope(nodeid)
+
+        def _waiting_lane(self, node) -> bool:
+            """The last of three or more workers (by its id, ``gw<n>``)."""
+            ids = sorted(int(n.gateway.id[2:]) for n in self.nodes)
+            return len(ids) >= 3 and int(node.gateway.id[2:]) == ids[-1]
+
+        def _assign_work_unit(self, node) -> None:
+            scope = pick_scope(self.workqueue, waiting_lane=self._waiting_lane(node))
+            if scope is None:
+                return
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some(
+                [collection.index(nodeid) for nodeid, done in work_unit.items() if not done]
+            )
+
+        def _reschedule(self, node) -> None:
+            """As pytest-xdist's, and the waiting lane's worker ends once no waiting module is
+            left to take (it finishes what it holds first)."""
+            lane = self._waiting_lane(node)
+            if (
+                lane
+                and not node.shutting_down
+                and pick_scope(self.workqueue, waiting_lane=True) is None
+            ):
+                node.shutdown()
+                return
+            super()._reschedule(node)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
         """``--dist loadfile`` with ``test_scope``'s scopes, handed out in collection order

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from tests.paths import REPO
-from tests.workers import E2E_APART, USES_SHORT_RUN, cpu_seconds, test_scope
+from tests.workers import E2E_APART, USES_SHORT_RUN, WAITING, cpu_seconds, pick_scope, test_scope
 
 
 def test_e2e_runs_share_one_scope_and_the_long_partitions_module_has_its_own():
@@ -35,3 +35,13 @@ def test_cpu_seconds_count_an_ended_subprocess():
     child = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert cpu_seconds() - before >= 0.2
     assert child.ru_utime > 0
+
+
+def test_the_waiting_lane_takes_only_waiting_modules_and_the_others_take_them_last():
+    compute, wait = "tests/services/test_engine.py", WAITING[0]
+    assert pick_scope([compute, wait], waiting_lane=True) == wait
+    assert pick_scope([compute], waiting_lane=True) is None  # its worker then ends
+    assert pick_scope([wait, compute], waiting_lane=False) == compute
+    assert pick_scope([wait], waiting_lane=False) == wait  # nothing else left
+    assert pick_scope([], waiting_lane=False) is None
+    assert all((REPO / path).is_file() for path in WAITING)
