@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,36 +67,12 @@ def _bus_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bus_redrive(args: argparse.Namespace) -> int:
+@contextmanager
+def _run_bus(args: argparse.Namespace, verb: str) -> Iterator[tuple[Any, Any]]:
+    """(config, a bus on the run's Redis) for a verb that writes to a run: its Redis, started for
+    the command for a stopped local run; (config, None) after one paragraph on stderr when no
+    Redis is known or it does not answer (in ~2 s, not the bus's reconnect time)."""
     from common.bus.client import Bus
-    from common.bus.redrive import RedriveRefused, format_redrive, redrive
-    from common.service.settings import bus_settings_for
-    from tether.runs.status_view import run_redis
-
-    cfg, run_dir = _resolve(args)
-    with run_redis(cfg, run_dir) as url:
-        if url is None:
-            print(
-                f"tether bus redrive: no Redis for run {cfg.run.name!r}: pass --redis-url, or --run "
-                "with the run's directory (its embedded server is started for the command)",
-                file=sys.stderr,
-            )
-            return 2
-        bus = Bus(bus_settings_for(cfg, redis_url=url), service="redrive")
-        try:
-            result = redrive(bus, reasons=set(args.reason or ()) or None, dry_run=args.dry_run)
-        except RedriveRefused as exc:
-            print(f"tether bus redrive: {exc}", file=sys.stderr)
-            return 2
-        finally:
-            bus.close()
-    print(json.dumps(result, indent=2) if args.json else format_redrive(result))
-    return 0
-
-
-def _finish(args: argparse.Namespace) -> int:
-    from common.bus.client import Bus
-    from common.service import run_end
     from common.service.settings import bus_settings_for
     from tether.runs.status_view import redis_answers, run_redis
 
@@ -103,18 +81,44 @@ def _finish(args: argparse.Namespace) -> int:
         if url is None or not redis_answers(url):
             where = "no Redis is known" if url is None else f"Redis at {url} does not answer"
             print(
-                f"tether finish: {where} for run {cfg.run.name!r}: pass --redis-url with the "
-                "run's Redis, or --run with the run's directory (a local run's embedded server)",
+                f"tether {verb}: {where} for run {cfg.run.name!r}: pass --redis-url with the "
+                "run's Redis, or --run with the run's directory (a stopped local run's embedded "
+                "server is started for the command)",
                 file=sys.stderr,
             )
-            return 2
-        bus = Bus(bus_settings_for(cfg, redis_url=url), service="finish")
+            yield cfg, None
+            return
+        bus = Bus(bus_settings_for(cfg, redis_url=url), service=verb.split()[-1])
         try:
-            ended = run_end.finished(bus, num_cycles=cfg.run.num_cycles)
-            if ended is None:
-                run_end.request_finish(bus)
+            yield cfg, bus
         finally:
             bus.close()
+
+
+def _bus_redrive(args: argparse.Namespace) -> int:
+    from common.bus.redrive import RedriveRefused, format_redrive, redrive
+
+    with _run_bus(args, "bus redrive") as (_, bus):
+        if bus is None:
+            return 2
+        try:
+            result = redrive(bus, reasons=set(args.reason or ()) or None, dry_run=args.dry_run)
+        except RedriveRefused as exc:
+            print(f"tether bus redrive: {exc}", file=sys.stderr)
+            return 2
+    print(json.dumps(result, indent=2) if args.json else format_redrive(result))
+    return 0
+
+
+def _finish(args: argparse.Namespace) -> int:
+    from common.service import run_end
+
+    with _run_bus(args, "finish") as (cfg, bus):
+        if bus is None:
+            return 2
+        ended = run_end.finished(bus, num_cycles=cfg.run.num_cycles)
+        if ended is None:
+            run_end.request_finish(bus)
     if ended is not None:
         print(f"tether finish: run {cfg.run.name!r} is finished already (policy version "
               f"{ended.get('version')})")  # fmt: skip
