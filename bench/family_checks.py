@@ -24,7 +24,12 @@ from typing import Any
 
 from common.chat.turns import TurnEncoder, end_of_turn_ids
 from common.data.prompts import encode_prompt
-from common.engine import SamplingSettings, sample_from_completion, shutdown_engine_core
+from common.engine import (
+    SamplingSettings,
+    sample_from_completion,
+    shutdown_engine_core,
+    worker_in_engine_core,
+)
 from common.weights.publisher import WeightPublisher
 from services.learner import gather
 from services.learner.gather import full_state_dict_cpu
@@ -55,10 +60,7 @@ def start_engine(
     """A vLLM engine (fp32 unless ``dtype``, eager, Tether's worker extension) on ``model_dir``;
     ``record_routing``: its workers record each token's experts (``common.engine_routing``, as
     the generator does with ``learner.router_replay``: no prefix cache)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    llm = LLM(
+    llm = sync_engine(
         model=str(model_dir), dtype=dtype,  # type: ignore[arg-type]  # validated by vLLM
         enforce_eager=True, gpu_memory_utilization=0.2,
         max_model_len=max_model_len, seed=seed, worker_extension_cls=EXT,
@@ -67,6 +69,39 @@ def start_engine(
     if record_routing:
         rpc(llm, "tether_record_routing")
     return llm
+
+
+def sync_engine(**engine_args: Any) -> Any:
+    """A synchronous ``vllm.LLM`` (``engine_args`` as it takes them; 1 GiB of KV cache unless
+    ``VLLM_CPU_KVCACHE_SPACE`` says otherwise) laid out as the generator's engine is: on CPU
+    with one worker, the worker runs inside the engine core process
+    (``common.engine.worker_in_engine_core``), two processes in all.
+
+    ``vllm.LLM`` left to itself makes three on vLLM-cpu (this process, the engine core, one
+    worker process), and the core and the worker spin on ``sched_yield`` while they wait for
+    each other through shared memory: in one profile of the SmolLM2 LoRA parity test that spin
+    was ~39 s of 165 s of CPU samples, on a 2-core machine where the learner computes beside it.
+    The engine core stays a process of its own (``enable_multiprocessing``: an in-process core
+    would set up its own torch.distributed world inside a process whose learner holds one).
+    With several workers (``tensor_parallel_size`` > 1) vLLM's own layout is kept."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    if not current_platform.is_cpu() or engine_args.get("tensor_parallel_size", 1) != 1:
+        return LLM(**engine_args)
+    made = LLMEngine.__dict__["from_engine_args"]
+
+    def with_core_process(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return made.__func__(cls, *args, **{**kwargs, "enable_multiprocessing": True})
+
+    LLMEngine.from_engine_args = classmethod(with_core_process)  # type: ignore[method-assign,assignment]
+    try:
+        with worker_in_engine_core():
+            return LLM(**engine_args)
+    finally:
+        LLMEngine.from_engine_args = made  # type: ignore[method-assign]
 
 
 def stop_engine(llm: Any) -> None:

@@ -16,7 +16,6 @@ by far more than ``PARITY_MEAN_ABS``.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from bench.family_checks import (
     prompt_ids,
     rpc,
     stop_engine,
+    sync_engine,
 )
 from common.engine import (
     ADAPTER_ID,
@@ -60,10 +60,7 @@ def start_lora_engine(
 ) -> Any:
     """A vLLM engine (fp32, eager, Tether's worker extension) serving one LoRA adapter, as
     ``common.engine.GenerationEngine.start`` configures it for a LoRA run."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    return LLM(
+    return sync_engine(
         model=str(model_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
         max_model_len=max_model_len, seed=seed, worker_extension_cls=EXT, enable_lora=True,
         max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1,

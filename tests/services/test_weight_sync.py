@@ -4,7 +4,6 @@ a real vLLM-cpu engine with the Tether worker extension."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import threading
@@ -12,6 +11,7 @@ import time
 
 import pytest
 
+from bench.family_checks import stop_engine, sync_engine
 from bench.weights import readme_row, run_weights_bench
 from common.weights.buckets import unit_buffers
 from common.weights.checksum import UpdateHasher
@@ -343,16 +343,13 @@ def engine(tmp_path_factory):
     pytest.importorskip("vllm")
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    llm = LLM(
+    llm = sync_engine(
         model=str(model_dir), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
         max_model_len=256, seed=0,
         worker_extension_cls="services.generator.worker_ext.TetherWorkerExtension",
     )  # fmt: skip
     yield llm, model_dir
-    del llm
+    stop_engine(llm)
 
 
 def _rpc(llm, method: str, *args):
