@@ -542,6 +542,9 @@ class LearnerService:
         return {
             "version": self.version,
             "cycle": self.next_cycle,
+            # the run ends before end_cycle: num_cycles, or fewer once asked to end early
+            "num_cycles": self.settings.run.num_cycles,
+            "end_cycle": self.bus_side.end_cycle,
             "ready": self.ready,
             "books": self.books.to_dict(),
             "last_step": self.last_step,

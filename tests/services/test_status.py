@@ -22,6 +22,7 @@ from common.bus.settings import BusSettings
 from common.ports import free_port
 from common.protocol.books import LearnerBooks
 from common.protocol.streams import DEAD, GROUPS, WEIGHTS_EPOCH, WEIGHTS_PUBLISHING
+from common.service import run_end
 from common.telemetry.heartbeat import StatusReporter
 from common.telemetry.metrics import PhaseTimer
 from tests.paths import FIXTURES
@@ -57,7 +58,7 @@ GRADED = {"correct": 40, "empty": 0, "no_answer": 190, "wrong": 6}
 
 def fake_services(
     url: str, run: str, *, generator_restarted: bool = False, lost_round: int | None = None,
-    no_progress_s: float = 3.0,
+    no_progress_s: float = 3.0, end_cycle: int = 10,
 ) -> None:  # fmt: skip
     """Heartbeats of a learner, a generator and a scorer, plus queues and one dead letter.
 
@@ -71,7 +72,7 @@ def fake_services(
     now = time.time()
     beats = [
         ("learner", "learner-0", {"working": 60.0, "waiting_input": 30.0, "syncing_weights": 5.0},
-         {"version": 7, "cycle": 4, "ready": True, "no_progress_s": no_progress_s, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
+         {"version": 7, "cycle": 4, "num_cycles": 10, "end_cycle": end_cycle, "ready": True, "no_progress_s": no_progress_s, "last_step": {"step": 7, "loss": 0.1, "reward_mean": 0.5, "staleness_max": 1},
           "books": LearnerBooks(trained_samples=100, dropped_stale_samples=4).to_dict()}),
         ("generator", "generator-0", {"working": 20.0, "waiting_input": 70.0, "blocked_staleness": 5.0},
          {"version": 7, "tokens": 5000, "groups": 7 if generator_restarted else 28 + EVAL_GROUPS,
@@ -141,6 +142,8 @@ def test_status_json_schema_from_live_redis(redis_server, tmp_path, capsys, monk
     assert st["weights"] == {"publishing": 7, "chain_epoch": 3}
     assert st["bottleneck"]["service"] == "learner"
     assert st["grading"] == GRADED
+    assert st["end"] == {"num_cycles": 10, "end_cycle": 10, "finish_requested": False,
+                         "finished": None}  # fmt: skip
     assert st["accounting_trajectories"] == {
         "generated": 112, "trained": 100, "dropped_stale": 4, "filtered": 0,
         "overlong_masked": 0, "refused_template": 0, "surplus": 0, "agent_failed": 0,
@@ -227,6 +230,46 @@ def test_status_human_format(redis_server, tmp_path, capsys, monkeypatch):
     assert "no scored group, dead letter or step" not in out  # the learner moves
     assert "rate generator generator-0" in out and "50.00 tokens/s" in out
     assert "accounting (trajectories): generated 112 = trained 100" in out and "(balanced)" in out
+
+
+def test_status_says_how_a_run_ends_early(redis_server, tmp_path, capsys, monkeypatch):
+    """`tether finish` asked, the learner ending early, then the run-finished record: each shows
+    on the line after the learner's (and nothing before the request)."""
+    monkeypatch.delenv("TETHER_REDIS_URL", raising=False)
+    run_dir = make_run_dir(tmp_path, "st_end")
+    argv = ["status", "--run", str(run_dir), "--redis-url", redis_server.url]
+    bus = Bus(BusSettings(url=redis_server.url, run="st_end"), service="test")
+    try:
+        fake_services(redis_server.url, "st_end")
+        assert "run end:" not in tether(argv, capsys)[1]
+        run_end.request_finish(bus)
+        out = tether(argv, capsys)[1].splitlines()
+        assert out[1] == (
+            "  run end: asked to end early (tether finish); the learner takes the request at "
+            "its next cycle"
+        )
+        fake_services(redis_server.url, "st_end", end_cycle=6)  # the learner took it
+        out = tether(argv, capsys)[1].splitlines()
+        assert out[1] == (
+            "  run end: ending early (tether finish): no new cycle is dispatched; the run ends "
+            "after cycle 6 of 10, once the cycles dispatched are trained"
+        )
+        run_end.mark_finished(bus, num_cycles=10, version=12, ended_early_at_cycle=6)
+        code, text, err = tether([*argv, "--json"], capsys)
+        assert code == 0, err
+        end = json.loads(text)["end"]
+        assert end["finished"]["ended_early_at_cycle"] == 6 and not end["finish_requested"]
+        out = tether(argv, capsys)[1].splitlines()
+        assert out[1] == (
+            "  run end: finished at policy version v12, ended early after cycle 6 of 10 "
+            "(tether finish)"
+        )
+        run_end.mark_finished(bus, num_cycles=10, version=20)  # a run that went to its end
+        assert tether(argv, capsys)[1].splitlines()[1] == (
+            "  run end: finished at policy version v20, all 10 cycles"
+        )
+    finally:
+        bus.close()
 
 
 def test_status_shows_memory_against_maxmemory_and_a_learner_without_progress(

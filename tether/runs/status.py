@@ -130,7 +130,52 @@ def collect_status(bus) -> dict[str, Any]:
         # seconds the learner has waited without a scored group, dead letter or step
         "no_progress_s": learner.get("no_progress_s"),
         "redis": _redis_memory(bus),
+        "end": _run_end(bus, learner),
     }
+
+
+def _run_end(bus, learner: dict[str, Any]) -> dict[str, Any]:
+    """How the run ends: its configured cycles and the cycle the learner ends it before (fewer
+    once asked to end early: `tether finish`), whether such a request waits for the learner
+    (it looks once a cycle), and the run-finished record once written (``run_end``)."""
+    raw = bus.get(names.RUN_FINISHED)
+    try:
+        record = json.loads(raw) if raw else None
+    except ValueError:
+        record = None
+    return {
+        "num_cycles": learner.get("num_cycles"),
+        "end_cycle": learner.get("end_cycle"),
+        "finish_requested": bus.get(names.RUN_FINISH_REQUEST) is not None,
+        "finished": record if isinstance(record, dict) else None,
+    }
+
+
+def _end_line(st: dict[str, Any]) -> str | None:
+    """The run's end, when there is something to say about it: finished, ending early, or
+    asked to end early."""
+    end = st.get("end") or {}
+    record = end.get("finished")
+    if record:
+        early = record.get("ended_early_at_cycle")
+        how = (
+            f"ended early after cycle {early} of {record.get('num_cycles')} (tether finish)"
+            if early is not None
+            else f"all {record.get('num_cycles')} cycles"
+        )
+        return f"  run end: finished at policy version v{record.get('version')}, {how}"
+    n, last = end.get("num_cycles"), end.get("end_cycle")
+    if isinstance(n, int) and isinstance(last, int) and last < n:
+        return (
+            f"  run end: ending early (tether finish): no new cycle is dispatched; the run ends "
+            f"after cycle {last} of {n}, once the cycles dispatched are trained"
+        )
+    if end.get("finish_requested"):
+        return (
+            "  run end: asked to end early (tether finish); the learner takes the request at "
+            "its next cycle"
+        )
+    return None
 
 
 def _redis_memory(bus) -> dict[str, Any] | None:
@@ -148,6 +193,9 @@ def _int_or_none(value: str | None) -> int | None:
 
 def format_status(st: dict[str, Any]) -> str:
     lines = [f"run {st['run']}: learner v{st['learner_version']} cycle {st['cycle']}"]
+    end = _end_line(st)
+    if end:
+        lines.append(end)
     ls = st.get("last_step") or {}
     if ls:
         lines.append(
