@@ -1,8 +1,7 @@
 """How ``make test``'s pytest-xdist workers share the suite, and where their time went.
 
 - What runs together (``test_scope``, the scheduler ``--dist loadfile`` gets): a test module
-  whole, or end-to-end runs in three scopes (the partitions module; the demos' runs; the
-  others, which share the CI preset's warmed-up model).
+  whole, or every end-to-end run in one scope.
 - Who runs what (``pick_scope``): with three workers or more, the last one takes only the
   modules that mostly wait (``WAITING``: timers, slow links, idle collectives; their CPU is a
   fraction of their time), the others everything else (and the waiting modules too, once
@@ -34,17 +33,6 @@ E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
 # Modules that mostly wait (the summary's CPU column, fresh-clone run at eb3f67e: time, CPU):
 # a slow member sleeping over every unit (186 s, 53 CPU-s), a learner idle past its collective
 # timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s)
-# The demos' runs and the episodes run: they read the demo's and the tools task's warmed-up models
-# (``demo_assets_dir``, ``tools_assets``), not the CI preset's that the other e2e runs share
-# (``ci_assets``). Their own scope, which the other worker can take beside the e2e scope: one e2e
-# scope was 1,321 s of a 1,821 s suite (fresh-clone run at aa9c204), the floor under its time
-E2E_DEMOS = (
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_demo_lora.py",
-    "tests/e2e/test_demo_tools.py",
-    "tests/e2e/test_e2e_episodes.py",
-)
-DEMOS_SCOPE = "tests/e2e (demos)"
 WAITING = (
     "tests/services/test_weight_slow_link.py",
     "tests/services/test_learner_shutdown.py",
@@ -57,12 +45,10 @@ def test_scope(nodeid: str) -> str:
     test module whole (its shared engine or cluster starts once), and every end-to-end run that
     computes in one scope, one run after another on one worker (two such runs at once would
     fight over a 2-core machine's cores). A long e2e module (``E2E_APART``) is a scope of its
-    own, and the demos' runs (``E2E_DEMOS``) one more."""
+    own."""
     path = nodeid.split("::", 1)[0]
     if path in E2E_APART:
         return path
-    if path in E2E_DEMOS:
-        return DEMOS_SCOPE
     return "tests/e2e" if path.startswith("tests/e2e/") or path in USES_SHORT_RUN else path
 
 
