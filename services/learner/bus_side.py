@@ -400,6 +400,7 @@ class NoBusSide:
 
     selection_counts: dict[str, int] = {}
     silent_s = 0.0
+    end_cycle: int | None = None  # where the run ends is rank 0's to know (its heartbeat says)
 
     def check_server(self) -> None:
         pass
