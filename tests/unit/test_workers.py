@@ -1,5 +1,6 @@
 """How `make test` splits the suite between its two workers (``tests.workers.test_scope``)."""
 
+import os
 import resource
 import subprocess
 import sys
@@ -45,3 +46,13 @@ def test_the_waiting_lane_takes_only_waiting_modules_and_the_others_take_them_la
     assert pick_scope([wait], waiting_lane=False) == wait  # nothing else left
     assert pick_scope([], waiting_lane=False) is None
     assert all((REPO / path).is_file() for path in WAITING)
+
+
+def test_a_test_worker_computes_on_one_thread_unless_told_otherwise():
+    """tests/conftest.py: under pytest-xdist each worker's processes take one OpenMP thread
+    (or OMP_NUM_THREADS as given), and torch, imported after it, follows."""
+    import torch  # noqa: PLC0415 - heavy: imported by the one test that needs it
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process runs the suite: its threads are left as they are
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
