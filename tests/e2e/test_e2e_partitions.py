@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.hosts import Hosts
 from common.protocol import streams
 from common.weights.handshake import SECRET_ENV
+from services.learner.loop import TEST_ONLY_STEP_DELAY_ENV
 from tests.deploy_tools import UsersRedis
 from tests.e2e_support import recovery_config
 from tests.hosts_support import emulated_hosts, start_service, tether_json, tether_verb
@@ -74,14 +75,16 @@ class Run:
 
 
 def _run(tmp_path: Path, net: Hosts, name: str, at_step: int, faults: Callable[..., None],
-         seen: Callable[[Run], bool], server: Any = None) -> Run:  # fmt: skip
+         seen: Callable[[Run], bool], server: Any = None, step_delay_s: float = 0.0) -> Run:  # fmt: skip
     """A run of ``CYCLES`` at most; ``faults(net, run, stop, admin, name)`` runs on a thread of
     its own once the learner has published step ``at_step``: it makes each fault and heals it,
     and records its ``Window`` in ``run.windows`` (``stop``: the test is over, heal and return;
     ``admin``: a client of the server as its default user; ``name``: the run's). Once the faults
     are over and ``seen(run)`` (what must follow them), `tether finish` ends the run early.
     ``server``: the run's Redis (``url(kind)``, ``admin``, ``stop()``; ``status_url(kind)``
-    where ``url`` names what this namespace cannot resolve), default one on host "redis"."""
+    where ``url`` names what this namespace cannot resolve), default one on host "redis".
+    ``step_delay_s``: the learner sleeps this long after each step (a test hook standing for a
+    real model's slower steps)."""
     if server is None:
         (tmp_path / "redis-data").mkdir()
         server = UsersRedis(tmp_path / "redis-data", address=net.hosts["redis"].address,
@@ -90,7 +93,8 @@ def _run(tmp_path: Path, net: Hosts, name: str, at_step: int, faults: Callable[.
     env = {SECRET_ENV: secrets.token_hex(16), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "TETHER_WEIGHTS__HOST": net.hosts["learner"].address,
            "TETHER_BUS__CLAIM_IDLE_S": str(CLAIM_IDLE_S),
-           "TETHER_BUS__SOCKET_TIMEOUT_S": str(SOCKET_TIMEOUT_S)}  # fmt: skip
+           "TETHER_BUS__SOCKET_TIMEOUT_S": str(SOCKET_TIMEOUT_S),
+           TEST_ONLY_STEP_DELAY_ENV: str(step_delay_s)}  # fmt: skip
     run = Run(logs=tmp_path / "logs")
     run.logs.mkdir()
     procs: dict[str, subprocess.Popen] = {}
@@ -219,6 +223,13 @@ WEIGHTS_CUT_S = 60.0  # past TAKEOVER_S (~47 s): the run must step while the cut
 # within common.weights.store_calls.CALL_LIMIT_S, or the connection is given up); healed, it
 # joins again on a new connection (a try every 2 s) and takes the next publish: 1.9 s measured
 CATCH_UP_S = WEIGHTS_TIMEOUT_S + RECOVERY_BOUND_S
+# The learner of the partitions run sleeps this long after each step (a test hook). The faults
+# last minutes whatever the run's pace; at full pace every service computes through them (two
+# generators sampling, a scorer, a learner: 346 CPU-seconds in 442 s in a CI run), on the cores
+# the suite's other worker needs. The generators stop at the staleness bound meanwhile, so a
+# slower run computes less; it still steps during every fault that lets it, and ~2.5 s a step
+# leaves the weights cut's takeover (at most TAKEOVER_S into its WEIGHTS_CUT_S) five steps
+STEP_DELAY_S = 2.0
 
 
 def _faults(net: Hosts, run: Run, stop: threading.Event, admin, name: str) -> None:
@@ -313,7 +324,7 @@ def test_partitions_during_a_run_lose_nothing_train_nothing_twice_and_stall_boun
             CATCH_UP_S
         )
 
-    run = _run(tmp_path, net, "partitions", 2, _faults, seen)
+    run = _run(tmp_path, net, "partitions", 2, _faults, seen, step_delay_s=STEP_DELAY_S)
     _trained_once(run)
     report = {w.name: {"steps during": run.steps_during(w),
                        "recovery s": round(run.recovery_s(w), 1),
