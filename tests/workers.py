@@ -121,7 +121,7 @@ else:
 
 _BUSY: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # worker -> [seconds, CPU-s]
 _SCOPE: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (worker, scope)
-TOP_SCOPES = 12
+TOP_SCOPES = 30  # as many as pytest's slowest tests (--durations=30)
 CPU_S = "cpu_s"  # the report's user property: CPU-seconds since this process's last report
 _last_cpu_s = [0.0]
 
