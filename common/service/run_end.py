@@ -83,18 +83,25 @@ def clear(bus: _KeyStore) -> None:
     bus.delete(streams.RUN_FINISHED)
 
 
-def finished(bus: _KeyStore, *, num_cycles: int) -> dict[str, Any] | None:
-    """The run-finished record if it ends a run of ``num_cycles`` cycles, else None."""
+def record(bus: _KeyStore) -> dict[str, Any] | None:
+    """The run-finished record as written (``mark_finished``), whatever run length it ends;
+    None when there is none or it is malformed."""
     raw = bus.get(streams.RUN_FINISHED)
     if raw is None:
         return None
     try:
         doc = json.loads(raw)
-        reached = int(doc["num_cycles"])
+        int(doc["num_cycles"])
     except (ValueError, KeyError, TypeError):
         log.warning("ignoring a malformed run-finished record: %r", raw[:200])
         return None
-    return doc if reached >= num_cycles else None
+    return doc
+
+
+def finished(bus: _KeyStore, *, num_cycles: int) -> dict[str, Any] | None:
+    """The run-finished record if it ends a run of ``num_cycles`` cycles, else None."""
+    doc = record(bus)
+    return doc if doc is not None and int(doc["num_cycles"]) >= num_cycles else None
 
 
 class RunEndWatch:

@@ -21,6 +21,7 @@ from common.bus.redrive import redrivable
 from common.protocol import streams as names
 from common.protocol.books import LearnerBooks, RunBooks
 from common.protocol.run_dir import RunDir
+from common.service import run_end
 
 STREAMS = list(names.PIPELINE)
 BUSY_PHASES = ("working", "syncing_weights", "checkpointing")
@@ -138,16 +139,11 @@ def _run_end(bus, learner: dict[str, Any]) -> dict[str, Any]:
     """How the run ends: its configured cycles and the cycle the learner ends it before (fewer
     once asked to end early: `tether finish`), whether such a request waits for the learner
     (it looks once a cycle), and the run-finished record once written (``run_end``)."""
-    raw = bus.get(names.RUN_FINISHED)
-    try:
-        record = json.loads(raw) if raw else None
-    except ValueError:
-        record = None
     return {
         "num_cycles": learner.get("num_cycles"),
         "end_cycle": learner.get("end_cycle"),
-        "finish_requested": bus.get(names.RUN_FINISH_REQUEST) is not None,
-        "finished": record if isinstance(record, dict) else None,
+        "finish_requested": run_end.finish_requested(bus),
+        "finished": run_end.record(bus),
     }
 
 
