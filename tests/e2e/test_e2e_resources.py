@@ -1,8 +1,9 @@
-"""Nothing lost when resources run out, through real runs (`tether train`, every real service):
-a learner SIGKILLed six times (more than bus.max_deliveries) with the default checkpoint cadence
-and with one between every publish and its checkpoint; Redis at maxmemory for 30 s; a disk that
-fills up during a checkpoint. Each run completes with nothing dead-lettered, every step trained
-once (a step redone after a restart trains the same batch) and the books balanced."""
+"""Nothing lost when processes die or resources run out, through real runs (`tether train`,
+every real service): a generator, a scorer and the learner SIGKILLed mid-run, the learner more
+times than bus.max_deliveries, with the default checkpoint cadence; the learner killed between
+publish and checkpoint; Redis at maxmemory for 30 s; a disk that fills up during a checkpoint.
+Each run completes with nothing dead-lettered, every step trained once (a step redone after a
+restart trains the same batch) and the books balanced."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.e2e_support import (
     assert_trained_exactly_once,
     books,
     dead_letters,
+    leftover_processes,
     recovery_config,
     run_training,
 )
@@ -36,27 +38,41 @@ def _restarts(output: str, service: str) -> int:
     return len(re.findall(rf"{service} exited with code", output))
 
 
-def test_learner_killed_six_times_with_the_default_cadence(redis_server, tmp_path):
-    # No checkpoint before the end (the default cadence is 30 minutes): each restart reads the
-    # learner's pending groups back from the start (more deliveries than bus.max_deliveries, and
-    # held longer than bus.claim_idle_s) and trains them again. Nothing is dead-lettered.
-    # (run.crash_window_s = 5: kills more than 5 s apart are not a crash loop, so the launcher
-    # restarts after 2 s instead of backing off to 30 s.) Each learner process is killed once the
-    # harness sees it at step >= 1; the step delay (a test hook) keeps it there long enough: the
-    # test model otherwise retrains the whole run within a second of a restart, and in a CI run
-    # the second learner finished before the harness saw it (one kill of six).
-    cycles = 6
-    config = recovery_config(tmp_path, "six_kills", cycles=cycles, checkpoint_every_steps=None,
-                             run_extra="crash_window_s = 5.0")  # fmt: skip
-    r = run_training(config, redis_url=redis_server.url, name="six_kills",
-                     kill_plan=[("learner-0", 1)] * 6, timeout_s=1200,
-                     env={TEST_ONLY_STEP_DELAY_ENV: "2"})  # fmt: skip
+def test_a_generator_a_scorer_and_the_learner_more_times_than_max_deliveries(
+    redis_server, tmp_path
+):
+    # SIGKILLs mid-run: generator-0 and scorer-0 once each (the launcher restarts them and kills
+    # what they left: vLLM's engine core, the grading workers), the learner four times with no
+    # checkpoint before the end (the default cadence is 30 minutes; bus.max_deliveries = 3 here,
+    # 5 by default). Each learner restart reads its pending groups back from the start (more
+    # deliveries than max_deliveries, held longer than bus.claim_idle_s) and trains them again:
+    # redelivery is not a strike, so nothing is dead-lettered. (run.crash_window_s = 5: kills
+    # more than 5 s apart are not a crash loop, so the launcher restarts after 2 s instead of
+    # backing off to 30 s.) Each process is killed once the harness sees it live and the learner
+    # at step >= 1; the step delay (a test hook) keeps the learner there long enough: the test
+    # model otherwise retrains the whole run within a second of a restart. (This run was two
+    # before: six learner kills against the default max_deliveries, and a run with a checkpoint
+    # every 2 steps that killed each service once; the kills between a publish and its
+    # checkpoint below take the path a checkpoint adds.)
+    cycles, learner_kills = 6, 4
+    name = "kills"
+    config = recovery_config(tmp_path, name, cycles=cycles, checkpoint_every_steps=None,
+                             extra="max_deliveries = 3", run_extra="crash_window_s = 5.0")  # fmt: skip
+    plan = [("generator-0", 1), ("scorer-0", 1)] + [("learner-0", 1)] * learner_kills
+    r = run_training(config, redis_url=redis_server.url, name=name, kill_plan=plan,
+                     timeout_s=1200, env={TEST_ONLY_STEP_DELAY_ENV: "2"})  # fmt: skip
     assert r.returncode == 0, r.output[-4000:]
-    assert r.killed == ["learner-0"] * 6 and _restarts(r.output, "learner") == 6, r.output[-6000:]
+    assert r.killed == [sid for sid, _ in plan], r.output[-6000:]
+    assert _restarts(r.output, "learner") == learner_kills, r.output[-6000:]
+    for sid in ("generator-0", "scorer-0"):  # the launcher saw it die and restarted it
+        assert _restarts(r.output, sid) == 1, r.output[-6000:]
     assert max(r.killed_at_steps) < cycles, r.killed_at_steps  # every kill mid-run
-    assert dead_letters(redis_server.url, "six_kills") == []
+    # the killed services' children (vLLM's engine core, grading workers) were killed too
+    assert leftover_processes(redis_server.url) == []
+    assert dead_letters(redis_server.url, name) == []
     assert_trained_exactly_once(r, cycles=cycles, responses=cycles * PROMPTS * RESPONSES)
-    assert books(r)["unaccounted"] == 0
+    assert books(r)["unaccounted"] == 0  # killed held-out rounds count as evaluation groups
+    assert any(e["eval_round"] == 0 for e in r.evals)  # the v0 accuracy is there
 
 
 def test_learner_killed_between_publish_and_checkpoint(redis_server, tmp_path):
