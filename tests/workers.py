@@ -25,18 +25,27 @@ import pytest
 
 # Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
 USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
-# End-to-end modules that are a scope of their own, which the other worker takes beside the
-# e2e scope: the partitions module's two runs (fault windows held for minutes, two generators)
+# End-to-end modules that are a scope of their own, which another worker takes beside the
+# e2e scope (the partitions module: the waiting lane, ``WAITING``): the partitions module's two runs (fault windows held for minutes, two generators)
 # are ~1/3 of the end-to-end time (678 s of 1,892 s, CPU 521 s, in the last fresh-clone run);
 # in the one e2e scope they made it the suite's critical path
 E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
 # Modules that mostly wait (the summary's CPU column, fresh-clone run at eb3f67e: time, CPU):
 # a slow member sleeping over every unit (186 s, 53 CPU-s), a learner idle past its collective
-# timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s)
+# timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s).
+# Then, measured alone on a quiet machine (machine-wide CPU, /proc/stat): Redis ACL refusals
+# (23 s, 4 CPU-s), lost replies waiting out socket timeouts (21 s, 2.5 CPU-s), Redis at
+# maxmemory (18 s, 5 CPU-s); and the partitions module (452 s, 285 CPU-s at 8adc124): its fault
+# windows last minutes whatever the machine's pace, and on a computing worker a third of that
+# worker's time went unused. The waiting lane takes it first, as the computing worker did.
 WAITING = (
+    "tests/e2e/test_e2e_partitions.py",
     "tests/services/test_weight_slow_link.py",
     "tests/services/test_learner_shutdown.py",
     "tests/services/test_scorer_service.py",
+    "tests/services/test_redis_acl.py",
+    "tests/services/test_bus_lost_replies.py",
+    "tests/services/test_redis_memory.py",
 )
 
 
@@ -110,9 +119,9 @@ else:
         (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by their
         number of tests, which put the partitions module (2 tests, ~10 minutes) last: started
         after ~27 minutes of a CI run, it could have run on alone for its whole length. In
-        collection order the e2e scope goes first, the partitions module second (to the other
-        worker), then tests/services and the quick tests/unit last, where they even out the
-        end."""
+        collection order the e2e scope goes first, the partitions module second (to the waiting
+        lane's worker, or the other one with two workers), then tests/services and the quick
+        tests/unit last, where they even out the end."""
         if config.getvalue("dist") != "loadfile":
             return None
         config.option.loadscopereorder = False
@@ -165,3 +174,29 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     scopes = sorted(_SCOPE.items(), key=lambda kv: -kv[1][0])[:TOP_SCOPES]
     for (worker, scope), (seconds, cpu) in scopes:
         tr.write_line(f"  {seconds:7.0f} s  CPU {cpu:7.0f} s  {worker}  {scope}")
+    idle = mostly_waiting(_SCOPE, waiting_lane=_waiting_lane_id())
+    if idle:
+        tr.write_line("mostly waiting on a computing worker (CPU under half the time; WAITING?):")
+        for scope, seconds, cpu in idle:
+            tr.write_line(f"  {seconds:7.0f} s  CPU {cpu:7.0f} s  {scope}")
+
+
+def mostly_waiting(
+    scopes: dict[tuple[str, str], list[float]], *, waiting_lane: str | None
+) -> list[tuple[str, float, float]]:
+    """Scopes (``(worker, scope) -> [seconds, CPU-s]``) of 10 s or more that a computing worker
+    ran and whose CPU was under half their time, those with the most time spent waiting first:
+    what ``WAITING`` could take off the computing workers. (A scope's CPU misses grandchildren
+    their parent never waited for, so check one alone before moving it.)"""
+    found = [
+        (scope, seconds, cpu)
+        for (worker, scope), (seconds, cpu) in scopes.items()
+        if worker != waiting_lane and scope not in WAITING and seconds >= 10 and cpu < seconds / 2
+    ]
+    return sorted(found, key=lambda x: x[2] - x[1])
+
+
+def _waiting_lane_id() -> str | None:
+    """The waiting lane's worker id (``gw<n>``, the last of three or more), None with fewer."""
+    ids = sorted(int(w[2:]) for w in _BUSY if w.startswith("gw"))
+    return f"gw{ids[-1]}" if len(ids) >= 3 else None

@@ -6,7 +6,15 @@ import subprocess
 import sys
 
 from tests.paths import REPO
-from tests.workers import E2E_APART, USES_SHORT_RUN, WAITING, cpu_seconds, pick_scope, test_scope
+from tests.workers import (
+    E2E_APART,
+    USES_SHORT_RUN,
+    WAITING,
+    cpu_seconds,
+    mostly_waiting,
+    pick_scope,
+    test_scope,
+)
 
 
 def test_e2e_runs_share_one_scope_and_the_long_partitions_module_has_its_own():
@@ -46,6 +54,22 @@ def test_the_waiting_lane_takes_only_waiting_modules_and_the_others_take_them_la
     assert pick_scope([wait], waiting_lane=False) == wait  # nothing else left
     assert pick_scope([], waiting_lane=False) is None
     assert all((REPO / path).is_file() for path in WAITING)
+
+
+def test_the_summary_names_the_scopes_that_mostly_wait_on_a_computing_worker():
+    scopes = {
+        ("gw0", "tests/services/test_idle.py"): [40.0, 4.0],
+        ("gw0", "tests/services/test_busy.py"): [40.0, 38.0],
+        ("gw1", "tests/services/test_half.py"): [30.0, 10.0],
+        ("gw1", "tests/services/test_short.py"): [5.0, 0.0],  # too short to matter
+        ("gw2", "tests/services/test_lane.py"): [90.0, 1.0],  # already on the waiting lane
+        ("gw0", WAITING[0]): [90.0, 1.0],  # waiting module a computing worker took last
+    }
+    got = mostly_waiting(scopes, waiting_lane="gw2")
+    assert got == [("tests/services/test_idle.py", 40.0, 4.0),
+                   ("tests/services/test_half.py", 30.0, 10.0)]  # fmt: skip
+    with_two_workers = [scope for scope, _, _ in mostly_waiting(scopes, waiting_lane=None)]
+    assert with_two_workers[0] == "tests/services/test_lane.py"
 
 
 def test_a_test_worker_computes_on_one_thread_unless_told_otherwise():
