@@ -21,8 +21,8 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tether demo
 
-# Three pytest workers (pytest-xdist): two compute, the third takes only the few modules that
-# mostly wait (tests/workers.py, WAITING). The whole runs of tests/e2e go one after another on
+# Three pytest workers (pytest-xdist): two compute, the third takes only the modules that mostly
+# wait (tests/workers.py, WAITING: the partitions runs' fault windows, slow links, timeouts). The whole runs of tests/e2e go one after another on
 # one worker, each other test module whole on one worker (its shared engine started once; the
 # scopes: tests/workers.py, test_scope). The suite computes most of its time (a worker's
 # CPU-seconds are printed beside its busy time), so more computing workers than cores does not
