@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 # Under `make test` (pytest-xdist) the workers fill the cores, one computing worker a core: the
@@ -68,9 +69,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point the libraries' caches into the clone before any test module imports them."""
+    """Point the libraries' caches into the clone before any test module imports them, and
+    vLLM's IPC sockets into a directory of this process's own (``IPC_DIR``)."""
     for var, sub in LIBRARY_CACHES.items():
         os.environ[var] = str(REPO / ".cache" / "home" / sub)
+    if IPC_DIR not in os.environ:
+        os.environ[IPC_DIR] = tempfile.mkdtemp(prefix="tether-test-ipc-")
+        config.stash[_OWN_IPC_DIR] = os.environ[IPC_DIR]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    made = config.stash.get(_OWN_IPC_DIR, None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+# vLLM names a socket file per engine connection (a UUID) in $VLLM_RPC_BASE_PATH, /tmp by
+# default, and a process that is SIGKILLed or stopped mid-connection leaves it behind: a
+# `make test` left ~150 in /tmp. Under a directory per pytest process they go when it ends.
+# (A short path under the system's temporary directory: a socket's path is limited to 107
+# bytes, and a clone's `.cache` may be deep.)
+IPC_DIR = "VLLM_RPC_BASE_PATH"
+_OWN_IPC_DIR = pytest.StashKey[str]()
 
 
 def test_server_binary() -> str:
