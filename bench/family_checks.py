@@ -98,7 +98,7 @@ def sync_engine(**engine_args: Any) -> Any:
 
     LLMEngine.from_engine_args = classmethod(with_core_process)  # type: ignore[method-assign,assignment]
     try:
-        with worker_in_engine_core():
+        with worker_in_engine_core(eager=bool(engine_args.get("enforce_eager"))):
             return LLM(**engine_args)
     finally:
         LLMEngine.from_engine_args = made  # type: ignore[method-assign]
