@@ -28,7 +28,11 @@ class GeneratorConfig(Section):
         1, ge=1, description="KV cache size in whole GiB (on CPU: VLLM_CPU_KVCACHE_SPACE)"
     )
     max_num_seqs: int = Field(256, ge=1, description="concurrent sequences in the engine")
-    enforce_eager: bool = Field(True, description="disable CUDA graphs / compilation")
+    enforce_eager: bool = Field(
+        True,
+        description="disable CUDA graphs and torch.compile (on CPU with one worker, also of the "
+        "sampler helpers vLLM compiles in its engine core)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine dtype; auto = float32 on CPU, bfloat16 on GPU"
     )
