@@ -25,8 +25,8 @@ import pytest
 
 # Modules outside tests/e2e that use the session's e2e run (``short_run``): on its worker.
 USES_SHORT_RUN = ("tests/services/test_deploy_prometheus.py",)
-# End-to-end modules that are a scope of their own, which another worker takes beside the
-# e2e scope (the partitions module: the waiting lane, ``WAITING``): the partitions module's two runs (fault windows held for minutes, two generators)
+# End-to-end modules that are a scope of their own, which the other computing worker takes beside
+# the e2e scope: the partitions module's two runs (fault windows held for minutes, two generators)
 # are ~1/3 of the end-to-end time (678 s of 1,892 s, CPU 521 s, in the last fresh-clone run);
 # in the one e2e scope they made it the suite's critical path
 E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
@@ -35,11 +35,11 @@ E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
 # timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s).
 # Then, measured alone on a quiet machine (machine-wide CPU, /proc/stat): Redis ACL refusals
 # (23 s, 4 CPU-s), lost replies waiting out socket timeouts (21 s, 2.5 CPU-s), Redis at
-# maxmemory (18 s, 5 CPU-s); and the partitions module (452 s, 285 CPU-s at 8adc124): its fault
-# windows last minutes whatever the machine's pace, and on a computing worker a third of that
-# worker's time went unused. The waiting lane takes it first, as the computing worker did.
+# maxmemory (18 s, 5 CPU-s). Not the partitions module (fresh-clone run at 8acc2e6): its CPU is
+# ~60 % of its time, and on the waiting lane its runs computed beside both computing workers from
+# the first minute; the e2e scope took 1,481 s instead of 1,277 and `make test` 1,755 s instead of
+# 1,656.
 WAITING = (
-    "tests/e2e/test_e2e_partitions.py",
     "tests/services/test_weight_slow_link.py",
     "tests/services/test_learner_shutdown.py",
     "tests/services/test_scorer_service.py",
@@ -119,9 +119,9 @@ else:
         (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by their
         number of tests, which put the partitions module (2 tests, ~10 minutes) last: started
         after ~27 minutes of a CI run, it could have run on alone for its whole length. In
-        collection order the e2e scope goes first, the partitions module second (to the waiting
-        lane's worker, or the other one with two workers), then tests/services and the quick
-        tests/unit last, where they even out the end."""
+        collection order the e2e scope goes first, the partitions module second (to the other
+        worker), then tests/services and the quick tests/unit last, where they even out the
+        end."""
         if config.getvalue("dist") != "loadfile":
             return None
         config.option.loadscopereorder = False
