@@ -26,8 +26,8 @@ demo: $(STAMP)
 # tests/e2e go one after another on one worker, each other test module whole on one worker (its
 # shared engine started once; the scopes: tests/workers.py, test_scope). The suite computes most
 # of its time (a worker's CPU-seconds are printed beside its busy time), so more computing
-# workers than cores does not pay on a 2-core machine. TEST_WORKERS=2: no waiting lane; TEST_WORKERS=0 runs everything in
-# this process, in order.
+# workers than cores does not pay on a 2-core machine. TEST_WORKERS=2: no waiting lane;
+# TEST_WORKERS=0 runs everything in this process, in order.
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
