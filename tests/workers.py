@@ -35,10 +35,10 @@ E2E_APART = ("tests/e2e/test_e2e_partitions.py",)
 # timeout (94 s, 16 CPU-s), scorers sleeping in grading workers and claim timeouts (43 s, 7 CPU-s).
 # Then, measured alone on a quiet machine (machine-wide CPU, /proc/stat): Redis ACL refusals
 # (23 s, 4 CPU-s), lost replies waiting out socket timeouts (21 s, 2.5 CPU-s), Redis at
-# maxmemory (18 s, 5 CPU-s). Not the partitions module (fresh-clone run at 8acc2e6): its CPU is
-# ~60 % of its time, and on the waiting lane its runs computed beside both computing workers from
-# the first minute; the e2e scope took 1,481 s instead of 1,277 and `make test` 1,755 s instead of
-# 1,656.
+# maxmemory (18 s, 5 CPU-s). Not the partitions module: its CPU is ~60 % of its time, and on the
+# waiting lane its runs compute beside both computing workers from the first minute. Two
+# fresh-clone runs with it there could not tell whether that pays (one ran beside other work, in
+# the other a full disk failed a test); it stays on a computing worker, where it was measured.
 WAITING = (
     "tests/services/test_weight_slow_link.py",
     "tests/services/test_learner_shutdown.py",
