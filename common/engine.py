@@ -346,8 +346,11 @@ class GenerationEngine:
         one_cpu_worker = current_platform.is_cpu() and s.tensor_parallel_size == 1
         if one_cpu_worker:  # no worker processes, no shared-memory queues to them: a quick stop
             self._stop_grace_s = CPU_STOP_GRACE_S
-        in_core = worker_in_engine_core(eager=s.enforce_eager)
-        with in_core if one_cpu_worker else contextlib.nullcontext():
+        with (
+            worker_in_engine_core(eager=s.enforce_eager)
+            if one_cpu_worker
+            else contextlib.nullcontext()
+        ):
             self._llm = AsyncLLM.from_engine_args(args)
         logger.info(
             "vLLM engine started in %.1f s (model=%s, dtype=%s, platform=%s)",

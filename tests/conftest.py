@@ -58,6 +58,14 @@ LIBRARY_CACHES = {  # variable -> directory under .cache/home
 }
 
 
+# vLLM names a socket file per engine connection (a UUID) in $VLLM_RPC_BASE_PATH, /tmp by
+# default, and a process that is SIGKILLed or stopped mid-connection leaves it behind: a
+# `make test` left ~150 in /tmp. Under a directory per pytest process they go when it ends.
+# (A short path under the system's temporary directory: a socket's path is limited to 107
+# bytes, and a clone's `.cache` may be deep.)
+IPC_DIR = "VLLM_RPC_BASE_PATH"
+_OWN_IPC_DIR = pytest.StashKey[str]()
+
 TIERS = ("unit", "services", "e2e")  # tests/<tier>/: also a marker (`pytest -m unit`)
 
 
@@ -82,15 +90,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     made = config.stash.get(_OWN_IPC_DIR, None)
     if made:
         shutil.rmtree(made, ignore_errors=True)
-
-
-# vLLM names a socket file per engine connection (a UUID) in $VLLM_RPC_BASE_PATH, /tmp by
-# default, and a process that is SIGKILLed or stopped mid-connection leaves it behind: a
-# `make test` left ~150 in /tmp. Under a directory per pytest process they go when it ends.
-# (A short path under the system's temporary directory: a socket's path is limited to 107
-# bytes, and a clone's `.cache` may be deep.)
-IPC_DIR = "VLLM_RPC_BASE_PATH"
-_OWN_IPC_DIR = pytest.StashKey[str]()
 
 
 def test_server_binary() -> str:

@@ -64,6 +64,13 @@ def test_scope(nodeid: str) -> str:
 test_scope.__test__ = False  # a helper, not a test
 
 
+def waiting_lane(workers: Iterable[str]) -> str | None:
+    """Which of ``workers`` (pytest-xdist ids, ``gw<n>``) is the waiting lane: the last of three
+    or more; None with fewer."""
+    ids = sorted(int(w[2:]) for w in workers if w.startswith("gw"))
+    return f"gw{ids[-1]}" if len(ids) >= 3 else None
+
+
 def pick_scope(queue: Iterable[str], *, waiting_lane: bool) -> str | None:
     """The scope a worker takes next from ``queue`` (in order): the waiting lane's worker only a
     ``WAITING`` module (None once there is none), another worker the first other scope, else a
@@ -86,9 +93,7 @@ else:
             return test_scope(nodeid)
 
         def _waiting_lane(self, node) -> bool:
-            """The last of three or more workers (by its id, ``gw<n>``)."""
-            ids = sorted(int(n.gateway.id[2:]) for n in self.nodes)
-            return len(ids) >= 3 and int(node.gateway.id[2:]) == ids[-1]
+            return node.gateway.id == waiting_lane(n.gateway.id for n in self.nodes)
 
         def _assign_work_unit(self, node) -> None:
             scope = pick_scope(self.workqueue, waiting_lane=self._waiting_lane(node))
@@ -174,7 +179,7 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     scopes = sorted(_SCOPE.items(), key=lambda kv: -kv[1][0])[:TOP_SCOPES]
     for (worker, scope), (seconds, cpu) in scopes:
         tr.write_line(f"  {seconds:7.0f} s  CPU {cpu:7.0f} s  {worker}  {scope}")
-    idle = mostly_waiting(_SCOPE, waiting_lane=_waiting_lane_id())
+    idle = mostly_waiting(_SCOPE, waiting_lane=waiting_lane(_BUSY))
     if idle:
         tr.write_line("mostly waiting on a computing worker (CPU under half the time; WAITING?):")
         for scope, seconds, cpu in idle:
@@ -194,9 +199,3 @@ def mostly_waiting(
         if worker != waiting_lane and scope not in WAITING and seconds >= 10 and cpu < seconds / 2
     ]
     return sorted(found, key=lambda x: x[2] - x[1])
-
-
-def _waiting_lane_id() -> str | None:
-    """The waiting lane's worker id (``gw<n>``, the last of three or more), None with fewer."""
-    ids = sorted(int(w[2:]) for w in _BUSY if w.startswith("gw"))
-    return f"gw{ids[-1]}" if len(ids) >= 3 else None

@@ -14,6 +14,7 @@ from tests.workers import (
     mostly_waiting,
     pick_scope,
     test_scope,
+    waiting_lane,
 )
 
 
@@ -54,6 +55,12 @@ def test_the_waiting_lane_takes_only_waiting_modules_and_the_others_take_them_la
     assert pick_scope([wait], waiting_lane=False) == wait  # nothing else left
     assert pick_scope([], waiting_lane=False) is None
     assert all((REPO / path).is_file() for path in WAITING)
+
+
+def test_the_waiting_lane_is_the_last_worker_of_at_least_three():
+    assert waiting_lane(["gw10", "gw2", "gw1", "gw0"]) == "gw10"  # by number, not by name
+    assert waiting_lane(["gw0", "gw1", "main"]) is None  # two workers: both compute
+    assert waiting_lane([]) is None
 
 
 def test_the_summary_names_the_scopes_that_mostly_wait_on_a_computing_worker():
