@@ -8,6 +8,7 @@ demo's arithmetic.
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
 import os
@@ -309,10 +310,15 @@ TOOLS_WARMUP_STEPS = 50
 
 
 def ci_assets(base: Path) -> Assets:
-    """The CI preset's tiny model, warmed up, and the arithmetic task, under ``base`` (a test
-    worker's base temporary directory, ``tmp_path.parent``): built once per worker and read by
-    every e2e run on it (the warm-up is deterministic; no run writes into these directories)."""
-    return prepare_assets(base / "e2e-assets-ci", preset="ci")
+    """The CI preset's tiny model, warmed up, and the arithmetic task, built once per test run
+    and read by every e2e run of every worker (the warm-up is deterministic; no run writes into
+    these directories). ``base``: a test worker's base temporary directory (``tmp_path.parent``);
+    under pytest-xdist the workers' ones are folders of one directory of the run's, where the
+    first worker to need the assets builds them (~18 s) while a lock holds the others."""
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(shared / "e2e-assets-ci.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return prepare_assets(shared / "e2e-assets-ci", preset="ci")
 
 
 def demo_assets_dir(base: Path) -> Path:
