@@ -36,10 +36,10 @@ from tests.paths import REPO  # noqa: E402
 
 # make test's two workers: what each runs (the scopes) and where their time went
 from tests.workers import (  # noqa: E402, F401 (hooks found by name)
+    SCHEDULER,
     pytest_runtest_logreport,
     pytest_runtest_makereport,
     pytest_terminal_summary,
-    pytest_xdist_make_scheduler,
 )
 
 TEST_CACHE = REPO / ".cache" / "tests"
@@ -78,7 +78,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Point the libraries' caches into the clone before any test module imports them, and
-    vLLM's IPC sockets into a directory of this process's own (``IPC_DIR``)."""
+    vLLM's IPC sockets into a directory of this process's own (``IPC_DIR``); and, while
+    pytest-xdist is active, its workers' scheduler (``tests.workers``)."""
+    if SCHEDULER is not None and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(SCHEDULER, "tether-scopes")
     for var, sub in LIBRARY_CACHES.items():
         os.environ[var] = str(REPO / ".cache" / "home" / sub)
     if IPC_DIR not in os.environ:

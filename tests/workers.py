@@ -85,7 +85,7 @@ def pick_scope(queue: Iterable[str], *, waiting_lane: bool) -> str | None:
 try:
     from xdist.scheduler import LoadFileScheduling
 except ImportError:  # without pytest-xdist the suite runs in one process
-    pytest_xdist_make_scheduler = None  # not a hook then: pluggy registers only functions
+    SCHEDULER: object | None = None
 else:
 
     class _Scopes(LoadFileScheduling):
@@ -119,18 +119,25 @@ else:
                 return
             super()._reschedule(node)
 
-    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
-        """``--dist loadfile`` with ``test_scope``'s scopes, handed out in collection order
-        (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by their
-        number of tests, which put the partitions module (2 tests, ~10 minutes) last: started
-        after ~27 minutes of a CI run, it could have run on alone for its whole length. In
-        collection order the e2e scope goes first, the partitions module second (to the other
-        worker), then tests/services and the quick tests/unit last, where they even out the
-        end."""
-        if config.getvalue("dist") != "loadfile":
-            return None
-        config.option.loadscopereorder = False
-        return _Scopes(config, log)
+    class _Scheduler:
+        """The plugin ``tests/conftest.py`` registers while pytest-xdist is active (a hook of
+        xdist's own: with ``-p no:xdist`` pytest would refuse it as unknown)."""
+
+        @staticmethod
+        def pytest_xdist_make_scheduler(config: pytest.Config, log) -> object | None:
+            """``--dist loadfile`` with ``test_scope``'s scopes, handed out in collection order
+            (other modes as pytest-xdist has them). pytest-xdist's default orders scopes by
+            their number of tests, which put the partitions module (2 tests, ~10 minutes) last:
+            started after ~27 minutes of a CI run, it could have run on alone for its whole
+            length. In collection order the e2e scope goes first, the partitions module second
+            (to the other worker), then tests/services and the quick tests/unit last, where
+            they even out the end."""
+            if config.getvalue("dist") != "loadfile":
+                return None
+            config.option.loadscopereorder = False
+            return _Scopes(config, log)
+
+    SCHEDULER = _Scheduler()
 
 
 _BUSY: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # worker -> [seconds, CPU-s]

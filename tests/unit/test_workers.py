@@ -87,3 +87,13 @@ def test_a_test_worker_computes_on_one_thread_unless_told_otherwise():
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return  # one process runs the suite: its threads are left as they are
     assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+
+
+def test_the_suite_runs_without_pytest_xdist():
+    """``-p no:xdist`` (one process, e.g. under a debugger): the scheduler's hook is xdist's own,
+    so conftest registers it only while xdist is active; pytest refused the suite before."""
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+           "tests/unit/test_workers.py", "-k", "share_one_scope"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
