@@ -17,6 +17,7 @@ from tests.paths import REPO
 pytestmark = pytest.mark.slow
 
 CYCLES, PROMPTS, RESPONSES = 4, 4, 4
+EVAL_PROMPTS = 32
 
 
 def tools_config(tmp_path, name: str, *, cycles: int, tools: str) -> object:
@@ -24,6 +25,11 @@ def tools_config(tmp_path, name: str, *, cycles: int, tools: str) -> object:
     it calls the calculator in the teacher's format; the demo's warm-up, until it copies, costs
     CI minutes), the one the reduced tools demo uses."""
     assets = tools_assets(tmp_path.parent)
+    # a held-out round before and after, on the first EVAL_PROMPTS of the task's 200: each is
+    # episodes too, and with the slow calculator 200 of them took ~50 s a round
+    held_out = tmp_path / "eval.jsonl"
+    rows = (assets.data_dir / "eval.jsonl").read_text().splitlines(keepends=True)
+    held_out.write_text("".join(rows[:EVAL_PROMPTS]))
     path = tmp_path / f"{name}.toml"
     path.write_text(f"""
 [run]
@@ -39,7 +45,7 @@ seed = 1
 
 [data]
 train_path = "{assets.data_dir / "train.jsonl"}"
-eval_path = "{assets.data_dir / "eval.jsonl"}"
+eval_path = "{held_out}"
 
 [generator]
 kv_cache_gib = 1
@@ -78,6 +84,11 @@ def test_a_generator_killed_mid_episode_redoes_it_and_nothing_counts_twice(redis
     assert books["episode_tool_calls"] == pytest.approx(per_step)
     assert books["episode_tool_calls"] > 0, "the warmed-up model calls the calculator"
     assert all(s["episode_turns_mean"] >= 1 for s in r.steps)
+    # the held-out rounds before and after, each of EVAL_PROMPTS episodes
+    assert [(e["eval_round"], e["n"]) for e in r.evals] == [
+        (0, EVAL_PROMPTS),
+        (CYCLES, EVAL_PROMPTS),
+    ]
     for name in ("tether_generator_tool_calls_total", "tether_generator_episodes_total",
                  "tether_generator_tool_seconds", "tether_generator_episode_turns"):  # fmt: skip
         assert name in r.metric_names, name
