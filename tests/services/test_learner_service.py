@@ -15,7 +15,7 @@ from common.config.load import load_config
 from common.data.datasets import load_prompts
 from common.protocol import wire
 from common.protocol.staleness import min_policy_version
-from common.protocol.streams import PROMPTS, SCORED
+from common.protocol.streams import LEARNER_CONSUMER, PROMPTS, SCORED
 from common.service import run_end
 from common.service.settings import bus_settings_for
 from common.telemetry.metrics import PhaseTimer
@@ -236,7 +236,8 @@ def test_a_run_asked_to_finish_early_trains_what_it_dispatched_and_stays_finishe
     the cycles it dispatched, and writes a record every service of the configuration stops on,
     naming the early end; a learner restarted there stays finished (no held-out round, nothing
     dispatched); a configuration with more cycles goes on and forgets the record. The verb on a
-    Redis that does not answer: exit 2 in seconds, naming it."""
+    Redis that does not answer: exit 2 in seconds, naming it; on a run whose learner is not
+    running, it says the request waits for the run to resume."""
     code, _, err = tether(["finish", "--name", "finish", "--redis-url", "redis://127.0.0.1:1/0"],
                           capsys)  # fmt: skip
     assert code == 2 and "redis://127.0.0.1:1/0 does not answer" in err, err
@@ -251,9 +252,14 @@ def test_a_run_asked_to_finish_early_trains_what_it_dispatched_and_stays_finishe
         assert 0 <= dispatched < 49 and io.end_cycle == 50 and not io.ended_early
         io.check_finish_request(1)  # nothing asked: nothing changes
         assert io.end_cycle == 50
-        code, out, _ = tether(["finish", "--name", "finish", "--redis-url", redis_server.url],
-                              capsys)  # fmt: skip
-        assert code == 0 and "asked run 'finish' to end early" in out, out
+        asked = ["finish", "--name", "finish", "--redis-url", redis_server.url]
+        code, out, _ = tether(asked, capsys)  # no learner has reported: the request waits
+        assert code == 0 and "asked run 'finish' to end early, but no learner" in out, out
+        assert "(it never reported)" in out and "--resume" in out, out
+        beat = {"service": "learner", "heartbeat": time.time()}  # a running learner's status
+        io.bus.write_status("learner", LEARNER_CONSUMER, json.dumps(beat))
+        code, out, _ = tether(asked, capsys)
+        assert code == 0 and "asked run 'finish' to end early: the learner dispatches" in out, out
         io.check_finish_request(1)
         assert io.ended_early and io.end_cycle == dispatched + 1
         io.dispatch(1000, first_cycle=1)  # any version: no cycle past the end is dispatched

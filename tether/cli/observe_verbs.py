@@ -111,17 +111,31 @@ def _bus_redrive(args: argparse.Namespace) -> int:
 
 
 def _finish(args: argparse.Namespace) -> int:
+    import time
+
+    from common.bus.redrive import ALIVE_S, learner_heartbeat
     from common.service import run_end
 
+    beat: dict[str, Any] = {}
     with _run_bus(args, "finish") as (cfg, bus):
         if bus is None:
             return 2
         ended = run_end.finished(bus, num_cycles=cfg.run.num_cycles)
         if ended is None:
             run_end.request_finish(bus)
+            beat = learner_heartbeat(bus)
     if ended is not None:
         print(f"tether finish: run {cfg.run.name!r} is finished already (policy version "
               f"{ended.get('version')})")  # fmt: skip
+        return 0
+    age = time.time() - float(beat.get("heartbeat", 0)) if beat else None
+    if age is None or age >= ALIVE_S:
+        when = "it never reported" if age is None else f"its last heartbeat was {age:.0f} s ago"
+        print(
+            f"tether finish: asked run {cfg.run.name!r} to end early, but no learner of it is "
+            f"running ({when}). The request stays in Redis: once the run resumes (`tether train "
+            "--resume`), the learner trains the cycles already dispatched and finishes"
+        )
         return 0
     print(
         f"tether finish: asked run {cfg.run.name!r} to end early: the learner dispatches no new "
