@@ -46,6 +46,13 @@ def learner_heartbeat(bus: Bus) -> dict[str, Any]:
         return {}
 
 
+def heartbeat_age(doc: dict[str, Any]) -> float | None:
+    """Seconds since a status document's heartbeat; None when it has none (never reported).
+    Younger than ``ALIVE_S``: the service runs."""
+    beat = doc.get("heartbeat")
+    return None if beat is None else time.time() - float(beat)
+
+
 def redrivable(fields: dict[Any, Any], *, learner_cycle: int | None) -> bool:
     """Whether a dead-letter entry can go back to its stream (see the module docstring)."""
     cycle = field_of(fields, "cycle")
@@ -73,8 +80,8 @@ def redrive(bus: Bus, *, reasons: set[str] | None = None, dry_run: bool = False)
     """Re-drive the re-drivable dead letters (of ``reasons``, or all). Returns counts by reason:
     ``redriven`` and ``kept`` (not re-drivable). ``RedriveRefused`` while the learner runs."""
     beat = learner_heartbeat(bus)
-    age = time.time() - float(beat.get("heartbeat", 0))
-    if beat and age < ALIVE_S and not dry_run:
+    age = heartbeat_age(beat)
+    if age is not None and age < ALIVE_S and not dry_run:
         raise RedriveRefused(
             f"the learner of run {bus.settings.run!r} is running (heartbeat {age:.0f} s ago): it "
             "has read the dead letters already and would not wait for re-driven entries. Stop the "

@@ -111,9 +111,7 @@ def _bus_redrive(args: argparse.Namespace) -> int:
 
 
 def _finish(args: argparse.Namespace) -> int:
-    import time
-
-    from common.bus.redrive import ALIVE_S, learner_heartbeat
+    from common.bus.redrive import ALIVE_S, heartbeat_age, learner_heartbeat
     from common.service import run_end
 
     beat: dict[str, Any] = {}
@@ -128,7 +126,7 @@ def _finish(args: argparse.Namespace) -> int:
         print(f"tether finish: run {cfg.run.name!r} is finished already (policy version "
               f"{ended.get('version')})")  # fmt: skip
         return 0
-    age = time.time() - float(beat.get("heartbeat", 0)) if beat else None
+    age = heartbeat_age(beat)
     if age is None or age >= ALIVE_S:
         when = "it never reported" if age is None else f"its last heartbeat was {age:.0f} s ago"
         print(
