@@ -303,9 +303,9 @@ def dead_letters(redis_url: str, name: str) -> list[tuple[str, str]]:
 # The tools demo's warm-up capped at this many steps a stage (`tether demo --warmup-steps`): 50
 # steps of the careful teacher, then 50 of the sloppy one (~45 s here). The model calls the
 # calculator in the teacher's format in 36-53 % of its episodes (one run, seed 0: 28, 23, 34 and
-# 29 of each step's 64), rarely with the right operands; with 100 + 100 steps it called it less
-# (19-36 %: the sloppy teacher guesses in ~70 % of its rows), with 25 + 25 in 12-25 %. The demo's
-# own warm-up runs until it copies them (up to 800 + 100 steps, ~5 minutes here): no test needs it
+# 29 of each step's 64), rarely with the right operands; after 100 + 100 steps in 19-36 % (one
+# run), after 25 + 25 in 12-25 % (and the reduced tools demo failed). The demo's own warm-up runs
+# until it copies them (up to 800 + 100 steps, ~5 minutes here): no test needs it
 TOOLS_WARMUP_STEPS = 50
 
 
